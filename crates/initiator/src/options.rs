@@ -1,0 +1,65 @@
+//! Session options.
+
+use std::time::Duration;
+
+/// How queued requests leave for the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MergeMode {
+    /// Every request is its own frame and its own write (the paper's BRP-2).
+    Off,
+    /// A request leaves at once when the connection's sender is idle; while a
+    /// send is in flight, small requests queue and leave together as one
+    /// BATCH. No timer: merging never adds latency (BRP-3).
+    #[default]
+    Adaptive,
+    /// Every send is a BATCH, and the sender lingers a few scheduler turns to
+    /// gather more before sending (BRP-3T): more merging, more latency at low load.
+    Always,
+}
+
+impl std::str::FromStr for MergeMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(MergeMode::Off),
+            "adaptive" => Ok(MergeMode::Adaptive),
+            "always" => Ok(MergeMode::Always),
+            _ => Err(format!("merge mode {s:?}: expected off, adaptive or always")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Connections in the session (queue pairs), spread with least-loaded balancing.
+    pub connections: usize,
+    pub merge: MergeMode,
+    /// Shared secret, when the target requires authentication. With a secret
+    /// set, a target that does not prove it knows it is refused too.
+    pub secret: Option<Vec<u8>>,
+    /// Ask for CRC32C digests of headers and data.
+    pub digests: bool,
+    pub connect_timeout: Duration,
+    /// How long a request waits for a lost connection to come back before it
+    /// fails with a retryable error; zero disables reconnection.
+    pub reconnect_timeout: Duration,
+    /// Largest request that may be merged into a BATCH.
+    pub merge_max_request: u32,
+    /// Largest BATCH body.
+    pub merge_max_bytes: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            connections: 2,
+            merge: MergeMode::Adaptive,
+            secret: None,
+            digests: false,
+            connect_timeout: Duration::from_secs(10),
+            reconnect_timeout: Duration::from_secs(30),
+            merge_max_request: 128 * 1024,
+            merge_max_bytes: 4 << 20,
+        }
+    }
+}
