@@ -16,13 +16,18 @@ pub fn verify(bytes: &[u8], trailer: &[u8]) -> bool {
 
 /// CRC32C of several pieces as if they were one (for a BATCH body sent as parts).
 pub fn crc_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    parts.into_iter().fold(0, |c, p| crc32c::crc32c_append(c, p))
+    parts
+        .into_iter()
+        .fold(0, |c, p| crc32c::crc32c_append(c, p))
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn parts_equal_whole() {
-        assert_eq!(super::crc_parts([&b"hello "[..], b"world"]), super::crc(b"hello world"));
+        assert_eq!(
+            super::crc_parts([&b"hello "[..], b"world"]),
+            super::crc(b"hello world")
+        );
     }
 }

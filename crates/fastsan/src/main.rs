@@ -1,1 +1,98 @@
-fn main() {}
+//! `fastsan`: the command line. Each subcommand lives in its own module and
+//! only parses arguments and calls the `target` or `initiator` crates: no
+//! protocol or storage logic lives here.
+
+mod cp;
+mod ls;
+mod serve;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// fastsan: a fast network block-storage system (a SAN in user space).
+///
+/// Serve volumes (RAM, files, block devices) over the BRP protocol, and use
+/// them from the command line.
+#[derive(Parser)]
+#[command(version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    Serve(serve::Args),
+    Ls(ls::Args),
+    Cp(cp::Args),
+}
+
+/// Options every client subcommand shares.
+#[derive(clap::Args, Clone)]
+pub struct ClientArgs {
+    /// File holding the shared secret, when the target requires authentication.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Connections per session.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub connections: usize,
+    /// Temporal merge: off, adaptive or always.
+    #[arg(long, default_value = "adaptive", value_name = "MODE")]
+    pub merge: initiator::MergeMode,
+    /// Ask for CRC32C digests of headers and data.
+    #[arg(long)]
+    pub digests: bool,
+}
+
+impl ClientArgs {
+    pub fn options(&self) -> anyhow::Result<initiator::Options> {
+        let secret = match &self.secret_file {
+            Some(p) => Some(target::config::read_secret(p)?),
+            None => None,
+        };
+        Ok(initiator::Options {
+            connections: self.connections,
+            merge: self.merge,
+            secret,
+            digests: self.digests,
+            ..Default::default()
+        })
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let r = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Serve(a) => serve::run(a).await,
+            Cmd::Ls(a) => ls::run(a).await,
+            Cmd::Cp(a) => cp::run(a).await,
+        }
+    });
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fastsan: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The target logs what it does; client commands stay quiet unless warned.
+fn default_log(cmd: &Cmd) -> &'static str {
+    match cmd {
+        Cmd::Serve(_) => "info",
+        _ => "warn",
+    }
+}

@@ -118,7 +118,8 @@ impl Conn {
             }
         };
         let sender = {
-            let (die, dead, inflight, stats) = (die.clone(), dead.clone(), inflight.clone(), stats.clone());
+            let (die, dead, inflight, stats) =
+                (die.clone(), dead.clone(), inflight.clone(), stats.clone());
             async move {
                 let r = tokio::select! {
                     r = send_loop(wr, rx, &inflight, digests, limits, &stats) => r,
@@ -216,11 +217,14 @@ async fn send_loop(
             let sub_at = heads.len();
             heads.extend_from_slice(&subs);
             if digests {
-                let parts = std::iter::once(&heads[sub_at..]).chain(group.iter().map(|(_, p)| &p[..]));
+                let parts =
+                    std::iter::once(&heads[sub_at..]).chain(group.iter().map(|(_, p)| &p[..]));
                 trailer = digest::crc_parts(parts).to_le_bytes();
             }
             stats.batches.fetch_add(1, Relaxed);
-            stats.batched_requests.fetch_add(group.len() as u64, Relaxed);
+            stats
+                .batched_requests
+                .fetch_add(group.len() as u64, Relaxed);
         } else {
             encode_header(&group[0].0, digests, &mut heads);
             if digests && !group[0].1.is_empty() {
@@ -230,7 +234,12 @@ async fn send_loop(
         let has_payload = as_batch || !group[0].1.is_empty();
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() + 2);
         slices.push(IoSlice::new(&heads));
-        slices.extend(group.iter().filter(|(_, p)| !p.is_empty()).map(|(_, p)| IoSlice::new(p)));
+        slices.extend(
+            group
+                .iter()
+                .filter(|(_, p)| !p.is_empty())
+                .map(|(_, p)| IoSlice::new(p)),
+        );
         if digests && has_payload {
             slices.push(IoSlice::new(&trailer));
         }
@@ -247,7 +256,12 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
-async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight, digests: bool) -> Error {
+async fn recv_loop(
+    mut rd: OwnedReadHalf,
+    mut buf: BytesMut,
+    inflight: &Inflight,
+    digests: bool,
+) -> Error {
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -271,7 +285,10 @@ async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight
             };
             let _ = p.done.send(result);
         }
-        let need = match buf.first_chunk::<REPLY_HEADER_LEN>().map(ReplyHeader::decode) {
+        let need = match buf
+            .first_chunk::<REPLY_HEADER_LEN>()
+            .map(ReplyHeader::decode)
+        {
             Some(Ok(h)) => ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN,
             _ => 0,
         };
@@ -284,7 +301,10 @@ async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight
     }
 }
 
-async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
     while !bufs.is_empty() {
         let n = w.write_vectored(bufs).await?;
         if n == 0 {

@@ -21,16 +21,34 @@ impl Handshake {
         let connect = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr));
         let stream = match connect.await {
             Err(_) => return Err(Error::Timeout("connect")),
-            Ok(Err(source)) => return Err(Error::Connect { addr: addr.to_owned(), source }),
+            Ok(Err(source)) => {
+                return Err(Error::Connect {
+                    addr: addr.to_owned(),
+                    source,
+                })
+            }
             Ok(Ok(s)) => s,
         };
         stream.set_nodelay(true)?;
-        let mut hs = Handshake { stream, buf: BytesMut::with_capacity(4096), digests: false };
+        let mut hs = Handshake {
+            stream,
+            buf: BytesMut::with_capacity(4096),
+            digests: false,
+        };
         let features = if opts.digests { brp::FEATURE_DIGEST } else { 0 };
-        let hello = Message::Hello { min_version: brp::VERSION, max_version: brp::VERSION, features };
+        let hello = Message::Hello {
+            min_version: brp::VERSION,
+            max_version: brp::VERSION,
+            features,
+        };
         let reply = tokio::time::timeout(opts.connect_timeout, hs.ask(&hello)).await;
         let (auth, challenge, features) = match reply.map_err(|_| Error::Timeout("handshake"))?? {
-            Message::HelloReply { version: _, auth, features, challenge } => (auth, challenge, features),
+            Message::HelloReply {
+                version: _,
+                auth,
+                features,
+                challenge,
+            } => (auth, challenge, features),
             other => return Err(unexpected(other)),
         };
         hs.digests = features & brp::FEATURE_DIGEST != 0;
@@ -42,13 +60,24 @@ impl Handshake {
                 let mut nonce = [0u8; 32];
                 rand::thread_rng().fill_bytes(&mut nonce);
                 let proof = brp::auth::client_proof(secret, &challenge, &nonce);
-                match hs.ask(&Message::Auth { client_nonce: nonce, proof }).await? {
-                    Message::AuthOk { proof } if brp::auth::verify_server(secret, &challenge, &nonce, &proof) => {}
+                match hs
+                    .ask(&Message::Auth {
+                        client_nonce: nonce,
+                        proof,
+                    })
+                    .await?
+                {
+                    Message::AuthOk { proof }
+                        if brp::auth::verify_server(secret, &challenge, &nonce, &proof) => {}
                     Message::AuthOk { .. } => return Err(Error::TargetNotAuthenticated),
                     other => return Err(unexpected(other)),
                 }
             }
-            (other, _) => return Err(Error::Unexpected(format!("unknown authentication method {other}"))),
+            (other, _) => {
+                return Err(Error::Unexpected(format!(
+                    "unknown authentication method {other}"
+                )))
+            }
         }
         Ok(hs)
     }
@@ -61,7 +90,13 @@ impl Handshake {
     }
 
     pub async fn open(&mut self, name: &str, session: u64) -> Result<OpenInfo, Error> {
-        match self.ask(&Message::Open { session, name: name.to_owned() }).await? {
+        match self
+            .ask(&Message::Open {
+                session,
+                name: name.to_owned(),
+            })
+            .await?
+        {
             Message::OpenReply(info) => Ok(info),
             other => Err(unexpected(other)),
         }

@@ -33,7 +33,8 @@ pub mod session;
 pub mod url;
 
 pub use blocking::BlockingVolume;
-pub use brp::{OpenInfo, VolumeInfo};
+pub use brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
+pub use brp::{OpenInfo, Status, VolumeInfo};
 pub use error::Error;
 pub use options::{MergeMode, Options};
 pub use session::{list, InitiatorStats, Volume};

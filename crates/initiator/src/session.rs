@@ -81,7 +81,15 @@ impl Volume {
             let first = start_conn(weak, 0, hs, &info, &opts, &stats);
             let mut slots = vec![RwLock::new(Some(Arc::new(first)))];
             slots.extend((1..opts.connections).map(|_| RwLock::new(None)));
-            Shared { url, opts, info, slots, next_tag: AtomicU64::new(1), stats, changed: Notify::new() }
+            Shared {
+                url,
+                opts,
+                info,
+                slots,
+                next_tag: AtomicU64::new(1),
+                stats,
+                changed: Notify::new(),
+            }
         });
         for i in 1..shared.opts.connections {
             let conn = open_conn(&shared, i).await?;
@@ -123,10 +131,9 @@ impl Volume {
             let h = RequestHeader::new(Command::Read, 0, 0, offset, to_u32(len)?);
             return Ok(self.call(h, Bytes::new()).await?.unwrap_or_default());
         }
-        let parts = futures::future::try_join_all(
-            chunks(offset, len, max).map(|(o, n)| self.read(o, n)),
-        )
-        .await?;
+        let parts =
+            futures::future::try_join_all(chunks(offset, len, max).map(|(o, n)| self.read(o, n)))
+                .await?;
         let mut out = BytesMut::with_capacity(len as usize);
         for p in parts {
             out.extend_from_slice(&p);
@@ -138,7 +145,11 @@ impl Volume {
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         let data = self.read(offset, buf.len() as u64).await?;
         if data.len() != buf.len() {
-            return Err(Error::Unexpected(format!("read of {} bytes returned {}", buf.len(), data.len())));
+            return Err(Error::Unexpected(format!(
+                "read of {} bytes returned {}",
+                buf.len(),
+                data.len()
+            )));
         }
         buf.copy_from_slice(&data);
         Ok(())
@@ -146,7 +157,8 @@ impl Volume {
 
     /// Writes `data` at `offset`; with `fua` it is durable when this returns.
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
-        self.write_bytes(Bytes::copy_from_slice(data), offset, fua).await
+        self.write_bytes(Bytes::copy_from_slice(data), offset, fua)
+            .await
     }
 
     /// As [`Volume::write_at`], without copying the data.
@@ -154,7 +166,8 @@ impl Volume {
         let max = self.shared.info.max_transfer as u64;
         let flags = if fua { FLAG_FUA } else { 0 };
         if data.len() as u64 <= max {
-            let h = RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
+            let h =
+                RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
             return self.call(h, data).await.map(drop);
         }
         futures::future::try_join_all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
@@ -167,7 +180,9 @@ impl Volume {
 
     /// Makes every write completed before this call durable.
     pub async fn flush(&self) -> Result<(), Error> {
-        self.call(RequestHeader::new(Command::Flush, 0, 0, 0, 0), Bytes::new()).await.map(drop)
+        self.call(RequestHeader::new(Command::Flush, 0, 0, 0, 0), Bytes::new())
+            .await
+            .map(drop)
     }
 
     /// Tells the target the range is no longer needed; it reads as zeros after.
@@ -177,7 +192,13 @@ impl Volume {
 
     /// Makes the range read as zeros.
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-        self.ranged(Command::WriteZeroes, if fua { FLAG_FUA } else { 0 }, offset, len).await
+        self.ranged(
+            Command::WriteZeroes,
+            if fua { FLAG_FUA } else { 0 },
+            offset,
+            len,
+        )
+        .await
     }
 
     async fn ranged(&self, cmd: Command, flags: u8, offset: u64, len: u64) -> Result<(), Error> {
@@ -197,7 +218,14 @@ impl Volume {
         h.tag = self.shared.next_tag.fetch_add(1, Relaxed);
         let (done, reply) = oneshot::channel();
         self.shared.stats.requests.fetch_add(1, Relaxed);
-        let s = Submit { header: h, payload, pending: Pending { done, _credit: credit } };
+        let s = Submit {
+            header: h,
+            payload,
+            pending: Pending {
+                done,
+                _credit: credit,
+            },
+        };
         if conn.submit(s).is_err() {
             return Err(Error::ConnectionLost);
         }
@@ -245,7 +273,14 @@ fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> {
     })
 }
 
-fn start_conn(shared: &Weak<Shared>, slot: usize, hs: Handshake, info: &OpenInfo, opts: &Options, stats: &Arc<Stats>) -> Conn {
+fn start_conn(
+    shared: &Weak<Shared>,
+    slot: usize,
+    hs: Handshake,
+    info: &OpenInfo,
+    opts: &Options,
+    stats: &Arc<Stats>,
+) -> Conn {
     let limits = Limits {
         mode: opts.merge,
         max_batch: info.max_batch.max(1) as usize,
@@ -261,7 +296,16 @@ fn start_conn(shared: &Weak<Shared>, slot: usize, hs: Handshake, info: &OpenInfo
             }
         }
     });
-    Conn::start(rd, wr, hs.buf, info.queue_depth, hs.digests, limits, stats.clone(), on_dead)
+    Conn::start(
+        rd,
+        wr,
+        hs.buf,
+        info.queue_depth,
+        hs.digests,
+        limits,
+        stats.clone(),
+        on_dead,
+    )
 }
 
 async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
@@ -273,7 +317,14 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
             sh.info.size, info.size, sh.info.block_size, info.block_size
         )));
     }
-    Ok(start_conn(&Arc::downgrade(sh), slot, hs, &info, &sh.opts, &sh.stats))
+    Ok(start_conn(
+        &Arc::downgrade(sh),
+        slot,
+        hs,
+        &info,
+        &sh.opts,
+        &sh.stats,
+    ))
 }
 
 /// Re-opens connection `slot` until it works or the volume is dropped.

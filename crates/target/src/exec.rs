@@ -70,7 +70,10 @@ impl IoPool {
                     .expect("spawn an I/O thread")
             })
             .collect();
-        IoPool { tx: Some(tx), threads }
+        IoPool {
+            tx: Some(tx),
+            threads,
+        }
     }
 
     pub fn submit(&self, job: impl FnOnce() + Send + 'static) {

@@ -22,9 +22,15 @@ pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("volume {name}: {source}")]
-    Volume { name: String, source: std::io::Error },
+    Volume {
+        name: String,
+        source: std::io::Error,
+    },
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 /// A session: the connections an initiator opened to one volume under one id.
@@ -81,15 +87,19 @@ impl Server {
         let mut volumes = HashMap::new();
         let mut order = Vec::new();
         for spec in &config.volumes {
-            let v = Volume::open(spec, config.max_transfer)
-                .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
+            let v =
+                Volume::open(spec, config.max_transfer).map_err(|source| ServerError::Volume {
+                    name: spec.name.clone(),
+                    source,
+                })?;
             info!(volume = %v.name, read_only = v.read_only, "volume ready: {}", v.backend.describe());
             order.push(v.name.clone());
             volumes.insert(v.name.clone(), Arc::new(v));
         }
         let addr = config.brp;
-        let listener =
-            TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServerError::Bind { addr, source })?;
         let ctx = Arc::new(Ctx {
             pool: IoPool::new(config.io_threads),
             config,
@@ -103,11 +113,15 @@ impl Server {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("a bound listener has an address")
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
     }
 
     pub fn handle(&self) -> ServerHandle {
-        ServerHandle { ctx: self.ctx.clone() }
+        ServerHandle {
+            ctx: self.ctx.clone(),
+        }
     }
 
     /// Serves until shutdown is requested, then drains and flushes.
@@ -143,9 +157,18 @@ impl Server {
         }
         drop(self.listener);
         tracker.close();
-        info!(connections = tracker.len(), "shutting down: no new connections; finishing in-flight requests");
-        if tokio::time::timeout(ctx.config.drain_timeout, tracker.wait()).await.is_err() {
-            warn!("some connections did not finish within {:?}", ctx.config.drain_timeout);
+        info!(
+            connections = tracker.len(),
+            "shutting down: no new connections; finishing in-flight requests"
+        );
+        if tokio::time::timeout(ctx.config.drain_timeout, tracker.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                "some connections did not finish within {:?}",
+                ctx.config.drain_timeout
+            );
         }
         for name in &ctx.order {
             let v = &ctx.volumes[name];
@@ -155,8 +178,14 @@ impl Server {
             }
         }
         let s = ctx.stats.snapshot();
-        info!(requests = s.requests, batches = s.batches, bytes_read = s.bytes_read,
-              bytes_written = s.bytes_written, errors = s.errors, "stopped");
+        info!(
+            requests = s.requests,
+            batches = s.batches,
+            bytes_read = s.bytes_read,
+            bytes_written = s.bytes_written,
+            errors = s.errors,
+            "stopped"
+        );
         Ok(())
     }
 }

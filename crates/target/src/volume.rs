@@ -35,15 +35,32 @@ impl Volume {
                 Arc::new(f)
             }
         };
-        Ok(Volume::new(spec.name.clone(), backend, spec.read_only, max_transfer))
+        Ok(Volume::new(
+            spec.name.clone(),
+            backend,
+            spec.read_only,
+            max_transfer,
+        ))
     }
 
-    pub fn new(name: String, backend: Arc<dyn Backend>, read_only: bool, max_transfer: u32) -> Self {
+    pub fn new(
+        name: String,
+        backend: Arc<dyn Backend>,
+        read_only: bool,
+        max_transfer: u32,
+    ) -> Self {
         let block_size = backend.block_size();
         // Round the usable size down to whole blocks.
         let size = backend.size() / block_size as u64 * block_size as u64;
         let max_transfer = max_transfer / block_size * block_size;
-        Volume { name, backend, read_only, size, block_size, max_transfer }
+        Volume {
+            name,
+            backend,
+            read_only,
+            size,
+            block_size,
+            max_transfer,
+        }
     }
 
     pub fn flags(&self) -> u32 {
@@ -80,7 +97,10 @@ impl Volume {
         match h.command {
             Command::Read => {
                 self.check_range(h, self.max_transfer)?;
-                Ok(Op::Read { offset: h.offset, len: h.length })
+                Ok(Op::Read {
+                    offset: h.offset,
+                    len: h.length,
+                })
             }
             Command::Write => {
                 self.check_writable()?;
@@ -88,18 +108,29 @@ impl Volume {
                     return Err(Status::INVALID);
                 }
                 self.check_range(h, self.max_transfer)?;
-                Ok(Op::Write { offset: h.offset, data: payload, fua })
+                Ok(Op::Write {
+                    offset: h.offset,
+                    data: payload,
+                    fua,
+                })
             }
             Command::Flush => Ok(Op::Flush),
             Command::Trim => {
                 self.check_writable()?;
                 self.check_range(h, u32::MAX)?;
-                Ok(Op::Trim { offset: h.offset, len: h.length as u64 })
+                Ok(Op::Trim {
+                    offset: h.offset,
+                    len: h.length as u64,
+                })
             }
             Command::WriteZeroes => {
                 self.check_writable()?;
                 self.check_range(h, u32::MAX)?;
-                Ok(Op::WriteZeroes { offset: h.offset, len: h.length as u64, fua })
+                Ok(Op::WriteZeroes {
+                    offset: h.offset,
+                    len: h.length as u64,
+                    fua,
+                })
             }
             Command::Batch => Err(Status::INVALID),
             Command::Unknown(_) => Err(Status::UNSUPPORTED),
@@ -136,7 +167,11 @@ impl Volume {
 fn check_memory(size: u64) -> io::Result<()> {
     let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()
+            .map(|kib| kib * 1024)
     });
     match total {
         Some(ram) if size > ram => Err(io::Error::new(
@@ -153,7 +188,12 @@ mod tests {
     use brp::request::FLAG_FUA;
 
     fn vol(read_only: bool) -> Volume {
-        Volume::new("v".into(), Arc::new(MemoryBackend::new(1 << 20)), read_only, 65536)
+        Volume::new(
+            "v".into(),
+            Arc::new(MemoryBackend::new(1 << 20)),
+            read_only,
+            65536,
+        )
     }
 
     fn check(v: &Volume, cmd: Command, flags: u8, offset: u64, length: u32) -> Result<Op, Status> {
@@ -169,19 +209,52 @@ mod tests {
         let v = vol(false);
         assert!(check(&v, Command::Read, 0, 0, 4096).is_ok());
         assert!(check(&v, Command::Write, FLAG_FUA, 512, 512).is_ok());
-        assert_eq!(check(&v, Command::Read, 0x80, 0, 512).err(), Some(Status::INVALID));
-        assert_eq!(check(&v, Command::Read, 0, 0, 0).err(), Some(Status::INVALID));
-        assert_eq!(check(&v, Command::Read, 0, 1, 512).err(), Some(Status::MISALIGNED));
-        assert_eq!(check(&v, Command::Read, 0, 0, 100).err(), Some(Status::MISALIGNED));
-        assert_eq!(check(&v, Command::Read, 0, 1 << 20, 512).err(), Some(Status::OUT_OF_RANGE));
-        assert_eq!(check(&v, Command::Read, 0, u64::MAX - 511, 512).err(), Some(Status::OUT_OF_RANGE));
-        assert_eq!(check(&v, Command::Read, 0, 0, 1 << 17).err(), Some(Status::TOO_LARGE));
-        assert!(check(&v, Command::Trim, 0, 0, 1 << 20).is_ok(), "trim is not bound by max transfer");
-        assert_eq!(check(&v, Command::Unknown(99), 0, 0, 512).err(), Some(Status::UNSUPPORTED));
-        assert_eq!(check(&v, Command::Batch, 0, 0, 512).err(), Some(Status::INVALID));
+        assert_eq!(
+            check(&v, Command::Read, 0x80, 0, 512).err(),
+            Some(Status::INVALID)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, 0, 0).err(),
+            Some(Status::INVALID)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, 1, 512).err(),
+            Some(Status::MISALIGNED)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, 0, 100).err(),
+            Some(Status::MISALIGNED)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, 1 << 20, 512).err(),
+            Some(Status::OUT_OF_RANGE)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, u64::MAX - 511, 512).err(),
+            Some(Status::OUT_OF_RANGE)
+        );
+        assert_eq!(
+            check(&v, Command::Read, 0, 0, 1 << 17).err(),
+            Some(Status::TOO_LARGE)
+        );
+        assert!(
+            check(&v, Command::Trim, 0, 0, 1 << 20).is_ok(),
+            "trim is not bound by max transfer"
+        );
+        assert_eq!(
+            check(&v, Command::Unknown(99), 0, 0, 512).err(),
+            Some(Status::UNSUPPORTED)
+        );
+        assert_eq!(
+            check(&v, Command::Batch, 0, 0, 512).err(),
+            Some(Status::INVALID)
+        );
         let mut h = RequestHeader::new(Command::Write, 0, 1, 0, 1024);
         h.payload_len = 512;
-        assert_eq!(v.validate(&h, Bytes::from(vec![0; 512])).err(), Some(Status::INVALID));
+        assert_eq!(
+            v.validate(&h, Bytes::from(vec![0; 512])).err(),
+            Some(Status::INVALID)
+        );
     }
 
     #[test]
@@ -190,7 +263,11 @@ mod tests {
         assert!(check(&v, Command::Read, 0, 0, 512).is_ok());
         assert!(check(&v, Command::Flush, 0, 0, 0).is_ok());
         for c in [Command::Write, Command::Trim, Command::WriteZeroes] {
-            assert_eq!(check(&v, c, 0, 0, 512).err(), Some(Status::READ_ONLY), "{c:?}");
+            assert_eq!(
+                check(&v, c, 0, 0, 512).err(),
+                Some(Status::READ_ONLY),
+                "{c:?}"
+            );
         }
     }
 

@@ -42,7 +42,13 @@ impl FileBackend {
             ));
         }
         let size = file.seek(SeekFrom::End(0))?;
-        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device })
+        Ok(FileBackend {
+            file,
+            path: path.to_owned(),
+            size,
+            direct,
+            block_device,
+        })
     }
 
     fn fd(&self) -> libc::c_int {
@@ -76,7 +82,8 @@ impl FileBackend {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(ZERO_PIECE) as usize;
-            self.file.write_all_at(&zeros.as_slice()[..n], offset + done)?;
+            self.file
+                .write_all_at(&zeros.as_slice()[..n], offset + done)?;
             done += n as u64;
         }
         Ok(())
@@ -84,7 +91,10 @@ impl FileBackend {
 }
 
 fn unsupported(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL)
+    )
 }
 
 impl Backend for FileBackend {
@@ -128,7 +138,11 @@ impl Backend for FileBackend {
         let r = if self.block_device {
             self.blk_ioctl(BLKDISCARD, offset, len)
         } else {
-            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+            self.fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            )
         };
         match r {
             // Trim is advisory: a device that cannot discard keeps its data.
@@ -140,7 +154,11 @@ impl Backend for FileBackend {
         let r = if self.block_device {
             self.blk_ioctl(BLKZEROOUT, offset, len)
         } else {
-            self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+            self.fallocate(
+                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            )
         };
         match r {
             Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len)?,
@@ -160,7 +178,11 @@ impl Backend for FileBackend {
     fn describe(&self) -> String {
         format!(
             "{} {}, {} bytes{}",
-            if self.block_device { "block device" } else { "file" },
+            if self.block_device {
+                "block device"
+            } else {
+                "file"
+            },
             self.path.display(),
             self.size,
             if self.direct { ", O_DIRECT" } else { "" }

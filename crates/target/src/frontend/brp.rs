@@ -45,15 +45,25 @@ const READ_CHUNK: usize = 256 * 1024;
 /// Tells a client over the connection cap that the target is busy.
 pub async fn refuse_busy(mut stream: TcpStream, peer: SocketAddr) {
     warn!(%peer, "connection refused: too many connections");
-    let msg = Message::Error { status: Status::BUSY, message: "too many connections".into() };
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), stream.write_all(&msg.to_vec())).await;
+    let msg = Message::Error {
+        status: Status::BUSY,
+        message: "too many connections".into(),
+    };
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        stream.write_all(&msg.to_vec()),
+    )
+    .await;
 }
 
 /// Serves one connection until the peer leaves, breaks the protocol, or the
 /// server shuts down.
 pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let hs = tokio::time::timeout(ctx.config.handshake_timeout, handshake(&mut stream, &mut buf, &ctx));
+    let hs = tokio::time::timeout(
+        ctx.config.handshake_timeout,
+        handshake(&mut stream, &mut buf, &ctx),
+    );
     let opened = match hs.await {
         Err(_) => {
             info!(%peer, "handshake timed out; closing");
@@ -76,12 +86,20 @@ pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
         }
         Ok(Ok(o)) => o,
     };
-    let Opened { volume, session, digests } = opened;
+    let Opened {
+        volume,
+        session,
+        digests,
+    } = opened;
     info!(%peer, volume = %volume.name, session = format_args!("{session:016x}"), digests, "connection open");
 
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
-    let queue_depth = if ctx.config.serial { 1 } else { ctx.config.queue_depth as usize };
+    let queue_depth = if ctx.config.serial {
+        1
+    } else {
+        ctx.config.queue_depth as usize
+    };
     let conn = Connection {
         volume,
         ctx: ctx.clone(),
@@ -155,7 +173,10 @@ async fn send(stream: &mut TcpStream, m: &Message) -> io::Result<()> {
 }
 
 async fn refuse(stream: &mut TcpStream, status: Status, why: String) -> HandshakeEnd {
-    let m = Message::Error { status, message: why.clone() };
+    let m = Message::Error {
+        status,
+        message: why.clone(),
+    };
     if let Err(e) = send(stream, &m).await {
         return HandshakeEnd::Io(e);
     }
@@ -164,35 +185,79 @@ async fn refuse(stream: &mut TcpStream, status: Status, why: String) -> Handshak
 
 /// HELLO, then AUTH when the target has a secret, then any number of LIST
 /// and OPEN until one OPEN succeeds.
-async fn handshake(stream: &mut TcpStream, buf: &mut BytesMut, ctx: &Ctx) -> Result<Opened, HandshakeEnd> {
+async fn handshake(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    ctx: &Ctx,
+) -> Result<Opened, HandshakeEnd> {
     let features = match read_message(stream, buf).await? {
-        Message::Hello { min_version, max_version, features } => {
+        Message::Hello {
+            min_version,
+            max_version,
+            features,
+        } => {
             if !(min_version..=max_version).contains(&brp::VERSION) {
-                let why = format!("client speaks versions {min_version}..={max_version}, target speaks {}", brp::VERSION);
+                let why = format!(
+                    "client speaks versions {min_version}..={max_version}, target speaks {}",
+                    brp::VERSION
+                );
                 return Err(refuse(stream, Status::BAD_VERSION, why).await);
             }
             features & brp::FEATURES_KNOWN
         }
-        other => return Err(refuse(stream, Status::UNEXPECTED, format!("expected HELLO, got {other:?}")).await),
+        other => {
+            return Err(refuse(
+                stream,
+                Status::UNEXPECTED,
+                format!("expected HELLO, got {other:?}"),
+            )
+            .await)
+        }
     };
     let mut challenge = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut challenge);
-    let auth = if ctx.config.secret.is_some() { AUTH_HMAC_SHA256 } else { AUTH_NONE };
-    send(stream, &Message::HelloReply { version: brp::VERSION, auth, features, challenge }).await?;
+    let auth = if ctx.config.secret.is_some() {
+        AUTH_HMAC_SHA256
+    } else {
+        AUTH_NONE
+    };
+    send(
+        stream,
+        &Message::HelloReply {
+            version: brp::VERSION,
+            auth,
+            features,
+            challenge,
+        },
+    )
+    .await?;
 
     if let Some(secret) = &ctx.config.secret {
         match read_message(stream, buf).await? {
-            Message::Auth { client_nonce, proof } => {
+            Message::Auth {
+                client_nonce,
+                proof,
+            } => {
                 if !brp::auth::verify_client(secret, &challenge, &client_nonce, &proof) {
                     Stats::add(&ctx.stats.auth_failures, 1);
-                    return Err(refuse(stream, Status::AUTH_FAILED, "authentication failed".into()).await);
+                    return Err(refuse(
+                        stream,
+                        Status::AUTH_FAILED,
+                        "authentication failed".into(),
+                    )
+                    .await);
                 }
                 let proof = brp::auth::server_proof(secret, &challenge, &client_nonce);
                 send(stream, &Message::AuthOk { proof }).await?;
             }
             _ => {
                 Stats::add(&ctx.stats.auth_failures, 1);
-                return Err(refuse(stream, Status::AUTH_REQUIRED, "this target requires authentication".into()).await);
+                return Err(refuse(
+                    stream,
+                    Status::AUTH_REQUIRED,
+                    "this target requires authentication".into(),
+                )
+                .await);
             }
         }
     }
@@ -205,14 +270,24 @@ async fn handshake(stream: &mut TcpStream, buf: &mut BytesMut, ctx: &Ctx) -> Res
             }
             Message::Open { session, name } => {
                 let Some(volume) = ctx.volumes.get(&name) else {
-                    let m = Message::Error { status: Status::NO_SUCH_VOLUME, message: format!("no volume named {name:?}") };
+                    let m = Message::Error {
+                        status: Status::NO_SUCH_VOLUME,
+                        message: format!("no volume named {name:?}"),
+                    };
                     send(stream, &m).await?;
                     continue;
                 };
                 let session = match join_session(ctx, session, &name) {
                     Ok(s) => s,
                     Err(why) => {
-                        send(stream, &Message::Error { status: Status::UNEXPECTED, message: why }).await?;
+                        send(
+                            stream,
+                            &Message::Error {
+                                status: Status::UNEXPECTED,
+                                message: why,
+                            },
+                        )
+                        .await?;
                         continue;
                     }
                 };
@@ -221,14 +296,26 @@ async fn handshake(stream: &mut TcpStream, buf: &mut BytesMut, ctx: &Ctx) -> Res
                     size: volume.size,
                     block_size: volume.block_size,
                     max_transfer: volume.max_transfer,
-                    queue_depth: if ctx.config.serial { 1 } else { ctx.config.queue_depth },
+                    queue_depth: if ctx.config.serial {
+                        1
+                    } else {
+                        ctx.config.queue_depth
+                    },
                     max_batch: brp::limits::MAX_BATCH,
                     flags: volume.flags(),
                 };
                 send(stream, &Message::OpenReply(info)).await?;
-                return Ok(Opened { volume: volume.clone(), session, digests: features & brp::FEATURE_DIGEST != 0 });
+                return Ok(Opened {
+                    volume: volume.clone(),
+                    session,
+                    digests: features & brp::FEATURE_DIGEST != 0,
+                });
             }
-            other => return Err(refuse(stream, Status::UNEXPECTED, format!("unexpected {other:?}")).await),
+            other => {
+                return Err(
+                    refuse(stream, Status::UNEXPECTED, format!("unexpected {other:?}")).await,
+                )
+            }
         }
     }
 }
@@ -237,10 +324,25 @@ async fn handshake(stream: &mut TcpStream, buf: &mut BytesMut, ctx: &Ctx) -> Res
 /// initiator keeps its session across a target restart.
 fn join_session(ctx: &Ctx, id: u64, volume: &str) -> Result<u64, String> {
     let mut sessions = ctx.sessions.lock();
-    let id = if id == 0 { loop { let r = rand::random::<u64>(); if r != 0 && !sessions.contains_key(&r) { break r; } } } else { id };
-    let s = sessions.entry(id).or_insert_with(|| Session { volume: volume.to_owned(), connections: 0 });
+    let id = if id == 0 {
+        loop {
+            let r = rand::random::<u64>();
+            if r != 0 && !sessions.contains_key(&r) {
+                break r;
+            }
+        }
+    } else {
+        id
+    };
+    let s = sessions.entry(id).or_insert_with(|| Session {
+        volume: volume.to_owned(),
+        connections: 0,
+    });
     if s.volume != volume {
-        return Err(format!("session {id:016x} belongs to volume {:?}", s.volume));
+        return Err(format!(
+            "session {id:016x} belongs to volume {:?}",
+            s.volume
+        ));
     }
     s.connections += 1;
     Ok(id)
@@ -277,14 +379,21 @@ struct Connection {
 
 impl Connection {
     /// Decode: one read, every complete frame in it, until the peer leaves.
-    async fn read_loop(&self, mut rd: tokio::net::tcp::OwnedReadHalf, mut buf: BytesMut) -> ReadEnd {
+    async fn read_loop(
+        &self,
+        mut rd: tokio::net::tcp::OwnedReadHalf,
+        mut buf: BytesMut,
+    ) -> ReadEnd {
         loop {
             let need = loop {
                 match parse_request(&buf, self.digests) {
                     Ok(Some(frame)) => {
                         let bytes = buf.split_to(frame.frame_len).freeze();
-                        let payload = bytes.slice(frame.payload_at..frame.payload_at + frame.header.payload_len as usize);
-                        if let Err(e) = self.on_frame(frame.header, payload, frame.payload_ok).await {
+                        let payload = bytes.slice(
+                            frame.payload_at..frame.payload_at + frame.header.payload_len as usize,
+                        );
+                        if let Err(e) = self.on_frame(frame.header, payload, frame.payload_ok).await
+                        {
                             return ReadEnd::Protocol(e);
                         }
                     }
@@ -308,7 +417,12 @@ impl Connection {
         }
     }
 
-    async fn on_frame(&self, h: RequestHeader, payload: Bytes, payload_ok: bool) -> Result<(), ProtocolError> {
+    async fn on_frame(
+        &self,
+        h: RequestHeader,
+        payload: Bytes,
+        payload_ok: bool,
+    ) -> Result<(), ProtocolError> {
         if h.command != Command::Batch {
             self.dispatch(h, payload, payload_ok).await;
             return Ok(());
@@ -328,13 +442,22 @@ impl Connection {
     async fn dispatch(&self, h: RequestHeader, payload: Bytes, payload_ok: bool) {
         let credit = self.credit(&h).await;
         Stats::add(&self.ctx.stats.requests, 1);
-        let op = if payload_ok { self.volume.validate(&h, payload) } else { Err(Status::DIGEST_MISMATCH) };
+        let op = if payload_ok {
+            self.volume.validate(&h, payload)
+        } else {
+            Err(Status::DIGEST_MISMATCH)
+        };
         let op = match op {
             Ok(op) => op,
             Err(status) => {
                 debug!(tag = h.tag, command = ?h.command, %status, "request refused");
                 Stats::add(&self.ctx.stats.errors, 1);
-                let _ = self.tx.send(Reply { tag: h.tag, status, data: None, _credit: credit });
+                let _ = self.tx.send(Reply {
+                    tag: h.tag,
+                    status,
+                    data: None,
+                    _credit: credit,
+                });
                 return;
             }
         };
@@ -358,7 +481,12 @@ impl Connection {
                     (status, None)
                 }
             };
-            let _ = tx.send(Reply { tag: h.tag, status, data, _credit: credit });
+            let _ = tx.send(Reply {
+                tag: h.tag,
+                status,
+                data,
+                _credit: credit,
+            });
         };
         if self.volume.backend.may_block() && !self.ctx.config.serial {
             self.ctx.pool.submit(run);
@@ -369,15 +497,29 @@ impl Connection {
 
     /// Waits for a queue slot and, for data-carrying requests, byte budget.
     async fn credit(&self, h: &RequestHeader) -> Credit {
-        let slot = self.credits.clone().acquire_owned().await.expect("never closed");
+        let slot = self
+            .credits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
         let moves_data = matches!(h.command, Command::Read | Command::Write);
         let bytes = if moves_data {
             let units = (h.length / BUDGET_UNIT).clamp(1, BYTE_BUDGET / BUDGET_UNIT);
-            Some(self.budget.clone().acquire_many_owned(units).await.expect("never closed"))
+            Some(
+                self.budget
+                    .clone()
+                    .acquire_many_owned(units)
+                    .await
+                    .expect("never closed"),
+            )
         } else {
             None
         };
-        Credit { _slot: slot, _bytes: bytes }
+        Credit {
+            _slot: slot,
+            _bytes: bytes,
+        }
     }
 }
 
@@ -394,7 +536,11 @@ fn frame_need(buf: &[u8], digests: bool) -> usize {
 }
 
 /// Reply: gathers every reply that is ready into one vectored write.
-async fn write_replies(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Reply>, digests: bool) -> io::Result<()> {
+async fn write_replies(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Reply>,
+    digests: bool,
+) -> io::Result<()> {
     let mut batch: Vec<Reply> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
     let mut heads: Vec<u8> = Vec::with_capacity(MAX_REPLIES_PER_WRITE * 32);
     let mut trailers: Vec<[u8; DIGEST_LEN]> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
@@ -411,10 +557,17 @@ async fn write_replies(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Re
         let hlen = ReplyHeader::wire_len(digests);
         for r in &batch {
             let payload_len = r.data.as_ref().map_or(0, |d| d.len() as u32);
-            let (h, n) = ReplyHeader { status: r.status, tag: r.tag, payload_len }.encode_wire(digests);
+            let (h, n) = ReplyHeader {
+                status: r.status,
+                tag: r.tag,
+                payload_len,
+            }
+            .encode_wire(digests);
             heads.extend_from_slice(&h[..n]);
             if digests {
-                trailers.push(brp::request::encode_data_digest(r.data.as_deref().unwrap_or(&[])));
+                trailers.push(brp::request::encode_data_digest(
+                    r.data.as_deref().unwrap_or(&[]),
+                ));
             }
         }
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 3);
@@ -434,7 +587,10 @@ async fn write_replies(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Re
     w.shutdown().await
 }
 
-pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
     while !bufs.is_empty() {
         let n = w.write_vectored(bufs).await?;
         if n == 0 {

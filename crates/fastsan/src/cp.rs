@@ -1,0 +1,217 @@
+//! `fastsan cp`: copy between a local file and a volume, in either direction
+//! (or between two volumes), many chunks in flight, with a progress bar.
+
+use crate::ClientArgs;
+use anyhow::{bail, Context};
+use bytes::{Bytes, BytesMut};
+use futures::{StreamExt, TryStreamExt};
+use indicatif::{ProgressBar, ProgressStyle};
+use initiator::Volume;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use target::config::parse_size;
+
+/// Copy a local file into a volume, a volume into a local file, or a volume
+/// into another volume.
+///
+/// Examples:
+///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
+///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
+#[derive(clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// Source: a local path or brp://HOST:PORT/VOLUME
+    src: String,
+    /// Destination: a local path or brp://HOST:PORT/VOLUME
+    dst: String,
+    /// Size of each request.
+    #[arg(long, default_value = "1M", value_name = "SIZE")]
+    chunk: String,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    depth: usize,
+    #[command(flatten)]
+    client: ClientArgs,
+}
+
+enum End {
+    Local(Arc<File>, PathBuf),
+    Vol(Volume, String),
+}
+
+impl End {
+    async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
+        if s.starts_with("brp://") {
+            let v = Volume::connect(s, client.options()?)
+                .await
+                .with_context(|| format!("opening {s}"))?;
+            if dst && v.read_only() {
+                bail!("{s} is read-only");
+            }
+            return Ok(End::Vol(v, s.to_owned()));
+        }
+        let path = PathBuf::from(s);
+        let f = if dst {
+            OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+        } else {
+            File::open(&path)
+        };
+        let f = f.with_context(|| format!("opening {}", path.display()))?;
+        Ok(End::Local(Arc::new(f), path))
+    }
+
+    fn len(&self) -> anyhow::Result<u64> {
+        Ok(match self {
+            End::Local(f, _) => f.metadata()?.len(),
+            End::Vol(v, _) => v.size(),
+        })
+    }
+
+    async fn read(&self, off: u64, n: u64) -> anyhow::Result<Bytes> {
+        match self {
+            End::Vol(v, _) => retry(|| v.read(off, n)).await,
+            End::Local(f, _) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut b = BytesMut::zeroed(n as usize);
+                    f.read_exact_at(&mut b, off)?;
+                    Ok(b.freeze())
+                })
+                .await?
+            }
+        }
+    }
+
+    async fn write(&self, off: u64, data: Bytes) -> anyhow::Result<()> {
+        match self {
+            End::Vol(v, _) => {
+                // A file's tail that is not a whole block is padded with zeros.
+                let bs = v.block_size() as usize;
+                let data = if data.len() % bs == 0 {
+                    data
+                } else {
+                    let mut b = BytesMut::from(&data[..]);
+                    b.resize(data.len().next_multiple_of(bs), 0);
+                    b.freeze()
+                };
+                retry(|| v.write_bytes(data.clone(), off, false)).await
+            }
+            End::Local(f, _) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || f.write_all_at(&data, off)).await??;
+                Ok(())
+            }
+        }
+    }
+
+    async fn finish(&self, len: u64) -> anyhow::Result<()> {
+        match self {
+            End::Vol(v, _) => retry(|| v.flush()).await,
+            End::Local(f, _) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || {
+                    f.set_len(len)?;
+                    f.sync_all()
+                })
+                .await??;
+                Ok(())
+            }
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            End::Local(_, p) => p.display().to_string(),
+            End::Vol(_, u) => u.clone(),
+        }
+    }
+}
+
+/// Runs `op` again (up to 5 tries) while it fails with a retryable error,
+/// such as a connection lost and re-established meanwhile.
+async fn retry<T, F, Fut>(mut op: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, initiator::Error>>,
+{
+    let mut tries = 0;
+    loop {
+        match op().await {
+            Err(e) if e.is_retryable() && tries < 4 => {
+                tries += 1;
+                tracing::warn!(error = %e, "retrying");
+                tokio::time::sleep(Duration::from_millis(100 << tries)).await;
+            }
+            r => return Ok(r?),
+        }
+    }
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let chunk = parse_size(&a.chunk)?;
+    if chunk == 0 || chunk > 64 << 20 {
+        bail!("--chunk must be between 1 byte and 64 MiB");
+    }
+    if a.depth == 0 || a.depth > 4096 {
+        bail!("--depth must be 1..=4096");
+    }
+    let src = End::open(&a.src, false, &a.client).await?;
+    let len = src.len()?;
+    let dst = End::open(&a.dst, true, &a.client).await?;
+    if let End::Vol(v, u) = &dst {
+        if len > v.size() {
+            bail!(
+                "{} has {len} bytes; {u} holds only {}",
+                src.name(),
+                v.size()
+            );
+        }
+    }
+    let pb = ProgressBar::new(len).with_style(
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template"),
+    );
+    let start = Instant::now();
+    let (src, dst) = (&src, &dst);
+    futures::stream::iter((0..len.div_ceil(chunk)).map(|i| {
+        let off = i * chunk;
+        (off, chunk.min(len - off))
+    }))
+    .map(|(off, n)| {
+        let pb = pb.clone();
+        async move {
+            let data = src
+                .read(off, n)
+                .await
+                .with_context(|| format!("reading {} at {off}", src.name()))?;
+            dst.write(off, data)
+                .await
+                .with_context(|| format!("writing {} at {off}", dst.name()))?;
+            pb.inc(n);
+            anyhow::Ok(())
+        }
+    })
+    .buffer_unordered(a.depth)
+    .try_collect::<()>()
+    .await?;
+    dst.finish(len).await?;
+    pb.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",
+        crate::ls::human(len),
+        src.name(),
+        dst.name(),
+        len as f64 / (1 << 20) as f64 / secs.max(1e-9)
+    );
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! `fastsan serve`: run a target.
+
+use anyhow::Context;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSpec};
+use target::Server;
+use tracing::info;
+
+/// Serve volumes over BRP until SIGINT or SIGTERM.
+///
+/// With no volume given, serves one 1 GiB memory volume named vol0.
+/// Examples:
+///   fastsan serve
+///   fastsan serve --volume data=memory:4G --volume disk=file:/dev/nvme0n1,direct
+///   fastsan serve --brp 0.0.0.0:10810 --secret-file /etc/fastsan/secret --volume v=file:/srv/v.img
+#[derive(clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// A volume: NAME=memory:SIZE, NAME=file:PATH (file or block device) or
+    /// NAME=null:SIZE, with options ,ro (read-only) and ,direct (O_DIRECT, files).
+    /// Repeat for several volumes.
+    #[arg(long = "volume", short = 'v', value_name = "SPEC", value_parser = VolumeSpec::parse)]
+    volumes: Vec<VolumeSpec>,
+    /// TOML configuration file; flags given here override it.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Address of the BRP listener [default: 127.0.0.1:10810].
+    #[arg(long, value_name = "ADDR")]
+    brp: Option<SocketAddr>,
+    /// File holding the shared secret clients must prove they know. Required
+    /// when listening on an address other than loopback.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
+    /// Requests in flight per connection (credits granted to the initiator) [default: 256].
+    #[arg(long, value_name = "N")]
+    queue_depth: Option<u32>,
+    /// Largest single transfer, e.g. 8M [default: 8M].
+    #[arg(long, value_name = "SIZE")]
+    max_transfer: Option<String>,
+    /// Threads running blocking device I/O for file volumes [default: 16].
+    #[arg(long, value_name = "N")]
+    io_threads: Option<usize>,
+    /// Seconds a client has to finish the handshake [default: 10].
+    #[arg(long, value_name = "SECS")]
+    handshake_timeout: Option<f64>,
+    /// Most connections at once; more are refused as busy [default: 1024].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Process each connection's requests one at a time (the paper's BRP-1,
+    /// "parallelism off"); for comparisons only.
+    #[arg(long)]
+    serial: bool,
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let file = match &a.config {
+        Some(p) => ConfigFile::load(p)?,
+        None => ConfigFile::default(),
+    };
+    let mut c = ServerConfig::default();
+    if let Some(b) = a.brp.or(file.brp) {
+        c.brp = b;
+    }
+    if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
+        c.secret = Some(read_secret(p)?);
+    }
+    c.volumes = file
+        .volumes
+        .iter()
+        .map(|s| VolumeSpec::parse(s))
+        .collect::<Result<_, _>>()?;
+    c.volumes.extend(a.volumes);
+    if let Some(q) = a.queue_depth.or(file.queue_depth) {
+        c.queue_depth = q;
+    }
+    if let Some(m) = a.max_transfer.as_ref().or(file.max_transfer.as_ref()) {
+        c.max_transfer = u32::try_from(parse_size(m)?).context("max transfer too large")?;
+    }
+    if let Some(n) = a.io_threads.or(file.io_threads) {
+        c.io_threads = n;
+    }
+    if let Some(s) = a.handshake_timeout {
+        anyhow::ensure!(
+            s > 0.0 && s < 3600.0,
+            "handshake timeout must be between 0 and 3600 seconds"
+        );
+        c.handshake_timeout = Duration::from_secs_f64(s);
+    } else if let Some(ms) = file.handshake_timeout_ms {
+        c.handshake_timeout = Duration::from_millis(ms);
+    }
+    if let Some(n) = a.max_connections.or(file.max_connections) {
+        c.max_connections = n;
+    }
+    c.serial = a.serial;
+
+    let server = Server::bind(c).await?;
+    let handle = server.handle();
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+            _ = term.recv() => info!("SIGTERM received"),
+        }
+        handle.shutdown();
+    });
+    println!(
+        "fastsan: serving BRP on {} (Ctrl-C to stop)",
+        server.local_addr()
+    );
+    server.run().await?;
+    Ok(())
+}
