@@ -87,6 +87,9 @@ impl Volume {
     /// length, alignment, range. `payload` is the frame's payload, already
     /// consumed from the stream whatever the verdict.
     pub fn validate(&self, h: &RequestHeader, payload: Bytes) -> Result<Op, Status> {
+        if let Command::Unknown(_) = h.command {
+            return Err(Status::UNSUPPORTED);
+        }
         if h.flags & !FLAGS_KNOWN != 0 {
             return Err(Status::INVALID);
         }
@@ -132,8 +135,7 @@ impl Volume {
                     fua,
                 })
             }
-            Command::Batch => Err(Status::INVALID),
-            Command::Unknown(_) => Err(Status::UNSUPPORTED),
+            Command::Batch | Command::Unknown(_) => Err(Status::INVALID),
         }
     }
 

@@ -22,7 +22,10 @@ impl TestServer {
     pub async fn start(volumes: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let mut c = ServerConfig {
             brp: "127.0.0.1:0".parse().unwrap(),
-            volumes: volumes.iter().map(|v| VolumeSpec::parse(v).unwrap()).collect(),
+            volumes: volumes
+                .iter()
+                .map(|v| VolumeSpec::parse(v).unwrap())
+                .collect(),
             ..Default::default()
         };
         tweak(&mut c);
@@ -39,7 +42,11 @@ impl TestServer {
 
     pub async fn stop(self) {
         self.handle.shutdown();
-        tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 }
 
@@ -52,7 +59,11 @@ pub struct Raw {
 
 impl Raw {
     pub async fn connect(addr: SocketAddr) -> Raw {
-        Raw { s: TcpStream::connect(addr).await.unwrap(), buf: Vec::new(), digests: false }
+        Raw {
+            s: TcpStream::connect(addr).await.unwrap(),
+            buf: Vec::new(),
+            digests: false,
+        }
     }
 
     /// Connects, says HELLO (no features) and opens `volume`.
@@ -62,11 +73,24 @@ impl Raw {
 
     pub async fn open_with(addr: SocketAddr, volume: &str, features: u32) -> (Raw, OpenInfo) {
         let mut r = Raw::connect(addr).await;
-        let Message::HelloReply { features, .. } = r.ask(&Message::Hello { min_version: 1, max_version: 1, features }).await else {
+        let Message::HelloReply { features, .. } = r
+            .ask(&Message::Hello {
+                min_version: 1,
+                max_version: 1,
+                features,
+            })
+            .await
+        else {
             panic!("expected HELLO_REPLY")
         };
         r.digests = features & brp::FEATURE_DIGEST != 0;
-        let Message::OpenReply(info) = r.ask(&Message::Open { session: 0, name: volume.into() }).await else {
+        let Message::OpenReply(info) = r
+            .ask(&Message::Open {
+                session: 0,
+                name: volume.into(),
+            })
+            .await
+        else {
             panic!("expected OPEN_REPLY")
         };
         (r, info)
@@ -108,17 +132,24 @@ impl Raw {
     pub async fn reply(&mut self) -> (ReplyHeader, Vec<u8>) {
         loop {
             if let Some(f) = parse_reply(&self.buf, self.digests).unwrap() {
-                let data = self.buf[f.payload_at..f.payload_at + f.header.payload_len as usize].to_vec();
+                let data =
+                    self.buf[f.payload_at..f.payload_at + f.header.payload_len as usize].to_vec();
                 self.buf.drain(..f.frame_len);
                 return (f.header, data);
             }
-            assert!(self.fill().await, "server closed while a reply was expected");
+            assert!(
+                self.fill().await,
+                "server closed while a reply was expected"
+            );
         }
     }
 
     async fn fill(&mut self) -> bool {
         let mut tmp = vec![0u8; 1 << 20];
-        match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut tmp)).await.expect("server answers in time") {
+        match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut tmp))
+            .await
+            .expect("server answers in time")
+        {
             Ok(0) | Err(_) => false,
             Ok(n) => {
                 self.buf.extend_from_slice(&tmp[..n]);
@@ -143,5 +174,7 @@ impl Raw {
 
 /// A pattern that differs by offset and seed, so misplaced data is caught.
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64).map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8).collect()
+    (0..len as u64)
+        .map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8)
+        .collect()
 }
