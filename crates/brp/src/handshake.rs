@@ -244,6 +244,13 @@ impl<'a> Reader<'a> {
         let n = self.u8()? as usize;
         self.str(n)
     }
+    fn zero(&mut self, n: usize) -> Result<(), ProtocolError> {
+        if self.take(n)?.iter().all(|&b| b == 0) {
+            Ok(())
+        } else {
+            Err(ProtocolError::Handshake("reserved field is not zero"))
+        }
+    }
     fn end(self) -> Result<(), ProtocolError> {
         if self.at == self.b.len() {
             Ok(())
@@ -264,6 +271,9 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
         return Err(ProtocolError::BadMagic(magic));
     }
     let kind = u16_at(h, 4);
+    if u16_at(h, 6) != 0 {
+        return Err(ProtocolError::Handshake("reserved field is not zero"));
+    }
     let len = u32_at(h, 8);
     if len > MAX_HANDSHAKE {
         return Err(ProtocolError::PayloadTooLarge {
@@ -288,7 +298,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
         2 => {
             let version = r.u16()?;
             let auth = r.u8()?;
-            let _reserved = r.u8()?;
+            r.zero(1)?;
             Message::HelloReply {
                 version,
                 auth,
@@ -333,7 +343,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
             let max_transfer = r.u32()?;
             let queue_depth = r.u32()?;
             let max_batch = r.u16()?;
-            let _reserved = r.u16()?;
+            r.zero(2)?;
             let flags = r.u32()?;
             Message::OpenReply(OpenInfo {
                 session,

@@ -20,6 +20,8 @@
 pub mod auth;
 pub mod batch;
 pub mod digest;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod handshake;
 pub mod limits;
 pub mod reply;
@@ -49,6 +51,8 @@ pub enum ProtocolError {
     BadMagic(u32),
     #[error("payload of {len} bytes exceeds the limit of {limit}")]
     PayloadTooLarge { len: u64, limit: u64 },
+    #[error("reserved field is not zero")]
+    Reserved,
     #[error("header digest mismatch")]
     HeaderDigest,
     #[error("malformed batch: {0}")]

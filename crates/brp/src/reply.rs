@@ -41,6 +41,9 @@ impl ReplyHeader {
         if magic != REPLY_MAGIC {
             return Err(ProtocolError::BadMagic(magic));
         }
+        if u32_at(b, 20) != 0 {
+            return Err(ProtocolError::Reserved);
+        }
         let payload_len = u32_at(b, 16);
         if payload_len > MAX_PAYLOAD {
             return Err(ProtocolError::PayloadTooLarge {
