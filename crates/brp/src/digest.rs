@@ -18,7 +18,7 @@ pub fn verify(bytes: &[u8], trailer: &[u8]) -> bool {
 pub fn crc_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
     parts
         .into_iter()
-        .fold(0, |c, p| crc32c::crc32c_append(c, p))
+        .fold(0, crc32c::crc32c_append)
 }
 
 #[cfg(test)]

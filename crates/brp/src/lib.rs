@@ -7,15 +7,15 @@
 //! The normative specification is `docs/protocol.md`; this code follows it.
 //!
 //! # Layout
-//! - [`limits`]: every hard limit, checked before any allocation.
-//! - [`status`]: the status codes a reply or a handshake error carries.
-//! - [`request`]: the 32-byte request header, commands and flags, and
+//! - [`limits`] - every hard limit, checked before any allocation.
+//! - [`status`] - the status codes a reply or a handshake error carries.
+//! - [`request`] - the 32-byte request header, commands and flags, and
 //!   [`request::parse_request`], the two-phase framing of one request.
-//! - [`batch`]: the BATCH body (N sub-request headers, then their payloads).
-//! - [`reply`]: the 24-byte reply header and [`reply::parse_reply`].
-//! - [`handshake`]: the messages exchanged before the transmission phase.
-//! - [`auth`]: challenge-response proofs on a shared secret (HMAC-SHA256).
-//! - [`digest`]: the optional CRC32C header and data digests.
+//! - [`batch`] - the BATCH body (N sub-request headers, then their payloads).
+//! - [`reply`] - the 24-byte reply header and [`reply::parse_reply`].
+//! - [`handshake`] - the messages exchanged before the transmission phase.
+//! - [`auth`] - challenge-response proofs on a shared secret (HMAC-SHA256).
+//! - [`digest`] - the optional CRC32C header and data digests.
 
 pub mod auth;
 pub mod batch;

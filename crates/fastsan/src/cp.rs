@@ -94,7 +94,7 @@ impl End {
             End::Vol(v, _) => {
                 // A file's tail that is not a whole block is padded with zeros.
                 let bs = v.block_size() as usize;
-                let data = if data.len() % bs == 0 {
+                let data = if data.len().is_multiple_of(bs) {
                     data
                 } else {
                     let mut b = BytesMut::from(&data[..]);

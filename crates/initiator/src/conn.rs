@@ -7,6 +7,7 @@
 //! so the heavier the load the bigger the batches, and at low load a request
 //! leaves at once. The receiver matches replies to requests by tag.
 
+use crate::handshake::Handshake;
 use crate::options::MergeMode;
 use crate::session::Stats;
 use crate::Error;
@@ -89,15 +90,14 @@ impl Conn {
     /// Starts the sender and receiver of an opened connection. `on_dead` runs
     /// once, when the connection fails (not when it is dropped).
     pub fn start(
-        rd: OwnedReadHalf,
-        wr: OwnedWriteHalf,
-        leftover: BytesMut,
+        hs: Handshake,
         queue_depth: u32,
-        digests: bool,
         limits: Limits,
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
     ) -> Conn {
+        let Handshake { stream, buf: leftover, digests } = hs;
+        let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
         let dead = CancellationToken::new();

@@ -14,15 +14,15 @@
 //! ```
 //!
 //! # Layout
-//! - [`url`]: `brp://HOST:PORT/VOLUME`.
-//! - [`options`]: [`Options`], [`MergeMode`].
-//! - [`handshake`]: connect, authenticate, LIST and OPEN.
-//! - [`conn`]: one connection: a sender task that merges queued requests
+//! - [`url`] - `brp://HOST:PORT/VOLUME`.
+//! - [`options`] - [`Options`], [`MergeMode`].
+//! - [`handshake`] - connect, authenticate, LIST and OPEN.
+//! - [`conn`] - one connection: a sender task that merges queued requests
 //!   into BATCH frames, a receiver task that matches replies by tag.
-//! - [`session`]: [`Volume`]: N connections, load balancing, credits,
+//! - [`session`] - [`Volume`]: N connections, load balancing, credits,
 //!   splitting of large I/O, reconnection.
-//! - [`blocking`]: [`BlockingVolume`], the same API without async.
-//! - [`error`]: [`Error`] and whether to retry.
+//! - [`blocking`] - [`BlockingVolume`], the same API without async.
+//! - [`error`] - [`Error`] and whether to retry.
 
 pub mod blocking;
 pub mod conn;

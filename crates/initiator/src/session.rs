@@ -287,7 +287,6 @@ fn start_conn(
         merge_max_request: opts.merge_max_request,
         merge_max_bytes: opts.merge_max_bytes.min(brp::limits::MAX_PAYLOAD / 2),
     };
-    let (rd, wr) = hs.stream.into_split();
     let weak = shared.clone();
     let on_dead = Box::new(move || {
         if let Some(sh) = weak.upgrade() {
@@ -296,16 +295,7 @@ fn start_conn(
             }
         }
     });
-    Conn::start(
-        rd,
-        wr,
-        hs.buf,
-        info.queue_depth,
-        hs.digests,
-        limits,
-        stats.clone(),
-        on_dead,
-    )
+    Conn::start(hs, info.queue_depth, limits, stats.clone(), on_dead)
 }
 
 async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {

@@ -5,15 +5,15 @@
 //! frame is unpacked into ordinary requests at the door.
 //!
 //! # Layout
-//! - [`config`]: volume specs, sizes, the TOML file, [`config::ServerConfig`].
-//! - [`server`]: [`Server`]: binds, accepts within a cap, shuts down gracefully.
-//! - [`frontend::brp`]: one BRP connection: handshake, then
+//! - [`config`] - volume specs, sizes, the TOML file, [`config::ServerConfig`].
+//! - [`server`] - [`Server`]: binds, accepts within a cap, shuts down gracefully.
+//! - [`frontend::brp`] - one BRP connection: handshake, then
 //!   **decode** (`read_loop`) → **check** ([`volume::Volume::validate`]) →
 //!   **device** ([`exec::execute`]) → **reply** (`write_replies`).
-//! - [`volume`]: a named backend with its limits; the one place requests are checked.
-//! - [`exec`]: the one place a request touches the device, and the I/O thread pool.
-//! - [`backend`]: memory (sparse, chunk-locked), file or block device (O_DIRECT optional), null.
-//! - [`stats`]: counters.
+//! - [`volume`] - a named backend with its limits; the one place requests are checked.
+//! - [`exec`] - the one place a request touches the device, and the I/O thread pool.
+//! - [`backend`] - memory (sparse, chunk-locked), file or block device (O_DIRECT optional), null.
+//! - [`stats`] - counters.
 
 pub mod backend;
 pub mod config;

@@ -155,7 +155,7 @@ impl Volume {
             return Err(Status::TOO_LARGE);
         }
         let bs = self.block_size as u64;
-        if h.offset % bs != 0 || h.length as u64 % bs != 0 {
+        if !h.offset.is_multiple_of(bs) || !(h.length as u64).is_multiple_of(bs) {
             return Err(Status::MISALIGNED);
         }
         match h.offset.checked_add(h.length as u64) {

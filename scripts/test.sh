@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs when
+# missing, then checks formatting, lints, and runs every test of the workspace
+# (unit, property, fuzz-corpus replay, end-to-end over 127.0.0.1, CLI).
+#   scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\n== %s\n' "$*"; }
+
+if ! command -v cargo >/dev/null; then
+  echo "cargo is missing: install Rust (https://rustup.rs) first" >&2
+  exit 1
+fi
+
+# Debian packages the tests use (kill, for the signal tests; more tools join
+# this list as interop tests arrive).
+need_apt=()
+for tool in kill:procps; do
+  command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  say "installing ${need_apt[*]}"
+  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+fi
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt || true
+
+say "formatting"
+cargo fmt --all -- --check
+
+say "lints"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+say "tests"
+if command -v cargo-nextest >/dev/null; then
+  cargo nextest run --workspace --no-fail-fast
+  cargo test --workspace --doc --quiet
+else
+  cargo test --workspace --no-fail-fast
+fi
