@@ -16,9 +16,7 @@ pub fn verify(bytes: &[u8], trailer: &[u8]) -> bool {
 
 /// CRC32C of several pieces as if they were one (for a BATCH body sent as parts).
 pub fn crc_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    parts
-        .into_iter()
-        .fold(0, crc32c::crc32c_append)
+    parts.into_iter().fold(0, crc32c::crc32c_append)
 }
 
 #[cfg(test)]

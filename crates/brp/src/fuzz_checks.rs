@@ -10,7 +10,9 @@ use crate::request::{parse_request, RequestHeader, REQUEST_HEADER_LEN};
 
 /// First byte: digests on (odd) or off; the rest: a request stream.
 pub fn request(data: &[u8]) {
-    let Some((&mode, bytes)) = data.split_first() else { return };
+    let Some((&mode, bytes)) = data.split_first() else {
+        return;
+    };
     let digests = mode & 1 == 1;
     if let Ok(Some(f)) = parse_request(bytes, digests) {
         assert!(f.frame_len <= bytes.len());
@@ -23,7 +25,9 @@ pub fn request(data: &[u8]) {
 
 /// As [`request`], for replies.
 pub fn reply(data: &[u8]) {
-    let Some((&mode, bytes)) = data.split_first() else { return };
+    let Some((&mode, bytes)) = data.split_first() else {
+        return;
+    };
     let digests = mode & 1 == 1;
     if let Ok(Some(f)) = parse_reply(bytes, digests) {
         assert!(f.frame_len <= bytes.len());
@@ -54,6 +58,10 @@ pub fn batch(data: &[u8]) {
 /// A stream of handshake messages.
 pub fn handshake(data: &[u8]) {
     if let Ok(Some((m, n))) = parse_message(data) {
-        assert_eq!(m.to_vec(), &data[..n], "decode then encode gives the input back");
+        assert_eq!(
+            m.to_vec(),
+            &data[..n],
+            "decode then encode gives the input back"
+        );
     }
 }
