@@ -1,47 +1,85 @@
 //! The one place where a request touches the device: [`execute`] runs a
-//! validated [`Op`] on a backend and maps its errors to wire statuses. The
+//! validated [`Op`] on a backend and maps its errors to [`Refusal`]s. The
 //! [`IoPool`] runs blocking (file) I/O on threads, many requests in flight.
 
-use crate::backend::Backend;
-use brp::Status;
+use crate::backend::{Backend, ZeroFlags};
+use crate::request::{Extent, Refusal};
 use bytes::Bytes;
 use std::io;
 
 /// A validated operation, ready for the backend.
 #[derive(Debug)]
 pub enum Op {
-    Read { offset: u64, len: u32 },
-    Write { offset: u64, data: Bytes, fua: bool },
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    },
     Flush,
-    Trim { offset: u64, len: u64 },
-    WriteZeroes { offset: u64, len: u64, fua: bool },
+    Trim {
+        offset: u64,
+        len: u64,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u64,
+        flags: ZeroFlags,
+    },
+    Cache,
+    BlockStatus {
+        offset: u64,
+        len: u64,
+        one: bool,
+    },
 }
 
-/// Runs `op`; a READ returns its data.
-pub fn execute(backend: &dyn Backend, op: Op) -> Result<Option<Bytes>, Status> {
+/// What a successful operation gives back.
+#[derive(Debug)]
+pub enum Outcome {
+    Done,
+    Data(Bytes),
+    Extents(Vec<Extent>),
+}
+
+/// Runs `op` on the backend.
+pub fn execute(backend: &dyn Backend, op: Op) -> Result<Outcome, Refusal> {
+    let done = |r: io::Result<()>| r.map(|()| Outcome::Done);
     let r = match op {
         Op::Read { offset, len } => {
             let mut buf = vec![0u8; len as usize];
-            return match backend.read_at(&mut buf, offset) {
-                Ok(()) => Ok(Some(Bytes::from(buf))),
-                Err(e) => Err(io_status(&e, "read")),
-            };
+            backend
+                .read_at(&mut buf, offset)
+                .map(|()| Outcome::Data(Bytes::from(buf)))
         }
-        Op::Write { offset, data, fua } => backend.write_at(&data, offset, fua),
-        Op::Flush => backend.flush(),
-        Op::Trim { offset, len } => backend.trim(offset, len),
-        Op::WriteZeroes { offset, len, fua } => backend.write_zeroes(offset, len, fua),
+        Op::Write { offset, data, fua } => done(backend.write_at(&data, offset, fua)),
+        Op::Flush => done(backend.flush()),
+        Op::Trim { offset, len } => done(backend.trim(offset, len)),
+        Op::WriteZeroes { offset, len, flags } => done(backend.write_zeroes(offset, len, flags)),
+        Op::Cache => Ok(Outcome::Done),
+        Op::BlockStatus { offset, len, one } => backend.extents(offset, len).map(|mut e| {
+            if one {
+                e.truncate(1);
+            }
+            Outcome::Extents(e)
+        }),
     };
-    r.map(|()| None).map_err(|e| io_status(&e, "write"))
+    r.map_err(|e| io_refusal(&e))
 }
 
-/// The one mapping from a backend's error to the status on the wire.
-fn io_status(e: &io::Error, what: &str) -> Status {
-    tracing::warn!(error = %e, "backend {what} failed");
+/// The one mapping from a backend's error to a refusal.
+fn io_refusal(e: &io::Error) -> Refusal {
+    if e.kind() == io::ErrorKind::Unsupported {
+        return Refusal::NotFast;
+    }
+    tracing::warn!(error = %e, "backend I/O failed");
     match e.raw_os_error() {
-        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Status::NO_SPACE,
-        Some(libc::EROFS) => Status::READ_ONLY,
-        _ => Status::IO_ERROR,
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Refusal::NoSpace,
+        Some(libc::EROFS) => Refusal::ReadOnly,
+        _ => Refusal::IoError,
     }
 }
 

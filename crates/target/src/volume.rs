@@ -1,13 +1,12 @@
-//! Volumes, and the one place where a request is checked: [`Volume::validate`]
-//! turns a decoded request header into an [`Op`] or a status, before any I/O.
+//! Volumes, and the one place where a request is checked against a volume:
+//! [`Volume::validate`] turns a decoded [`IoRequest`] into an [`Op`] or a
+//! [`Refusal`], before any I/O.
 
-use crate::backend::{Backend, FileBackend, MemoryBackend, NullBackend};
+use crate::backend::{Backend, FileBackend, MemoryBackend, NullBackend, ZeroFlags};
 use crate::config::{BackendSpec, VolumeSpec};
 use crate::exec::Op;
+use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use brp::handshake::{VolumeInfo, VOLUME_READ_ONLY, VOLUME_VOLATILE};
-use brp::request::{RequestHeader, FLAGS_KNOWN};
-use brp::{Command, Status};
-use bytes::Bytes;
 use std::io;
 use std::sync::Arc;
 
@@ -83,85 +82,75 @@ impl Volume {
         }
     }
 
-    /// Checks one (non-BATCH) request completely: flags, command, read-only,
-    /// length, alignment, range. `payload` is the frame's payload, already
-    /// consumed from the stream whatever the verdict.
-    pub fn validate(&self, h: &RequestHeader, payload: Bytes) -> Result<Op, Status> {
-        if let Command::Unknown(_) = h.command {
-            return Err(Status::UNSUPPORTED);
+    /// Checks a decoded request against the volume and the front end's
+    /// limits: read-only, length, alignment, range. A refused request has no effect.
+    pub fn validate(&self, r: IoRequest, limits: &Limits) -> Result<Op, Refusal> {
+        if r.kind.writes() && self.read_only {
+            return Err(Refusal::ReadOnly);
         }
-        if h.flags & !FLAGS_KNOWN != 0 {
-            return Err(Status::INVALID);
+        let IoRequest {
+            kind,
+            offset,
+            length,
+            fua,
+            payload,
+        } = r;
+        if kind == IoKind::Flush {
+            return Ok(Op::Flush);
         }
-        if h.command != Command::Write && h.payload_len != 0 {
-            return Err(Status::INVALID);
-        }
-        let fua = h.is_fua();
-        match h.command {
-            Command::Read => {
-                self.check_range(h, self.max_transfer)?;
-                Ok(Op::Read {
-                    offset: h.offset,
-                    len: h.length,
-                })
-            }
-            Command::Write => {
-                self.check_writable()?;
-                if h.payload_len != h.length {
-                    return Err(Status::INVALID);
-                }
-                self.check_range(h, self.max_transfer)?;
-                Ok(Op::Write {
-                    offset: h.offset,
-                    data: payload,
-                    fua,
-                })
-            }
-            Command::Flush => Ok(Op::Flush),
-            Command::Trim => {
-                self.check_writable()?;
-                self.check_range(h, u32::MAX)?;
-                Ok(Op::Trim {
-                    offset: h.offset,
-                    len: h.length as u64,
-                })
-            }
-            Command::WriteZeroes => {
-                self.check_writable()?;
-                self.check_range(h, u32::MAX)?;
-                Ok(Op::WriteZeroes {
-                    offset: h.offset,
-                    len: h.length as u64,
-                    fua,
-                })
-            }
-            Command::Batch | Command::Unknown(_) => Err(Status::INVALID),
-        }
-    }
-
-    fn check_writable(&self) -> Result<(), Status> {
-        if self.read_only {
-            Err(Status::READ_ONLY)
+        // READ and WRITE move data through memory: bound them; the others may span the volume.
+        let moves_data = matches!(kind, IoKind::Read | IoKind::Write);
+        let max = if moves_data {
+            limits.max_io as u64
         } else {
-            Ok(())
+            u32::MAX as u64
+        };
+        if length == 0 {
+            return Err(Refusal::Invalid);
         }
-    }
-
-    fn check_range(&self, h: &RequestHeader, max_len: u32) -> Result<(), Status> {
-        if h.length == 0 {
-            return Err(Status::INVALID);
+        if length > max {
+            return Err(Refusal::TooLarge);
         }
-        if h.length > max_len {
-            return Err(Status::TOO_LARGE);
+        let align = limits.align.max(1) as u64;
+        if !offset.is_multiple_of(align) || !length.is_multiple_of(align) {
+            return Err(Refusal::Misaligned);
         }
-        let bs = self.block_size as u64;
-        if !h.offset.is_multiple_of(bs) || !(h.length as u64).is_multiple_of(bs) {
-            return Err(Status::MISALIGNED);
+        match offset.checked_add(length) {
+            Some(end) if end <= self.size => {}
+            _ => return Err(Refusal::OutOfRange),
         }
-        match h.offset.checked_add(h.length as u64) {
-            Some(end) if end <= self.size => Ok(()),
-            _ => Err(Status::OUT_OF_RANGE),
-        }
+        Ok(match kind {
+            IoKind::Read => Op::Read {
+                offset,
+                len: length as u32,
+            },
+            IoKind::Write if payload.len() as u64 != length => return Err(Refusal::Invalid),
+            IoKind::Write => Op::Write {
+                offset,
+                data: payload,
+                fua,
+            },
+            IoKind::Trim => Op::Trim {
+                offset,
+                len: length,
+            },
+            IoKind::WriteZeroes { no_hole, fast_only } => Op::WriteZeroes {
+                offset,
+                len: length,
+                flags: ZeroFlags {
+                    fua,
+                    no_hole,
+                    fast_only,
+                },
+            },
+            IoKind::Cache => Op::Cache,
+            IoKind::BlockStatus { one } => Op::BlockStatus {
+                offset,
+                len: length,
+                one,
+            },
+            IoKind::Flush => Op::Flush,
+        })
     }
 }
 
@@ -187,7 +176,7 @@ fn check_memory(size: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use brp::request::FLAG_FUA;
+    use bytes::Bytes;
 
     fn vol(read_only: bool) -> Volume {
         Volume::new(
@@ -198,78 +187,97 @@ mod tests {
         )
     }
 
-    fn check(v: &Volume, cmd: Command, flags: u8, offset: u64, length: u32) -> Result<Op, Status> {
-        let mut h = RequestHeader::new(cmd, flags, 1, offset, length);
-        if cmd != Command::Write {
-            h.payload_len = 0;
-        }
-        v.validate(&h, Bytes::from(vec![0u8; h.payload_len as usize]))
+    const BRP: Limits = Limits {
+        align: 512,
+        max_io: 65536,
+    };
+
+    fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
+        let payload = if kind == IoKind::Write {
+            Bytes::from(vec![0u8; length as usize])
+        } else {
+            Bytes::new()
+        };
+        v.validate(
+            IoRequest {
+                kind,
+                offset,
+                length,
+                fua: false,
+                payload,
+            },
+            &BRP,
+        )
     }
 
     #[test]
-    fn each_bad_request_gets_its_status() {
+    fn each_bad_request_gets_its_refusal() {
         let v = vol(false);
-        assert!(check(&v, Command::Read, 0, 0, 4096).is_ok());
-        assert!(check(&v, Command::Write, FLAG_FUA, 512, 512).is_ok());
+        assert!(check(&v, IoKind::Read, 0, 4096).is_ok());
+        assert!(check(&v, IoKind::Write, 512, 512).is_ok());
+        assert_eq!(check(&v, IoKind::Read, 0, 0).err(), Some(Refusal::Invalid));
         assert_eq!(
-            check(&v, Command::Read, 0x80, 0, 512).err(),
-            Some(Status::INVALID)
+            check(&v, IoKind::Read, 1, 512).err(),
+            Some(Refusal::Misaligned)
         );
         assert_eq!(
-            check(&v, Command::Read, 0, 0, 0).err(),
-            Some(Status::INVALID)
+            check(&v, IoKind::Read, 0, 100).err(),
+            Some(Refusal::Misaligned)
         );
         assert_eq!(
-            check(&v, Command::Read, 0, 1, 512).err(),
-            Some(Status::MISALIGNED)
+            check(&v, IoKind::Read, 1 << 20, 512).err(),
+            Some(Refusal::OutOfRange)
         );
         assert_eq!(
-            check(&v, Command::Read, 0, 0, 100).err(),
-            Some(Status::MISALIGNED)
+            check(&v, IoKind::Read, u64::MAX - 511, 512).err(),
+            Some(Refusal::OutOfRange)
         );
         assert_eq!(
-            check(&v, Command::Read, 0, 1 << 20, 512).err(),
-            Some(Status::OUT_OF_RANGE)
-        );
-        assert_eq!(
-            check(&v, Command::Read, 0, u64::MAX - 511, 512).err(),
-            Some(Status::OUT_OF_RANGE)
-        );
-        assert_eq!(
-            check(&v, Command::Read, 0, 0, 1 << 17).err(),
-            Some(Status::TOO_LARGE)
+            check(&v, IoKind::Read, 0, 1 << 17).err(),
+            Some(Refusal::TooLarge)
         );
         assert!(
-            check(&v, Command::Trim, 0, 0, 1 << 20).is_ok(),
+            check(&v, IoKind::Trim, 0, 1 << 20).is_ok(),
             "trim is not bound by max transfer"
         );
-        assert_eq!(
-            check(&v, Command::Unknown(99), 0, 0, 512).err(),
-            Some(Status::UNSUPPORTED)
-        );
-        assert_eq!(
-            check(&v, Command::Batch, 0, 0, 512).err(),
-            Some(Status::INVALID)
-        );
-        let mut h = RequestHeader::new(Command::Write, 0, 1, 0, 1024);
-        h.payload_len = 512;
-        assert_eq!(
-            v.validate(&h, Bytes::from(vec![0; 512])).err(),
-            Some(Status::INVALID)
+        assert!(check(&v, IoKind::BlockStatus { one: false }, 0, 1 << 20).is_ok());
+        let short = IoRequest {
+            kind: IoKind::Write,
+            offset: 0,
+            length: 1024,
+            fua: false,
+            payload: Bytes::from(vec![0; 512]),
+        };
+        assert_eq!(v.validate(short, &BRP).err(), Some(Refusal::Invalid));
+        let bytes = Limits {
+            align: 1,
+            max_io: 1 << 20,
+        };
+        let odd = IoRequest {
+            kind: IoKind::Read,
+            offset: 3,
+            length: 5,
+            fua: false,
+            payload: Bytes::new(),
+        };
+        assert!(
+            v.validate(odd, &bytes).is_ok(),
+            "byte-granular front ends may read any range"
         );
     }
 
     #[test]
     fn read_only_refuses_every_change() {
         let v = vol(true);
-        assert!(check(&v, Command::Read, 0, 0, 512).is_ok());
-        assert!(check(&v, Command::Flush, 0, 0, 0).is_ok());
-        for c in [Command::Write, Command::Trim, Command::WriteZeroes] {
-            assert_eq!(
-                check(&v, c, 0, 0, 512).err(),
-                Some(Status::READ_ONLY),
-                "{c:?}"
-            );
+        assert!(check(&v, IoKind::Read, 0, 512).is_ok());
+        assert!(check(&v, IoKind::Flush, 0, 0).is_ok());
+        assert!(check(&v, IoKind::Cache, 0, 512).is_ok());
+        let zero = IoKind::WriteZeroes {
+            no_hole: false,
+            fast_only: false,
+        };
+        for k in [IoKind::Write, IoKind::Trim, zero] {
+            assert_eq!(check(&v, k, 0, 512).err(), Some(Refusal::ReadOnly), "{k:?}");
         }
     }
 

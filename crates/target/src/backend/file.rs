@@ -2,7 +2,8 @@
 //! (`pread`/`pwrite`) from any number of threads at once, and optionally
 //! O_DIRECT (then through a 4 KiB-aligned bounce buffer, with a 4 KiB block size).
 
-use super::Backend;
+use super::{Backend, ZeroFlags};
+use crate::request::Extent;
 use std::alloc::{self, Layout};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -74,6 +75,20 @@ impl FileBackend {
             Ok(())
         } else {
             Err(io::Error::last_os_error())
+        }
+    }
+
+    /// lseek with SEEK_DATA or SEEK_HOLE; `None` past the last data (ENXIO).
+    fn seek(&self, at: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
+        // SAFETY: lseek only reads its integer arguments; the fd is ours and open.
+        let r = unsafe { libc::lseek(self.fd(), at as libc::off_t, whence) };
+        if r >= 0 {
+            return Ok(Some(r as u64));
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENXIO) => Ok(None),
+            _ => Err(e),
         }
     }
 
@@ -150,7 +165,8 @@ impl Backend for FileBackend {
             r => r,
         }
     }
-    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()> {
+        // ZERO_RANGE keeps the blocks allocated, so it also honours no_hole.
         let r = if self.block_device {
             self.blk_ioctl(BLKZEROOUT, offset, len)
         } else {
@@ -161,13 +177,50 @@ impl Backend for FileBackend {
             )
         };
         match r {
+            Err(e) if unsupported(&e) && flags.fast_only => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "no fast zeroing here",
+                ));
+            }
             Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len)?,
             r => r?,
         }
-        if fua {
+        if flags.fua {
             self.file.sync_data()?;
         }
         Ok(())
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        if self.block_device {
+            return Ok(vec![Extent { len, hole: false }]);
+        }
+        // SEEK_DATA / SEEK_HOLE walk the file's allocation map.
+        let end = offset + len;
+        let mut out: Vec<Extent> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let data = self.seek(at, libc::SEEK_DATA)?.unwrap_or(end).min(end);
+            if data > at {
+                out.push(Extent {
+                    len: data - at,
+                    hole: true,
+                });
+                at = data;
+                continue;
+            }
+            let hole = self
+                .seek(at, libc::SEEK_HOLE)?
+                .unwrap_or(end)
+                .min(end)
+                .max(at + 1);
+            out.push(Extent {
+                len: hole - at,
+                hole: false,
+            });
+            at = hole;
+        }
+        Ok(out)
     }
     fn may_block(&self) -> bool {
         true
@@ -246,11 +299,18 @@ mod tests {
         let mut back = [0u8; 8192];
         b.read_at(&mut back, 4096).unwrap();
         assert_eq!(back, [7u8; 8192]);
-        b.write_zeroes(4096, 4096, false).unwrap();
+        b.write_zeroes(4096, 4096, ZeroFlags::default()).unwrap();
         b.trim(8192, 4096).unwrap();
         b.flush().unwrap();
         b.read_at(&mut back, 4096).unwrap();
         assert!(back.iter().all(|&x| x == 0));
+        let map = b.extents(0, 1 << 20).unwrap();
+        assert_eq!(map.iter().map(|e| e.len).sum::<u64>(), 1 << 20, "{map:?}");
+        assert!(
+            map.iter().any(|e| e.hole),
+            "a sparse file has holes: {map:?}"
+        );
+        assert!(map.iter().any(|e| !e.hole), "and data: {map:?}");
         std::fs::remove_file(p).unwrap();
     }
 

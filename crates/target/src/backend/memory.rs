@@ -3,7 +3,8 @@
 //! so a large volume costs nothing until used, readers of different chunks
 //! never contend, and trimmed or zeroed whole chunks are freed again.
 
-use super::Backend;
+use super::{Backend, ZeroFlags};
+use crate::request::Extent;
 use parking_lot::RwLock;
 use std::io;
 
@@ -45,10 +46,11 @@ impl MemoryBackend {
         }
     }
 
-    fn zero_range(&self, offset: u64, len: u64) {
+    /// Zeroes a range; whole chunks are freed unless `keep` asks to keep them allocated.
+    fn zero_range(&self, offset: u64, len: u64, keep: bool) {
         Self::pieces(offset, len, |i, at, r| {
             let mut chunk = self.chunks[i].write();
-            if r.len() as u64 == CHUNK {
+            if r.len() as u64 == CHUNK && !keep {
                 *chunk = None;
             } else if let Some(c) = chunk.as_mut() {
                 c[at..at + r.len()].fill(0);
@@ -84,12 +86,26 @@ impl Backend for MemoryBackend {
         Ok(())
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.zero_range(offset, len);
+        self.zero_range(offset, len, false);
         Ok(())
     }
-    fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> io::Result<()> {
-        self.zero_range(offset, len);
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()> {
+        self.zero_range(offset, len, flags.no_hole);
         Ok(())
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let mut out: Vec<Extent> = Vec::new();
+        Self::pieces(offset, len, |i, _, r| {
+            let hole = self.chunks[i].read().is_none();
+            match out.last_mut() {
+                Some(e) if e.hole == hole => e.len += r.len() as u64,
+                _ => out.push(Extent {
+                    len: r.len() as u64,
+                    hole,
+                }),
+            }
+        });
+        Ok(out)
     }
     fn may_block(&self) -> bool {
         false
@@ -118,8 +134,13 @@ mod tests {
         m.read_at(&mut back, off).unwrap();
         assert_eq!(back, data);
         assert_eq!(m.allocated(), 3 * CHUNK);
-        m.write_zeroes(CHUNK, CHUNK, false).unwrap();
+        m.write_zeroes(CHUNK, CHUNK, ZeroFlags::default()).unwrap();
         assert_eq!(m.allocated(), 2 * CHUNK, "a whole zeroed chunk is freed");
+        let holes = |e: Vec<Extent>| e.iter().map(|e| (e.len, e.hole)).collect::<Vec<_>>();
+        assert_eq!(
+            holes(m.extents(0, 3 * CHUNK + 512).unwrap()),
+            [(CHUNK, false), (CHUNK, true), (CHUNK, false), (512, true)]
+        );
         m.read_at(&mut back, off).unwrap();
         assert_eq!(&back[..512], &data[..512]);
         assert!(back[512..512 + CHUNK as usize].iter().all(|&b| b == 0));

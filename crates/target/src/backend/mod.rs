@@ -12,7 +12,19 @@ pub use file::FileBackend;
 pub use memory::MemoryBackend;
 pub use null::NullBackend;
 
+use crate::request::Extent;
 use std::io;
+
+/// How to write zeroes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// Durable before returning.
+    pub fua: bool,
+    /// Keep the range allocated (do not punch a hole).
+    pub no_hole: bool,
+    /// Fail with `ErrorKind::Unsupported` rather than write zeroes slowly.
+    pub fast_only: bool,
+}
 
 pub trait Backend: Send + Sync + 'static {
     /// Size in bytes; requests have been checked against it before any call.
@@ -29,7 +41,12 @@ pub trait Backend: Send + Sync + 'static {
     /// The range's contents become unspecified (here: zeros) and may free space.
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     /// The range reads as zeros afterwards.
-    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()>;
+    /// The allocation map of a range, in order, covering exactly `len` bytes.
+    /// Backends that cannot tell report one allocated extent.
+    fn extents(&self, _offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        Ok(vec![Extent { len, hole: false }])
+    }
     /// True when a call can sleep on a device (run it on the I/O pool);
     /// false when it only copies memory (run it inline).
     fn may_block(&self) -> bool;

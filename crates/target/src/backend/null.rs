@@ -1,7 +1,8 @@
 //! The null backend: reads zeros, discards writes. It measures the network
 //! path alone.
 
-use super::Backend;
+use super::{Backend, ZeroFlags};
+use crate::request::Extent;
 use std::io;
 
 pub struct NullBackend {
@@ -31,8 +32,11 @@ impl Backend for NullBackend {
     fn trim(&self, _offset: u64, _len: u64) -> io::Result<()> {
         Ok(())
     }
-    fn write_zeroes(&self, _offset: u64, _len: u64, _fua: bool) -> io::Result<()> {
+    fn write_zeroes(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> io::Result<()> {
         Ok(())
+    }
+    fn extents(&self, _offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        Ok(vec![Extent { len, hole: true }])
     }
     fn may_block(&self) -> bool {
         false

@@ -1,45 +1,33 @@
 //! The BRP front end: one connection from handshake to close.
 //!
 //! The request path, in order:
-//! 1. **decode**: [`Connection::read_loop`] reads as many bytes as the socket
-//!    has and frames every complete request in them ([`brp::request::parse_request`]);
-//! 2. **check**: [`Connection::dispatch`] asks [`Volume::validate`];
-//! 3. **device**: [`crate::exec::execute`], inline for memory and null
-//!    volumes, on the I/O pool for files, many requests in flight;
-//! 4. **reply**: [`write_replies`] gathers every ready reply into one
-//!    `writev`, in completion order (tags match them up).
-//!
-//! A request holds a credit from decode until its reply is written, so one
-//! connection never has more than its queue depth, nor more than its byte
-//! budget, in flight; when credits run out the reader simply stops reading.
+//! 1. **decode**: [`read_loop`] reads as many bytes as the socket has, frames
+//!    every complete request in them ([`brp::request::parse_request`]) and
+//!    turns each into an [`IoRequest`] ([`decode`]: wire rules);
+//! 2. **check**: [`Volume::validate`](crate::volume::Volume::validate) (volume rules);
+//! 3. **device**: [`crate::exec::execute`], via the shared [`pipeline`](crate::pipeline);
+//! 4. **reply**: [`crate::pipeline::write_replies`] with this module's [`BrpEncoder`].
 
-use crate::exec::{execute, Op};
+use crate::exec::Outcome;
+use crate::pipeline::{write_replies, Dispatcher, Encoded, Encoder, Reply};
+use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::server::{Ctx, Session};
 use crate::stats::Stats;
 use crate::volume::Volume;
 use brp::batch::BatchBody;
-use brp::digest::DIGEST_LEN;
 use brp::handshake::{parse_message, Message, OpenInfo, AUTH_HMAC_SHA256, AUTH_NONE};
 use brp::reply::ReplyHeader;
-use brp::request::{parse_request, RequestHeader};
+use brp::request::{parse_request, RequestHeader, FLAGS_KNOWN};
 use brp::{Command, ProtocolError, Status};
 use bytes::{Bytes, BytesMut};
 use rand::RngCore;
-use std::io::{self, IoSlice};
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
-
-/// Bytes of payload one connection may hold in flight.
-const BYTE_BUDGET: u32 = 64 << 20;
-/// Credits on the byte budget are counted in KiB.
-const BUDGET_UNIT: u32 = 1024;
-/// Most replies gathered into one write.
-const MAX_REPLIES_PER_WRITE: usize = 256;
 const READ_CHUNK: usize = 256 * 1024;
 
 /// Tells a client over the connection cap that the target is busy.
@@ -94,25 +82,16 @@ pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     info!(%peer, volume = %volume.name, session = format_args!("{session:016x}"), digests, "connection open");
 
     let (rd, wr) = stream.into_split();
-    let (tx, rx) = mpsc::unbounded_channel();
-    let queue_depth = if ctx.config.serial {
-        1
-    } else {
-        ctx.config.queue_depth as usize
+    let limits = Limits {
+        align: volume.block_size,
+        max_io: volume.max_transfer,
     };
-    let conn = Connection {
-        volume,
-        ctx: ctx.clone(),
-        tx,
-        credits: Arc::new(Semaphore::new(queue_depth)),
-        budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
-        digests,
-    };
-    let writer = tokio::spawn(write_replies(wr, rx, digests));
-    let end = conn.read_loop(rd, buf).await;
-    // Dropping the connection drops its reply sender: the writer finishes the
+    let (dispatcher, replies) = Dispatcher::new(volume, ctx.clone(), limits);
+    let writer = tokio::spawn(write_replies(wr, replies, BrpEncoder { digests }));
+    let end = read_loop(&dispatcher, &ctx, rd, buf, digests).await;
+    // Dropping the dispatcher drops its reply sender: the writer finishes the
     // replies still in flight, then stops.
-    drop(conn);
+    drop(dispatcher);
     let written = writer.await.unwrap_or_else(|e| Err(io::Error::other(e)));
     match (end, written) {
         (ReadEnd::Protocol(e), _) => {
@@ -348,19 +327,6 @@ fn join_session(ctx: &Ctx, id: u64, volume: &str) -> Result<u64, String> {
     Ok(id)
 }
 
-/// One reply on its way to the writer, with the credits it returns once written.
-struct Reply {
-    tag: u64,
-    status: Status,
-    data: Option<Bytes>,
-    _credit: Credit,
-}
-
-struct Credit {
-    _slot: OwnedSemaphorePermit,
-    _bytes: Option<OwnedSemaphorePermit>,
-}
-
 enum ReadEnd {
     Eof,
     Shutdown,
@@ -368,235 +334,158 @@ enum ReadEnd {
     Protocol(ProtocolError),
 }
 
-struct Connection {
-    volume: Arc<Volume>,
-    ctx: Arc<Ctx>,
-    tx: mpsc::UnboundedSender<Reply>,
-    credits: Arc<Semaphore>,
-    budget: Arc<Semaphore>,
+/// Decode: one read, every complete frame in it, until the peer leaves.
+async fn read_loop(
+    d: &Dispatcher<()>,
+    ctx: &Ctx,
+    mut rd: OwnedReadHalf,
+    mut buf: BytesMut,
     digests: bool,
+) -> ReadEnd {
+    loop {
+        let need = loop {
+            match parse_request(&buf, digests) {
+                Ok(Some(frame)) => {
+                    let bytes = buf.split_to(frame.frame_len).freeze();
+                    let at = frame.payload_at;
+                    let payload = bytes.slice(at..at + frame.header.payload_len as usize);
+                    if let Err(e) = on_frame(d, ctx, frame.header, payload, frame.payload_ok).await
+                    {
+                        return ReadEnd::Protocol(e);
+                    }
+                }
+                Ok(None) => break frame_need(&buf, digests),
+                Err(e) => return ReadEnd::Protocol(e),
+            }
+        };
+        if ctx.shutdown.is_cancelled() {
+            return ReadEnd::Shutdown;
+        }
+        buf.reserve(need.max(READ_CHUNK).saturating_sub(buf.len()));
+        let n = tokio::select! {
+            r = rd.read_buf(&mut buf) => r,
+            _ = ctx.shutdown.cancelled() => return ReadEnd::Shutdown,
+        };
+        match n {
+            Ok(0) => return ReadEnd::Eof,
+            Ok(_) => {}
+            Err(e) => return ReadEnd::Io(e),
+        }
+    }
 }
 
-impl Connection {
-    /// Decode: one read, every complete frame in it, until the peer leaves.
-    async fn read_loop(
-        &self,
-        mut rd: tokio::net::tcp::OwnedReadHalf,
-        mut buf: BytesMut,
-    ) -> ReadEnd {
-        loop {
-            let need = loop {
-                match parse_request(&buf, self.digests) {
-                    Ok(Some(frame)) => {
-                        let bytes = buf.split_to(frame.frame_len).freeze();
-                        let payload = bytes.slice(
-                            frame.payload_at..frame.payload_at + frame.header.payload_len as usize,
-                        );
-                        if let Err(e) = self.on_frame(frame.header, payload, frame.payload_ok).await
-                        {
-                            return ReadEnd::Protocol(e);
-                        }
-                    }
-                    Ok(None) => break frame_need(&buf, self.digests),
-                    Err(e) => return ReadEnd::Protocol(e),
-                }
-            };
-            if self.ctx.shutdown.is_cancelled() {
-                return ReadEnd::Shutdown;
-            }
-            buf.reserve(need.max(READ_CHUNK).saturating_sub(buf.len()));
-            let n = tokio::select! {
-                r = rd.read_buf(&mut buf) => r,
-                _ = self.ctx.shutdown.cancelled() => return ReadEnd::Shutdown,
-            };
-            match n {
-                Ok(0) => return ReadEnd::Eof,
-                Ok(_) => {}
-                Err(e) => return ReadEnd::Io(e),
-            }
-        }
+/// A frame is one request, or a BATCH of them unpacked here.
+async fn on_frame(
+    d: &Dispatcher<()>,
+    ctx: &Ctx,
+    h: RequestHeader,
+    payload: Bytes,
+    ok: bool,
+) -> Result<(), ProtocolError> {
+    if h.command != Command::Batch {
+        d.dispatch(h.tag, (), decode(&h, payload, ok)).await;
+        return Ok(());
     }
-
-    async fn on_frame(
-        &self,
-        h: RequestHeader,
-        payload: Bytes,
-        payload_ok: bool,
-    ) -> Result<(), ProtocolError> {
-        if h.command != Command::Batch {
-            self.dispatch(h, payload, payload_ok).await;
-            return Ok(());
-        }
-        let body = BatchBody::parse(h.count, &payload)?;
-        Stats::add(&self.ctx.stats.batches, 1);
-        Stats::add(&self.ctx.stats.batched_requests, body.len() as u64);
-        for sub in body.iter() {
-            let at = sub.payload_at;
-            let p = payload.slice(at..at + sub.header.payload_len as usize);
-            self.dispatch(sub.header, p, payload_ok).await;
-        }
-        Ok(())
+    let body = BatchBody::parse(h.count, &payload)?;
+    Stats::add(&ctx.stats.batches, 1);
+    Stats::add(&ctx.stats.batched_requests, body.len() as u64);
+    for sub in body.iter() {
+        let at = sub.payload_at;
+        let p = payload.slice(at..at + sub.header.payload_len as usize);
+        d.dispatch(sub.header.tag, (), decode(&sub.header, p, ok))
+            .await;
     }
+    Ok(())
+}
 
-    /// Check, then hand to the device: inline or on the pool.
-    async fn dispatch(&self, h: RequestHeader, payload: Bytes, payload_ok: bool) {
-        let credit = self.credit(&h).await;
-        Stats::add(&self.ctx.stats.requests, 1);
-        let op = if payload_ok {
-            self.volume.validate(&h, payload)
-        } else {
-            Err(Status::DIGEST_MISMATCH)
-        };
-        let op = match op {
-            Ok(op) => op,
-            Err(status) => {
-                debug!(tag = h.tag, command = ?h.command, %status, "request refused");
-                Stats::add(&self.ctx.stats.errors, 1);
-                let _ = self.tx.send(Reply {
-                    tag: h.tag,
-                    status,
-                    data: None,
-                    _credit: credit,
-                });
-                return;
-            }
-        };
-        let stats_len = match &op {
-            Op::Read { len, .. } => (*len as u64, 0),
-            Op::Write { data, .. } => (0, data.len() as u64),
-            _ => (0, 0),
-        };
-        let backend = self.volume.backend.clone();
-        let tx = self.tx.clone();
-        let ctx = self.ctx.clone();
-        let run = move || {
-            let (status, data) = match execute(&*backend, op) {
-                Ok(data) => {
-                    Stats::add(&ctx.stats.bytes_read, stats_len.0);
-                    Stats::add(&ctx.stats.bytes_written, stats_len.1);
-                    (Status::OK, data)
-                }
-                Err(status) => {
-                    Stats::add(&ctx.stats.errors, 1);
-                    (status, None)
-                }
-            };
-            let _ = tx.send(Reply {
-                tag: h.tag,
-                status,
-                data,
-                _credit: credit,
-            });
-        };
-        if self.volume.backend.may_block() && !self.ctx.config.serial {
-            self.ctx.pool.submit(run);
-        } else {
-            run();
-        }
+/// The wire rules of one BRP request: known command, known flags, a payload
+/// only on WRITE and exactly as long as it. The volume's rules come after.
+fn decode(h: &RequestHeader, payload: Bytes, payload_ok: bool) -> Result<IoRequest, Refusal> {
+    let kind = match h.command {
+        Command::Read => IoKind::Read,
+        Command::Write => IoKind::Write,
+        Command::Flush => IoKind::Flush,
+        Command::Trim => IoKind::Trim,
+        Command::WriteZeroes => IoKind::WriteZeroes {
+            no_hole: false,
+            fast_only: false,
+        },
+        Command::Batch => return Err(Refusal::Invalid),
+        Command::Unknown(_) => return Err(Refusal::Unsupported),
+    };
+    if h.flags & !FLAGS_KNOWN != 0 || (kind != IoKind::Write && h.payload_len != 0) {
+        return Err(Refusal::Invalid);
     }
+    if !payload_ok {
+        return Err(Refusal::DigestMismatch);
+    }
+    Ok(IoRequest {
+        kind,
+        offset: h.offset,
+        length: h.length as u64,
+        fua: h.is_fua(),
+        payload,
+    })
+}
 
-    /// Waits for a queue slot and, for data-carrying requests, byte budget.
-    async fn credit(&self, h: &RequestHeader) -> Credit {
-        let slot = self
-            .credits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("never closed");
-        let moves_data = matches!(h.command, Command::Read | Command::Write);
-        let bytes = if moves_data {
-            let units = (h.length / BUDGET_UNIT).clamp(1, BYTE_BUDGET / BUDGET_UNIT);
-            Some(
-                self.budget
-                    .clone()
-                    .acquire_many_owned(units)
-                    .await
-                    .expect("never closed"),
-            )
-        } else {
-            None
-        };
-        Credit {
-            _slot: slot,
-            _bytes: bytes,
-        }
+/// The one mapping from a refusal to a BRP status.
+fn status(r: Refusal) -> Status {
+    match r {
+        Refusal::Invalid => Status::INVALID,
+        Refusal::Unsupported => Status::UNSUPPORTED,
+        Refusal::OutOfRange => Status::OUT_OF_RANGE,
+        Refusal::Misaligned => Status::MISALIGNED,
+        Refusal::TooLarge => Status::TOO_LARGE,
+        Refusal::ReadOnly => Status::READ_ONLY,
+        Refusal::IoError | Refusal::NotFast => Status::IO_ERROR,
+        Refusal::NoSpace => Status::NO_SPACE,
+        Refusal::DigestMismatch => Status::DIGEST_MISMATCH,
+        Refusal::ShuttingDown => Status::SHUTTING_DOWN,
     }
 }
 
 /// How many bytes the frame at the start of `buf` needs in all, when its
 /// header is there (so that one reserve makes room for a large write).
 fn frame_need(buf: &[u8], digests: bool) -> usize {
-    match buf.first_chunk() {
-        Some(h) => match RequestHeader::decode(h) {
-            Ok(h) => brp::request::frame_len(h.payload_len, digests),
-            Err(_) => 0,
-        },
-        None => 0,
+    match buf.first_chunk().map(RequestHeader::decode) {
+        Some(Ok(h)) => brp::request::frame_len(h.payload_len, digests),
+        _ => 0,
     }
 }
 
-/// Reply: gathers every reply that is ready into one vectored write.
-async fn write_replies(
-    mut w: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Reply>,
+/// BRP replies: a 24-byte header, the data, and digests when negotiated.
+pub struct BrpEncoder {
     digests: bool,
-) -> io::Result<()> {
-    let mut batch: Vec<Reply> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
-    let mut heads: Vec<u8> = Vec::with_capacity(MAX_REPLIES_PER_WRITE * 32);
-    let mut trailers: Vec<[u8; DIGEST_LEN]> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
-    while let Some(first) = rx.recv().await {
-        batch.push(first);
-        while batch.len() < MAX_REPLIES_PER_WRITE {
-            match rx.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
-            }
-        }
-        heads.clear();
-        trailers.clear();
-        let hlen = ReplyHeader::wire_len(digests);
-        for r in &batch {
-            let payload_len = r.data.as_ref().map_or(0, |d| d.len() as u32);
-            let (h, n) = ReplyHeader {
-                status: r.status,
-                tag: r.tag,
-                payload_len,
-            }
-            .encode_wire(digests);
-            heads.extend_from_slice(&h[..n]);
-            if digests {
-                trailers.push(brp::request::encode_data_digest(
-                    r.data.as_deref().unwrap_or(&[]),
-                ));
-            }
-        }
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 3);
-        for (i, r) in batch.iter().enumerate() {
-            slices.push(IoSlice::new(&heads[i * hlen..(i + 1) * hlen]));
-            if let Some(d) = r.data.as_deref().filter(|d| !d.is_empty()) {
-                slices.push(IoSlice::new(d));
-                if digests {
-                    slices.push(IoSlice::new(&trailers[i]));
-                }
-            }
-        }
-        write_all_vectored(&mut w, &mut slices).await?;
-        drop(slices);
-        batch.clear();
-    }
-    w.shutdown().await
 }
 
-pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    mut bufs: &mut [IoSlice<'_>],
-) -> io::Result<()> {
-    while !bufs.is_empty() {
-        let n = w.write_vectored(bufs).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+impl Encoder for BrpEncoder {
+    type Meta = ();
+
+    fn encode(&mut self, r: &Reply<()>, scratch: &mut Vec<u8>) -> Encoded {
+        let (st, data) = match &r.result {
+            Ok(Outcome::Data(d)) => (Status::OK, Some(d.clone())),
+            Ok(_) => (Status::OK, None),
+            Err(refusal) => (status(*refusal), None),
+        };
+        let payload_len = data.as_ref().map_or(0, |d| d.len() as u32);
+        let start = scratch.len();
+        let (h, n) = ReplyHeader {
+            status: st,
+            tag: r.tag,
+            payload_len,
         }
-        IoSlice::advance_slices(&mut bufs, n);
+        .encode_wire(self.digests);
+        scratch.extend_from_slice(&h[..n]);
+        let head = start..scratch.len();
+        if self.digests && payload_len > 0 {
+            scratch.extend(brp::request::encode_data_digest(
+                data.as_deref().unwrap_or_default(),
+            ));
+        }
+        Encoded {
+            head: head.clone(),
+            data,
+            tail: head.end..scratch.len(),
+        }
     }
-    Ok(())
 }

@@ -1,0 +1,238 @@
+//! The connection pipeline every front end shares: after a request is
+//! decoded, [`Dispatcher::dispatch`] takes a credit, checks it
+//! ([`Volume::validate`]), runs it on the device ([`execute`]: inline for
+//! memory and null volumes, on the I/O pool for files) and queues the
+//! [`Reply`]; [`write_replies`] gathers every ready reply into one `writev`,
+//! encoded by the front end's [`Encoder`], in completion order.
+//!
+//! A request holds a credit from dispatch until its reply is written, so a
+//! connection never has more than its queue depth, nor more than its byte
+//! budget, in flight; when credits run out the reader simply stops reading.
+
+use crate::exec::{execute, Op, Outcome};
+use crate::request::{IoKind, IoRequest, Limits, Refusal};
+use crate::server::Ctx;
+use crate::stats::Stats;
+use crate::volume::Volume;
+use bytes::Bytes;
+use std::io::{self, IoSlice};
+use std::ops::Range;
+use std::sync::Arc;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tracing::debug;
+
+/// Bytes of payload one connection may hold in flight.
+const BYTE_BUDGET: u32 = 64 << 20;
+/// Credits on the byte budget are counted in KiB.
+const BUDGET_UNIT: u32 = 1024;
+/// Most replies gathered into one write.
+const MAX_REPLIES_PER_WRITE: usize = 256;
+
+/// One finished request on its way to the writer. `M` is what the front end
+/// needs to encode the reply (its command, offset, ...).
+pub struct Reply<M> {
+    pub tag: u64,
+    pub meta: M,
+    pub result: Result<Outcome, Refusal>,
+    _credit: Credit,
+}
+
+struct Credit {
+    _slot: OwnedSemaphorePermit,
+    _bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// Where the bytes of one encoded reply are: `head` and `tail` in the
+/// writer's scratch buffer, `data` (a READ's bytes) in between.
+pub struct Encoded {
+    pub head: Range<usize>,
+    pub data: Option<Bytes>,
+    pub tail: Range<usize>,
+}
+
+/// A front end's reply format.
+pub trait Encoder: Send + 'static {
+    type Meta: Send + 'static;
+    /// Appends the reply's framing to `scratch` and says where its parts are.
+    fn encode(&mut self, r: &Reply<Self::Meta>, scratch: &mut Vec<u8>) -> Encoded;
+}
+
+/// Dispatches one connection's requests.
+pub struct Dispatcher<M> {
+    volume: Arc<Volume>,
+    ctx: Arc<Ctx>,
+    limits: Limits,
+    tx: mpsc::UnboundedSender<Reply<M>>,
+    credits: Arc<Semaphore>,
+    budget: Arc<Semaphore>,
+}
+
+impl<M: Send + 'static> Dispatcher<M> {
+    /// A dispatcher and the receiving end its writer drains.
+    pub fn new(
+        volume: Arc<Volume>,
+        ctx: Arc<Ctx>,
+        limits: Limits,
+    ) -> (Self, mpsc::UnboundedReceiver<Reply<M>>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let depth = if ctx.config.serial {
+            1
+        } else {
+            ctx.config.queue_depth as usize
+        };
+        let d = Dispatcher {
+            volume,
+            ctx,
+            limits,
+            tx,
+            credits: Arc::new(Semaphore::new(depth)),
+            budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
+        };
+        (d, rx)
+    }
+
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.volume
+    }
+
+    /// Check, then hand to the device: inline or on the pool. `req` is an
+    /// error when decoding already refused the request.
+    pub async fn dispatch(&self, tag: u64, meta: M, req: Result<IoRequest, Refusal>) {
+        let moves = req.as_ref().map_or(0, |r| match r.kind {
+            IoKind::Read | IoKind::Write => r.length,
+            _ => 0,
+        });
+        let credit = self.credit(moves).await;
+        let stats = &self.ctx.stats;
+        Stats::add(&stats.requests, 1);
+        let op = req.and_then(|r| self.volume.validate(r, &self.limits));
+        let op = match op {
+            Ok(op) => op,
+            Err(refusal) => {
+                debug!(tag, ?refusal, "request refused");
+                Stats::add(&stats.errors, 1);
+                let _ = self.tx.send(Reply {
+                    tag,
+                    meta,
+                    result: Err(refusal),
+                    _credit: credit,
+                });
+                return;
+            }
+        };
+        let (read, written) = match &op {
+            Op::Read { len, .. } => (*len as u64, 0),
+            Op::Write { data, .. } => (0, data.len() as u64),
+            _ => (0, 0),
+        };
+        let backend = self.volume.backend.clone();
+        let tx = self.tx.clone();
+        let ctx = self.ctx.clone();
+        let run = move || {
+            let result = execute(&*backend, op);
+            match &result {
+                Ok(_) => {
+                    Stats::add(&ctx.stats.bytes_read, read);
+                    Stats::add(&ctx.stats.bytes_written, written);
+                }
+                Err(_) => Stats::add(&ctx.stats.errors, 1),
+            }
+            let _ = tx.send(Reply {
+                tag,
+                meta,
+                result,
+                _credit: credit,
+            });
+        };
+        if self.volume.backend.may_block() && !self.ctx.config.serial {
+            self.ctx.pool.submit(run);
+        } else {
+            run();
+        }
+    }
+
+    /// Waits for a queue slot and, for requests that move data, byte budget.
+    async fn credit(&self, bytes: u64) -> Credit {
+        let slot = self
+            .credits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
+        let bytes = if bytes > 0 {
+            let units =
+                (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
+            Some(
+                self.budget
+                    .clone()
+                    .acquire_many_owned(units)
+                    .await
+                    .expect("never closed"),
+            )
+        } else {
+            None
+        };
+        Credit {
+            _slot: slot,
+            _bytes: bytes,
+        }
+    }
+}
+
+/// Gathers every reply that is ready into one vectored write, until every
+/// sender (the dispatcher and the requests in flight) is gone.
+pub async fn write_replies<W, E>(
+    mut w: W,
+    mut rx: mpsc::UnboundedReceiver<Reply<E::Meta>>,
+    mut enc: E,
+) -> io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+    E: Encoder,
+{
+    let mut batch: Vec<Reply<E::Meta>> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
+    let mut parts: Vec<Encoded> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
+    let mut scratch: Vec<u8> = Vec::with_capacity(MAX_REPLIES_PER_WRITE * 32);
+    while let Some(first) = rx.recv().await {
+        batch.push(first);
+        while batch.len() < MAX_REPLIES_PER_WRITE {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        scratch.clear();
+        parts.extend(batch.iter().map(|r| enc.encode(r, &mut scratch)));
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() * 3);
+        for p in &parts {
+            slices.push(IoSlice::new(&scratch[p.head.clone()]));
+            if let Some(d) = p.data.as_deref().filter(|d| !d.is_empty()) {
+                slices.push(IoSlice::new(d));
+            }
+            if !p.tail.is_empty() {
+                slices.push(IoSlice::new(&scratch[p.tail.clone()]));
+            }
+        }
+        write_all_vectored(&mut w, &mut slices).await?;
+        drop(slices);
+        parts.clear();
+        batch.clear();
+    }
+    w.shutdown().await
+}
+
+pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = w.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
