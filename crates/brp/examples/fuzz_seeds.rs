@@ -30,28 +30,14 @@ fn main() {
     let dir = Path::new(&dir);
     let reqs = [
         (RequestHeader::new(Command::Read, 0, 1, 4096, 4096), vec![]),
-        (
-            RequestHeader::new(Command::Write, FLAG_FUA, 2, 0, 16),
-            vec![0xAB; 16],
-        ),
+        (RequestHeader::new(Command::Write, FLAG_FUA, 2, 0, 16), vec![0xAB; 16]),
         (RequestHeader::new(Command::Flush, 0, 3, 0, 0), vec![]),
-        (
-            RequestHeader::new(Command::Trim, 0, 4, 512, 1 << 20),
-            vec![],
-        ),
-        (
-            RequestHeader::new(Command::WriteZeroes, 0, 5, 0, 8192),
-            vec![],
-        ),
+        (RequestHeader::new(Command::Trim, 0, 4, 512, 1 << 20), vec![]),
+        (RequestHeader::new(Command::WriteZeroes, 0, 5, 0, 8192), vec![]),
     ];
     for (i, (h, p)) in reqs.iter().enumerate() {
         for digests in [false, true] {
-            write(
-                dir,
-                "request",
-                &format!("req{i}-d{}", digests as u8),
-                &request_frame(h, p, digests),
-            );
+            write(dir, "request", &format!("req{i}-d{}", digests as u8), &request_frame(h, p, digests));
         }
     }
     let mut b = BatchBuilder::default();
@@ -68,16 +54,11 @@ fn main() {
     batch_seed.extend_from_slice(&body);
     write(dir, "batch", "five", &batch_seed);
 
-    for (i, (status, data)) in [(Status::OK, vec![7u8; 64]), (Status::OUT_OF_RANGE, vec![])]
-        .iter()
-        .enumerate()
+    for (i, (status, data)) in
+        [(Status::OK, vec![7u8; 64]), (Status::OUT_OF_RANGE, vec![])].iter().enumerate()
     {
         for digests in [false, true] {
-            let h = ReplyHeader {
-                status: *status,
-                tag: 99,
-                payload_len: data.len() as u32,
-            };
+            let h = ReplyHeader { status: *status, tag: 99, payload_len: data.len() as u32 };
             let (w, n) = h.encode_wire(digests);
             let mut v = vec![digests as u8];
             v.extend_from_slice(&w[..n]);
@@ -90,35 +71,15 @@ fn main() {
     }
 
     let msgs = [
-        Message::Hello {
-            min_version: 1,
-            max_version: 1,
-            features: 1,
-        },
-        Message::HelloReply {
-            version: 1,
-            auth: 1,
-            features: 1,
-            challenge: [3; 32],
-        },
-        Message::Auth {
-            client_nonce: [1; 32],
-            proof: [2; 32],
-        },
+        Message::Hello { min_version: 1, max_version: 1, features: 1 },
+        Message::HelloReply { version: 1, auth: 1, features: 1, challenge: [3; 32] },
+        Message::Auth { client_nonce: [1; 32], proof: [2; 32] },
         Message::AuthOk { proof: [4; 32] },
         Message::List,
         Message::ListReply {
-            volumes: vec![VolumeInfo {
-                name: "vol0".into(),
-                size: 1 << 30,
-                block_size: 512,
-                flags: 2,
-            }],
+            volumes: vec![VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 }],
         },
-        Message::Open {
-            session: 0,
-            name: "vol0".into(),
-        },
+        Message::Open { session: 0, name: "vol0".into() },
         Message::OpenReply(OpenInfo {
             session: 7,
             size: 1 << 30,
@@ -128,10 +89,7 @@ fn main() {
             max_batch: 1024,
             flags: 0,
         }),
-        Message::Error {
-            status: Status::NO_SUCH_VOLUME,
-            message: "no volume".into(),
-        },
+        Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume".into() },
     ];
     for (i, m) in msgs.iter().enumerate() {
         write(dir, "handshake", &format!("msg{i}"), &m.to_vec());

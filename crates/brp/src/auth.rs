@@ -19,41 +19,21 @@ fn mac(secret: &[u8], label: &[u8], a: &[u8; 32], b: &[u8; 32]) -> HmacSha256 {
 }
 
 pub fn client_proof(secret: &[u8], challenge: &[u8; 32], client_nonce: &[u8; 32]) -> [u8; 32] {
-    mac(secret, b"fastsan-brp1-client", challenge, client_nonce)
-        .finalize()
-        .into_bytes()
-        .into()
+    mac(secret, b"fastsan-brp1-client", challenge, client_nonce).finalize().into_bytes().into()
 }
 
 pub fn server_proof(secret: &[u8], challenge: &[u8; 32], client_nonce: &[u8; 32]) -> [u8; 32] {
-    mac(secret, b"fastsan-brp1-server", client_nonce, challenge)
-        .finalize()
-        .into_bytes()
-        .into()
+    mac(secret, b"fastsan-brp1-server", client_nonce, challenge).finalize().into_bytes().into()
 }
 
 /// Constant-time check of a client's proof.
-pub fn verify_client(
-    secret: &[u8],
-    challenge: &[u8; 32],
-    nonce: &[u8; 32],
-    proof: &[u8; 32],
-) -> bool {
-    mac(secret, b"fastsan-brp1-client", challenge, nonce)
-        .verify_slice(proof)
-        .is_ok()
+pub fn verify_client(secret: &[u8], challenge: &[u8; 32], nonce: &[u8; 32], proof: &[u8; 32]) -> bool {
+    mac(secret, b"fastsan-brp1-client", challenge, nonce).verify_slice(proof).is_ok()
 }
 
 /// Constant-time check of a server's proof.
-pub fn verify_server(
-    secret: &[u8],
-    challenge: &[u8; 32],
-    nonce: &[u8; 32],
-    proof: &[u8; 32],
-) -> bool {
-    mac(secret, b"fastsan-brp1-server", nonce, challenge)
-        .verify_slice(proof)
-        .is_ok()
+pub fn verify_server(secret: &[u8], challenge: &[u8; 32], nonce: &[u8; 32], proof: &[u8; 32]) -> bool {
+    mac(secret, b"fastsan-brp1-server", nonce, challenge).verify_slice(proof).is_ok()
 }
 
 #[cfg(test)]
@@ -67,10 +47,7 @@ mod tests {
         assert!(verify_client(b"s3cret", &c, &n, &p));
         assert!(!verify_client(b"wrong", &c, &n, &p));
         assert!(!verify_client(b"s3cret", &[9; 32], &n, &p));
-        assert!(
-            !verify_server(b"s3cret", &c, &n, &p),
-            "a client proof is not a server proof"
-        );
+        assert!(!verify_server(b"s3cret", &c, &n, &p), "a client proof is not a server proof");
         let s = server_proof(b"s3cret", &c, &n);
         assert!(verify_server(b"s3cret", &c, &n, &s));
     }

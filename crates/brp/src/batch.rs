@@ -66,10 +66,7 @@ impl<'a> BatchBody<'a> {
         let mut at = self.count * REQUEST_HEADER_LEN;
         (0..self.count).map(move |i| {
             let header = sub_header(self.body, i).expect("validated in parse");
-            let sub = SubRequest {
-                header,
-                payload_at: at,
-            };
+            let sub = SubRequest { header, payload_at: at };
             at += header.payload_len as usize;
             sub
         })
@@ -78,9 +75,7 @@ impl<'a> BatchBody<'a> {
 
 fn sub_header(body: &[u8], i: usize) -> Result<RequestHeader, ProtocolError> {
     let at = i * REQUEST_HEADER_LEN;
-    let b: &[u8; REQUEST_HEADER_LEN] = body[at..at + REQUEST_HEADER_LEN]
-        .try_into()
-        .expect("32 bytes");
+    let b: &[u8; REQUEST_HEADER_LEN] = body[at..at + REQUEST_HEADER_LEN].try_into().expect("32 bytes");
     RequestHeader::decode(b)
 }
 
@@ -172,15 +167,9 @@ mod tests {
         assert!(BatchBody::parse(h.count, &body).is_ok());
         body.push(0);
         assert!(BatchBody::parse(h.count, &body).is_err());
-        let nested = RequestHeader {
-            command: Command::Batch,
-            ..w
-        };
+        let nested = RequestHeader { command: Command::Batch, ..w };
         let (h, body) = build(&[(nested, b"abcd".to_vec())]);
-        assert_eq!(
-            BatchBody::parse(h.count, &body),
-            Err(ProtocolError::Batch("nested batch"))
-        );
+        assert_eq!(BatchBody::parse(h.count, &body), Err(ProtocolError::Batch("nested batch")));
         assert!(BatchBody::parse(0, &[]).is_err());
     }
 }

@@ -23,9 +23,6 @@ pub fn crc_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
 mod tests {
     #[test]
     fn parts_equal_whole() {
-        assert_eq!(
-            super::crc_parts([&b"hello "[..], b"world"]),
-            super::crc(b"hello world")
-        );
+        assert_eq!(super::crc_parts([&b"hello "[..], b"world"]), super::crc(b"hello world"));
     }
 }

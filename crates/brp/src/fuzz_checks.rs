@@ -58,10 +58,6 @@ pub fn batch(data: &[u8]) {
 /// A stream of handshake messages.
 pub fn handshake(data: &[u8]) {
     if let Ok(Some((m, n))) = parse_message(data) {
-        assert_eq!(
-            m.to_vec(),
-            &data[..n],
-            "decode then encode gives the input back"
-        );
+        assert_eq!(m.to_vec(), &data[..n], "decode then encode gives the input back");
     }
 }

@@ -43,7 +43,7 @@ pub struct OpenInfo {
     pub size: u64,
     /// Offsets and lengths of I/O must be multiples of this.
     pub block_size: u32,
-    /// Largest length of one READ, WRITE, TRIM or WRITE_ZEROES.
+    /// Largest length of one READ or WRITE (TRIM and WRITE_ZEROES may be longer).
     pub max_transfer: u32,
     /// Most requests outstanding on this connection (the initiator's credits).
     pub queue_depth: u32,
@@ -60,37 +60,15 @@ impl OpenInfo {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    Hello {
-        min_version: u16,
-        max_version: u16,
-        features: u32,
-    },
-    HelloReply {
-        version: u16,
-        auth: u8,
-        features: u32,
-        challenge: [u8; 32],
-    },
-    Auth {
-        client_nonce: [u8; 32],
-        proof: [u8; 32],
-    },
-    AuthOk {
-        proof: [u8; 32],
-    },
+    Hello { min_version: u16, max_version: u16, features: u32 },
+    HelloReply { version: u16, auth: u8, features: u32, challenge: [u8; 32] },
+    Auth { client_nonce: [u8; 32], proof: [u8; 32] },
+    AuthOk { proof: [u8; 32] },
     List,
-    ListReply {
-        volumes: Vec<VolumeInfo>,
-    },
-    Open {
-        session: u64,
-        name: String,
-    },
+    ListReply { volumes: Vec<VolumeInfo> },
+    Open { session: u64, name: String },
     OpenReply(OpenInfo),
-    Error {
-        status: Status,
-        message: String,
-    },
+    Error { status: Status, message: String },
 }
 
 impl Message {
@@ -118,31 +96,19 @@ impl Message {
         out.extend_from_slice(&0u32.to_le_bytes());
         let body = out.len();
         match self {
-            Message::Hello {
-                min_version,
-                max_version,
-                features,
-            } => {
+            Message::Hello { min_version, max_version, features } => {
                 out.extend_from_slice(&min_version.to_le_bytes());
                 out.extend_from_slice(&max_version.to_le_bytes());
                 out.extend_from_slice(&features.to_le_bytes());
             }
-            Message::HelloReply {
-                version,
-                auth,
-                features,
-                challenge,
-            } => {
+            Message::HelloReply { version, auth, features, challenge } => {
                 out.extend_from_slice(&version.to_le_bytes());
                 out.push(*auth);
                 out.push(0);
                 out.extend_from_slice(&features.to_le_bytes());
                 out.extend_from_slice(challenge);
             }
-            Message::Auth {
-                client_nonce,
-                proof,
-            } => {
+            Message::Auth { client_nonce, proof } => {
                 out.extend_from_slice(client_nonce);
                 out.extend_from_slice(proof);
             }
@@ -276,40 +242,22 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
     }
     let len = u32_at(h, 8);
     if len > MAX_HANDSHAKE {
-        return Err(ProtocolError::PayloadTooLarge {
-            len: len as u64,
-            limit: MAX_HANDSHAKE as u64,
-        });
+        return Err(ProtocolError::PayloadTooLarge { len: len as u64, limit: MAX_HANDSHAKE as u64 });
     }
     let total = HANDSHAKE_HEADER_LEN + len as usize;
     if buf.len() < total {
         return Ok(None);
     }
-    let mut r = Reader {
-        b: &buf[HANDSHAKE_HEADER_LEN..total],
-        at: 0,
-    };
+    let mut r = Reader { b: &buf[HANDSHAKE_HEADER_LEN..total], at: 0 };
     let msg = match kind {
-        1 => Message::Hello {
-            min_version: r.u16()?,
-            max_version: r.u16()?,
-            features: r.u32()?,
-        },
+        1 => Message::Hello { min_version: r.u16()?, max_version: r.u16()?, features: r.u32()? },
         2 => {
             let version = r.u16()?;
             let auth = r.u8()?;
             r.zero(1)?;
-            Message::HelloReply {
-                version,
-                auth,
-                features: r.u32()?,
-                challenge: r.arr32()?,
-            }
+            Message::HelloReply { version, auth, features: r.u32()?, challenge: r.arr32()? }
         }
-        3 => Message::Auth {
-            client_nonce: r.arr32()?,
-            proof: r.arr32()?,
-        },
+        3 => Message::Auth { client_nonce: r.arr32()?, proof: r.arr32()? },
         4 => Message::AuthOk { proof: r.arr32()? },
         5 => Message::List,
         6 => {
@@ -323,19 +271,11 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
                 let size = r.u64()?;
                 let block_size = r.u32()?;
                 let flags = r.u32()?;
-                volumes.push(VolumeInfo {
-                    name: r.str8()?,
-                    size,
-                    block_size,
-                    flags,
-                });
+                volumes.push(VolumeInfo { name: r.str8()?, size, block_size, flags });
             }
             Message::ListReply { volumes }
         }
-        7 => Message::Open {
-            session: r.u64()?,
-            name: r.str8()?,
-        },
+        7 => Message::Open { session: r.u64()?, name: r.str8()? },
         8 => {
             let session = r.u64()?;
             let size = r.u64()?;
@@ -361,10 +301,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
             if n > MAX_MESSAGE {
                 return Err(ProtocolError::Handshake("error message too long"));
             }
-            Message::Error {
-                status,
-                message: r.str(n)?,
-            }
+            Message::Error { status, message: r.str(n)? }
         }
         other => return Err(ProtocolError::UnknownMessage(other)),
     };
@@ -379,44 +316,19 @@ mod tests {
 
     fn samples() -> Vec<Message> {
         vec![
-            Message::Hello {
-                min_version: 1,
-                max_version: 3,
-                features: 1,
-            },
-            Message::HelloReply {
-                version: 1,
-                auth: AUTH_HMAC_SHA256,
-                features: 0,
-                challenge: [7; 32],
-            },
-            Message::Auth {
-                client_nonce: [1; 32],
-                proof: [2; 32],
-            },
+            Message::Hello { min_version: 1, max_version: 3, features: 1 },
+            Message::HelloReply { version: 1, auth: AUTH_HMAC_SHA256, features: 0, challenge: [7; 32] },
+            Message::Auth { client_nonce: [1; 32], proof: [2; 32] },
             Message::AuthOk { proof: [3; 32] },
             Message::List,
             Message::ListReply {
                 volumes: vec![
-                    VolumeInfo {
-                        name: "vol0".into(),
-                        size: 1 << 30,
-                        block_size: 512,
-                        flags: 2,
-                    },
-                    VolumeInfo {
-                        name: "ünïcode".into(),
-                        size: 0,
-                        block_size: 4096,
-                        flags: 1,
-                    },
+                    VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 },
+                    VolumeInfo { name: "ünïcode".into(), size: 0, block_size: 4096, flags: 1 },
                 ],
             },
             Message::ListReply { volumes: vec![] },
-            Message::Open {
-                session: 42,
-                name: "vol0".into(),
-            },
+            Message::Open { session: 42, name: "vol0".into() },
             Message::OpenReply(OpenInfo {
                 session: 42,
                 size: 1 << 30,
@@ -426,10 +338,7 @@ mod tests {
                 max_batch: 256,
                 flags: 0,
             }),
-            Message::Error {
-                status: Status::NO_SUCH_VOLUME,
-                message: "no volume 'x'".into(),
-            },
+            Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume 'x'".into() },
         ]
     }
 
@@ -459,19 +368,14 @@ mod tests {
         assert!(parse_message(&b).is_err());
         let mut b = Message::List.to_vec();
         b[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(
-            parse_message(&b),
-            Err(ProtocolError::PayloadTooLarge { .. })
-        ));
+        assert!(matches!(parse_message(&b), Err(ProtocolError::PayloadTooLarge { .. })));
     }
 
     #[test]
     fn long_names_are_truncated_on_a_char_boundary() {
         let name = "é".repeat(200);
         let b = Message::Open { session: 0, name }.to_vec();
-        let Some((Message::Open { name, .. }, _)) = parse_message(&b).unwrap() else {
-            panic!()
-        };
+        let Some((Message::Open { name, .. }, _)) = parse_message(&b).unwrap() else { panic!() };
         assert_eq!(name.len(), 254);
     }
 

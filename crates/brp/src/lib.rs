@@ -53,6 +53,8 @@ pub enum ProtocolError {
     PayloadTooLarge { len: u64, limit: u64 },
     #[error("reserved field is not zero")]
     Reserved,
+    #[error("data digest mismatch in a BATCH (its tags cannot be trusted)")]
+    BatchDigest,
     #[error("header digest mismatch")]
     HeaderDigest,
     #[error("malformed batch: {0}")]

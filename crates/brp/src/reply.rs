@@ -51,11 +51,7 @@ impl ReplyHeader {
                 limit: MAX_PAYLOAD as u64,
             });
         }
-        Ok(ReplyHeader {
-            status: Status(u32_at(b, 4)),
-            tag: u64_at(b, 8),
-            payload_len,
-        })
+        Ok(ReplyHeader { status: Status(u32_at(b, 4)), tag: u64_at(b, 8), payload_len })
     }
 
     /// Bytes of the header part on the wire (with its digest when `digests`).
@@ -108,12 +104,7 @@ pub fn parse_reply(buf: &[u8], digests: bool) -> Result<Option<ReplyFrame>, Prot
         return Ok(None);
     }
     let payload_ok = data_digest == 0 || digest::verify(&buf[at..at + n], &buf[at + n..frame_len]);
-    Ok(Some(ReplyFrame {
-        header,
-        payload_at: at,
-        frame_len,
-        payload_ok,
-    }))
+    Ok(Some(ReplyFrame { header, payload_at: at, frame_len, payload_ok }))
 }
 
 #[cfg(test)]

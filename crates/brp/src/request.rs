@@ -82,15 +82,7 @@ impl RequestHeader {
     /// A single request (not a BATCH). WRITE carries its data as payload.
     pub fn new(command: Command, flags: u8, tag: u64, offset: u64, length: u32) -> Self {
         let payload_len = if command == Command::Write { length } else { 0 };
-        RequestHeader {
-            command,
-            flags,
-            count: 0,
-            tag,
-            offset,
-            length,
-            payload_len,
-        }
+        RequestHeader { command, flags, count: 0, tag, offset, length, payload_len }
     }
 
     pub fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
@@ -158,11 +150,7 @@ impl RequestFrame {
 /// Length of the whole frame for a header, with or without digests.
 pub fn frame_len(payload_len: u32, digests: bool) -> usize {
     let d = if digests { DIGEST_LEN } else { 0 };
-    let data_digest = if digests && payload_len > 0 {
-        DIGEST_LEN
-    } else {
-        0
-    };
+    let data_digest = if digests && payload_len > 0 { DIGEST_LEN } else { 0 };
     REQUEST_HEADER_LEN + d + payload_len as usize + data_digest
 }
 
@@ -189,15 +177,9 @@ pub fn parse_request(buf: &[u8], digests: bool) -> Result<Option<RequestFrame>, 
         return Ok(None);
     }
     let payload = &buf[at..at + header.payload_len as usize];
-    let payload_ok = !digests
-        || payload.is_empty()
-        || digest::verify(payload, &buf[frame_len - DIGEST_LEN..frame_len]);
-    Ok(Some(RequestFrame {
-        header,
-        payload_at: at,
-        frame_len,
-        payload_ok,
-    }))
+    let payload_ok =
+        !digests || payload.is_empty() || digest::verify(payload, &buf[frame_len - DIGEST_LEN..frame_len]);
+    Ok(Some(RequestFrame { header, payload_at: at, frame_len, payload_ok }))
 }
 
 /// Encodes a request frame's header part (header, and header digest when
@@ -248,10 +230,7 @@ mod tests {
     fn bad_magic_is_invalid() {
         let mut f = frame(&RequestHeader::new(Command::Read, 0, 1, 0, 512), &[], false);
         f[0] ^= 0xff;
-        assert!(matches!(
-            parse_request(&f, false),
-            Err(ProtocolError::BadMagic(_))
-        ));
+        assert!(matches!(parse_request(&f, false), Err(ProtocolError::BadMagic(_))));
     }
 
     #[test]
@@ -259,10 +238,7 @@ mod tests {
         let mut h = RequestHeader::new(Command::Write, 0, 1, 0, 0);
         h.payload_len = MAX_PAYLOAD + 1;
         let b = h.encode();
-        assert!(matches!(
-            parse_request(&b, false),
-            Err(ProtocolError::PayloadTooLarge { .. })
-        ));
+        assert!(matches!(parse_request(&b, false), Err(ProtocolError::PayloadTooLarge { .. })));
     }
 
     #[test]
@@ -275,32 +251,19 @@ mod tests {
         assert!(!parse_request(&bad_data, true).unwrap().unwrap().payload_ok);
         let mut bad_header = f.clone();
         bad_header[8] ^= 1;
-        assert_eq!(
-            parse_request(&bad_header, true),
-            Err(ProtocolError::HeaderDigest)
-        );
+        assert_eq!(parse_request(&bad_header, true), Err(ProtocolError::HeaderDigest));
     }
 
     fn any_header() -> impl Strategy<Value = RequestHeader> {
-        (
-            any::<u8>(),
-            any::<u8>(),
-            any::<u16>(),
-            any::<u64>(),
-            any::<u64>(),
-            any::<u32>(),
-            0..=MAX_PAYLOAD,
-        )
-            .prop_map(|(op, flags, count, tag, offset, length, payload_len)| {
-                RequestHeader {
-                    command: Command::from_opcode(op),
-                    flags,
-                    count,
-                    tag,
-                    offset,
-                    length,
-                    payload_len,
-                }
+        (any::<u8>(), any::<u8>(), any::<u16>(), any::<u64>(), any::<u64>(), any::<u32>(), 0..=MAX_PAYLOAD)
+            .prop_map(|(op, flags, count, tag, offset, length, payload_len)| RequestHeader {
+                command: Command::from_opcode(op),
+                flags,
+                count,
+                tag,
+                offset,
+                length,
+                payload_len,
             })
     }
 

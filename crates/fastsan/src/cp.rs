@@ -45,9 +45,7 @@ enum End {
 impl End {
     async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
         if s.starts_with("brp://") {
-            let v = Volume::connect(s, client.options()?)
-                .await
-                .with_context(|| format!("opening {s}"))?;
+            let v = Volume::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
                 bail!("{s} is read-only");
             }
@@ -55,11 +53,7 @@ impl End {
         }
         let path = PathBuf::from(s);
         let f = if dst {
-            OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&path)
+            OpenOptions::new().write(true).create(true).truncate(true).open(&path)
         } else {
             File::open(&path)
         };
@@ -167,18 +161,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let dst = End::open(&a.dst, true, &a.client).await?;
     if let End::Vol(v, u) = &dst {
         if len > v.size() {
-            bail!(
-                "{} has {len} bytes; {u} holds only {}",
-                src.name(),
-                v.size()
-            );
+            bail!("{} has {len} bytes; {u} holds only {}", src.name(), v.size());
         }
     }
     let pb = ProgressBar::new(len).with_style(
-        ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .expect("valid template"),
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+            .expect("valid template"),
     );
     let start = Instant::now();
     let (src, dst) = (&src, &dst);
@@ -189,13 +177,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     .map(|(off, n)| {
         let pb = pb.clone();
         async move {
-            let data = src
-                .read(off, n)
-                .await
-                .with_context(|| format!("reading {} at {off}", src.name()))?;
-            dst.write(off, data)
-                .await
-                .with_context(|| format!("writing {} at {off}", dst.name()))?;
+            let data = src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+            dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
             pb.inc(n);
             anyhow::Ok(())
         }

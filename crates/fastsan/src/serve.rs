@@ -66,11 +66,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
     }
-    c.volumes = file
-        .volumes
-        .iter()
-        .map(|s| VolumeSpec::parse(s))
-        .collect::<Result<_, _>>()?;
+    c.volumes = file.volumes.iter().map(|s| VolumeSpec::parse(s)).collect::<Result<_, _>>()?;
     c.volumes.extend(a.volumes);
     if let Some(q) = a.queue_depth.or(file.queue_depth) {
         c.queue_depth = q;
@@ -82,10 +78,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         c.io_threads = n;
     }
     if let Some(s) = a.handshake_timeout {
-        anyhow::ensure!(
-            s > 0.0 && s < 3600.0,
-            "handshake timeout must be between 0 and 3600 seconds"
-        );
+        anyhow::ensure!(s > 0.0 && s < 3600.0, "handshake timeout must be between 0 and 3600 seconds");
         c.handshake_timeout = Duration::from_secs_f64(s);
     } else if let Some(ms) = file.handshake_timeout_ms {
         c.handshake_timeout = Duration::from_millis(ms);
@@ -106,10 +99,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         handle.shutdown();
     });
-    println!(
-        "fastsan: serving BRP on {} (Ctrl-C to stop)",
-        server.local_addr()
-    );
+    println!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
     server.run().await?;
     Ok(())
 }

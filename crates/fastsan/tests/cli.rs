@@ -24,9 +24,7 @@ impl Served {
             .spawn()
             .expect("fastsan runs");
         let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
         let addr = line
             .split_whitespace()
             .skip_while(|w| *w != "on")
@@ -43,29 +41,17 @@ impl Served {
     /// Sends a signal and waits for the exit; returns the status and stderr.
     fn signal(mut self, sig: &str) -> (std::process::ExitStatus, String) {
         let pid = self.child.id().to_string();
-        assert!(Command::new("kill")
-            .args(["-s", sig, &pid])
-            .status()
-            .unwrap()
-            .success());
+        assert!(Command::new("kill").args(["-s", sig, &pid]).status().unwrap().success());
         let deadline = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 break s;
             }
-            assert!(
-                Instant::now() < deadline,
-                "fastsan did not exit after SIG{sig}"
-            );
+            assert!(Instant::now() < deadline, "fastsan did not exit after SIG{sig}");
             std::thread::sleep(Duration::from_millis(20));
         };
         let mut err = String::new();
-        self.child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
+        self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
         (status, err)
     }
 }
@@ -104,32 +90,15 @@ fn cp_128_mib_into_a_volume_and_back_is_identical() {
     let data = random_file(&src, 128 << 20);
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "big=memory:128M"]);
     let out = fastsan(&["cp", src.to_str().unwrap(), &s.url("big")]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let line = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        line.contains("copied 128.0 MiB") && line.contains("MiB/s"),
-        "{line}"
-    );
+    assert!(line.contains("copied 128.0 MiB") && line.contains("MiB/s"), "{line}");
     let out = fastsan(&["cp", &s.url("big"), back.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        std::fs::read(&back).unwrap() == data,
-        "bytes differ after the round trip"
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&back).unwrap() == data, "bytes differ after the round trip");
     // Too big for the volume: a clear error, nothing sent.
     let huge = dir.join("huge.bin");
-    std::fs::File::create(&huge)
-        .unwrap()
-        .set_len((128 << 20) + 512)
-        .unwrap();
+    std::fs::File::create(&huge).unwrap().set_len((128 << 20) + 512).unwrap();
     let out = fastsan(&["cp", huge.to_str().unwrap(), &s.url("big")]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds only"));
@@ -138,21 +107,11 @@ fn cp_128_mib_into_a_volume_and_back_is_identical() {
 
 #[test]
 fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
-    let s = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--volume",
-        "a=memory:64M",
-        "--volume",
-        "n=null:2G,ro",
-    ]);
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "a=memory:64M", "--volume", "n=null:2G,ro"]);
     let out = fastsan(&["ls", &format!("brp://{}", s.addr)]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    let a = text
-        .lines()
-        .find(|l| l.starts_with("a "))
-        .unwrap_or_else(|| panic!("{text}"));
+    let a = text.lines().find(|l| l.starts_with("a ")).unwrap_or_else(|| panic!("{text}"));
     assert!(a.contains("67108864") && a.contains("64.0 MiB"), "{a}");
     let n = text.lines().find(|l| l.starts_with("n ")).unwrap();
     assert!(n.contains("2.0 GiB") && n.contains("read-only"), "{n}");
@@ -160,27 +119,19 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     let d = Served::start(&["--brp", "127.0.0.1:0"]);
     let out = fastsan(&["ls", &format!("brp://{}", d.addr)]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with("vol0 ") && l.contains("1.0 GiB")),
-        "{text}"
-    );
+    assert!(text.lines().any(|l| l.starts_with("vol0 ") && l.contains("1.0 GiB")), "{text}");
 }
 
 #[test]
 fn file_volume_data_survives_kill_9_and_restart() {
     let dir = temp_dir("kill9");
     let img = dir.join("v.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
+    std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
     let spec = format!("v={}", format_args!("file:{}", img.display()));
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
     let addr = s.addr.clone();
-    let expect: Vec<(u64, Vec<u8>)> = (0..32u64)
-        .map(|i| (i * (2 << 20) + 4096, vec![(i * 7 + 1) as u8; 256 * 1024]))
-        .collect();
+    let expect: Vec<(u64, Vec<u8>)> =
+        (0..32u64).map(|i| (i * (2 << 20) + 4096, vec![(i * 7 + 1) as u8; 256 * 1024])).collect();
     {
         let vol = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
         for (off, d) in &expect[..31] {
@@ -208,20 +159,14 @@ fn file_volume_data_survives_kill_9_and_restart() {
 fn sigterm_drains_flushes_and_exits_cleanly() {
     let dir = temp_dir("term");
     let img = dir.join("v.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
+    std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
     let spec = format!("v=file:{}", img.display());
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
     let vol = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
     vol.write_at(&[5; 8192], 0, false).unwrap();
     let (status, log) = s.signal("TERM");
     assert!(status.success(), "{log}");
-    assert!(
-        log.contains("SIGTERM received") && log.contains("flushed") && log.contains("stopped"),
-        "{log}"
-    );
+    assert!(log.contains("SIGTERM received") && log.contains("flushed") && log.contains("stopped"), "{log}");
     assert_eq!(&std::fs::read(&img).unwrap()[..8192], &[5; 8192][..]);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -232,32 +177,12 @@ fn bad_command_lines_get_clear_errors() {
         (&["serve", "--volume", "nonsense"], "missing '='"),
         (&["serve", "--volume", "a=memory:12Q"], "size"),
         (&["serve", "--brp", "0.0.0.0:0"], "requires --secret-file"),
+        (&["serve", "--brp", "127.0.0.1:0", "--volume", "a=file:/nonexistent/x.img"], "/nonexistent/x.img"),
         (
-            &[
-                "serve",
-                "--brp",
-                "127.0.0.1:0",
-                "--volume",
-                "a=file:/nonexistent/x.img",
-            ],
-            "/nonexistent/x.img",
-        ),
-        (
-            &[
-                "serve",
-                "--brp",
-                "127.0.0.1:0",
-                "--volume",
-                "a=memory:1M",
-                "--volume",
-                "a=null:1M",
-            ],
+            &["serve", "--brp", "127.0.0.1:0", "--volume", "a=memory:1M", "--volume", "a=null:1M"],
             "given twice",
         ),
-        (
-            &["cp", "/nonexistent/file", "brp://127.0.0.1:1/v"],
-            "/nonexistent/file",
-        ),
+        (&["cp", "/nonexistent/file", "brp://127.0.0.1:1/v"], "/nonexistent/file"),
         (&["ls", "http://x"], "brp://"),
         (&["cp", "a", "b", "--merge", "sometimes"], "merge mode"),
     ];
@@ -272,16 +197,11 @@ fn bad_command_lines_get_clear_errors() {
 
 #[test]
 fn help_explains_each_subcommand() {
-    for (sub, needle) in [
-        ("serve", "NAME=memory:SIZE"),
-        ("ls", "brp://HOST"),
-        ("cp", "brp://HOST:PORT/VOLUME"),
-    ] {
+    for (sub, needle) in
+        [("serve", "NAME=memory:SIZE"), ("ls", "brp://HOST"), ("cp", "brp://HOST:PORT/VOLUME")]
+    {
         let out = fastsan(&[sub, "--help"]);
         assert!(out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains(needle),
-            "{sub} --help"
-        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains(needle), "{sub} --help");
     }
 }

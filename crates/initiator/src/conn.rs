@@ -96,11 +96,7 @@ impl Conn {
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
     ) -> Conn {
-        let Handshake {
-            stream,
-            buf: leftover,
-            digests,
-        } = hs;
+        let Handshake { stream, buf: leftover, digests } = hs;
         let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
@@ -122,8 +118,7 @@ impl Conn {
             }
         };
         let sender = {
-            let (die, dead, inflight, stats) =
-                (die.clone(), dead.clone(), inflight.clone(), stats.clone());
+            let (die, dead, inflight, stats) = (die.clone(), dead.clone(), inflight.clone(), stats.clone());
             async move {
                 let r = tokio::select! {
                     r = send_loop(wr, rx, &inflight, digests, limits, &stats) => r,
@@ -221,14 +216,11 @@ async fn send_loop(
             let sub_at = heads.len();
             heads.extend_from_slice(&subs);
             if digests {
-                let parts =
-                    std::iter::once(&heads[sub_at..]).chain(group.iter().map(|(_, p)| &p[..]));
+                let parts = std::iter::once(&heads[sub_at..]).chain(group.iter().map(|(_, p)| &p[..]));
                 trailer = digest::crc_parts(parts).to_le_bytes();
             }
             stats.batches.fetch_add(1, Relaxed);
-            stats
-                .batched_requests
-                .fetch_add(group.len() as u64, Relaxed);
+            stats.batched_requests.fetch_add(group.len() as u64, Relaxed);
         } else {
             encode_header(&group[0].0, digests, &mut heads);
             if digests && !group[0].1.is_empty() {
@@ -238,12 +230,7 @@ async fn send_loop(
         let has_payload = as_batch || !group[0].1.is_empty();
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() + 2);
         slices.push(IoSlice::new(&heads));
-        slices.extend(
-            group
-                .iter()
-                .filter(|(_, p)| !p.is_empty())
-                .map(|(_, p)| IoSlice::new(p)),
-        );
+        slices.extend(group.iter().filter(|(_, p)| !p.is_empty()).map(|(_, p)| IoSlice::new(p)));
         if digests && has_payload {
             slices.push(IoSlice::new(&trailer));
         }
@@ -260,12 +247,7 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
-async fn recv_loop(
-    mut rd: OwnedReadHalf,
-    mut buf: BytesMut,
-    inflight: &Inflight,
-    digests: bool,
-) -> Error {
+async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight, digests: bool) -> Error {
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -289,14 +271,12 @@ async fn recv_loop(
             };
             let _ = p.done.send(result);
         }
-        let need = match buf
-            .first_chunk::<REPLY_HEADER_LEN>()
-            .map(ReplyHeader::decode)
-        {
+        let need = match buf.first_chunk::<REPLY_HEADER_LEN>().map(ReplyHeader::decode) {
             Some(Ok(h)) => ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN,
             _ => 0,
         };
-        buf.reserve(need.max(256 * 1024).saturating_sub(buf.len()));
+        // Grow toward a large reply a megabyte at a time, as its bytes arrive.
+        buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
         match rd.read_buf(&mut buf).await {
             Ok(0) => return Error::ConnectionLost,
             Ok(_) => {}

@@ -18,6 +18,12 @@ pub enum Error {
     TargetNotAuthenticated,
     #[error("request failed: {0}")]
     Status(Status),
+    /// The connection failed with the request in flight: its outcome is
+    /// unknown (a write may or may not have reached the volume), as with any
+    /// block device whose transport fails. Known limit: the target does not
+    /// yet fence a dead connection's queued writes against the session's new
+    /// connections, so a write of the lost connection still queued on a file
+    /// volume's I/O pool may land after a newer write to the same range.
     #[error("connection lost")]
     ConnectionLost,
     #[error("data digest mismatch in a reply")]

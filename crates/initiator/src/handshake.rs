@@ -21,34 +21,29 @@ impl Handshake {
         let connect = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr));
         let stream = match connect.await {
             Err(_) => return Err(Error::Timeout("connect")),
-            Ok(Err(source)) => {
-                return Err(Error::Connect {
-                    addr: addr.to_owned(),
-                    source,
-                })
-            }
+            Ok(Err(source)) => return Err(Error::Connect { addr: addr.to_owned(), source }),
             Ok(Ok(s)) => s,
         };
         stream.set_nodelay(true)?;
-        let mut hs = Handshake {
-            stream,
-            buf: BytesMut::with_capacity(4096),
-            digests: false,
-        };
-        let features = if opts.digests { brp::FEATURE_DIGEST } else { 0 };
+        let mut hs = Handshake { stream, buf: BytesMut::with_capacity(4096), digests: false };
         let hello = Message::Hello {
             min_version: brp::VERSION,
             max_version: brp::VERSION,
-            features,
+            features: hello_features(opts),
         };
         let reply = tokio::time::timeout(opts.connect_timeout, hs.ask(&hello)).await;
         let (auth, challenge, features) = match reply.map_err(|_| Error::Timeout("handshake"))?? {
-            Message::HelloReply {
-                version: _,
-                auth,
-                features,
-                challenge,
-            } => (auth, challenge, features),
+            Message::HelloReply { version, auth, features, challenge } => {
+                if version != brp::VERSION {
+                    return Err(Error::Unexpected(format!("target chose protocol version {version}")));
+                }
+                if features & !hello_features(opts) != 0 {
+                    return Err(Error::Unexpected(format!(
+                        "target enabled features {features:#x} never asked for"
+                    )));
+                }
+                (auth, challenge, features)
+            }
             other => return Err(unexpected(other)),
         };
         hs.digests = features & brp::FEATURE_DIGEST != 0;
@@ -60,24 +55,14 @@ impl Handshake {
                 let mut nonce = [0u8; 32];
                 rand::thread_rng().fill_bytes(&mut nonce);
                 let proof = brp::auth::client_proof(secret, &challenge, &nonce);
-                match hs
-                    .ask(&Message::Auth {
-                        client_nonce: nonce,
-                        proof,
-                    })
-                    .await?
-                {
+                match hs.ask(&Message::Auth { client_nonce: nonce, proof }).await? {
                     Message::AuthOk { proof }
                         if brp::auth::verify_server(secret, &challenge, &nonce, &proof) => {}
                     Message::AuthOk { .. } => return Err(Error::TargetNotAuthenticated),
                     other => return Err(unexpected(other)),
                 }
             }
-            (other, _) => {
-                return Err(Error::Unexpected(format!(
-                    "unknown authentication method {other}"
-                )))
-            }
+            (other, _) => return Err(Error::Unexpected(format!("unknown authentication method {other}"))),
         }
         Ok(hs)
     }
@@ -89,17 +74,23 @@ impl Handshake {
         }
     }
 
+    /// Opens a volume, checking that the limits the target announces make sense.
     pub async fn open(&mut self, name: &str, session: u64) -> Result<OpenInfo, Error> {
-        match self
-            .ask(&Message::Open {
-                session,
-                name: name.to_owned(),
-            })
-            .await?
-        {
-            Message::OpenReply(info) => Ok(info),
-            other => Err(unexpected(other)),
+        let info = match self.ask(&Message::Open { session, name: name.to_owned() }).await? {
+            Message::OpenReply(info) => info,
+            other => return Err(unexpected(other)),
+        };
+        let bs = info.block_size;
+        let sane = bs.is_power_of_two()
+            && info.max_transfer >= bs
+            && info.max_transfer.is_multiple_of(bs)
+            && info.size.is_multiple_of(bs as u64)
+            && info.queue_depth >= 1
+            && info.max_batch >= 1;
+        if !sane {
+            return Err(Error::Unexpected(format!("target announced impossible limits: {info:?}")));
         }
+        Ok(info)
     }
 
     async fn ask(&mut self, m: &Message) -> Result<Message, Error> {
@@ -114,6 +105,14 @@ impl Handshake {
                 return Err(Error::ConnectionLost);
             }
         }
+    }
+}
+
+fn hello_features(opts: &Options) -> u32 {
+    if opts.digests {
+        brp::FEATURE_DIGEST
+    } else {
+        0
     }
 }
 

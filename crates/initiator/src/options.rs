@@ -24,9 +24,7 @@ impl std::str::FromStr for MergeMode {
             "off" => Ok(MergeMode::Off),
             "adaptive" => Ok(MergeMode::Adaptive),
             "always" => Ok(MergeMode::Always),
-            _ => Err(format!(
-                "merge mode {s:?}: expected off, adaptive or always"
-            )),
+            _ => Err(format!("merge mode {s:?}: expected off, adaptive or always")),
         }
     }
 }

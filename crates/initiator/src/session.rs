@@ -74,22 +74,13 @@ impl Volume {
         if opts.connections == 0 || opts.connections > 256 {
             return Err(Error::InvalidArgument("connections must be 1..=256".into()));
         }
-        let mut hs = Handshake::start(&url.authority(), &opts).await?;
-        let info = hs.open(&url.volume, 0).await?;
+        let (hs, info) = open_handshake(&url, &opts, 0).await?;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
             let first = start_conn(weak, 0, hs, &info, &opts, &stats);
             let mut slots = vec![RwLock::new(Some(Arc::new(first)))];
             slots.extend((1..opts.connections).map(|_| RwLock::new(None)));
-            Shared {
-                url,
-                opts,
-                info,
-                slots,
-                next_tag: AtomicU64::new(1),
-                stats,
-                changed: Notify::new(),
-            }
+            Shared { url, opts, info, slots, next_tag: AtomicU64::new(1), stats, changed: Notify::new() }
         });
         for i in 1..shared.opts.connections {
             let conn = open_conn(&shared, i).await?;
@@ -129,11 +120,14 @@ impl Volume {
         let max = self.shared.info.max_transfer as u64;
         if len <= max {
             let h = RequestHeader::new(Command::Read, 0, 0, offset, to_u32(len)?);
-            return Ok(self.call(h, Bytes::new()).await?.unwrap_or_default());
+            let data = self.call(h, Bytes::new()).await?.unwrap_or_default();
+            if data.len() as u64 != len {
+                return Err(Error::Unexpected(format!("read of {len} bytes returned {}", data.len())));
+            }
+            return Ok(data);
         }
         let parts =
-            futures::future::try_join_all(chunks(offset, len, max).map(|(o, n)| self.read(o, n)))
-                .await?;
+            futures::future::try_join_all(chunks(offset, len, max).map(|(o, n)| self.read(o, n))).await?;
         let mut out = BytesMut::with_capacity(len as usize);
         for p in parts {
             out.extend_from_slice(&p);
@@ -144,21 +138,13 @@ impl Volume {
     /// Reads exactly `buf.len()` bytes at `offset` into `buf`.
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         let data = self.read(offset, buf.len() as u64).await?;
-        if data.len() != buf.len() {
-            return Err(Error::Unexpected(format!(
-                "read of {} bytes returned {}",
-                buf.len(),
-                data.len()
-            )));
-        }
         buf.copy_from_slice(&data);
         Ok(())
     }
 
     /// Writes `data` at `offset`; with `fua` it is durable when this returns.
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
-        self.write_bytes(Bytes::copy_from_slice(data), offset, fua)
-            .await
+        self.write_bytes(Bytes::copy_from_slice(data), offset, fua).await
     }
 
     /// As [`Volume::write_at`], without copying the data.
@@ -166,8 +152,7 @@ impl Volume {
         let max = self.shared.info.max_transfer as u64;
         let flags = if fua { FLAG_FUA } else { 0 };
         if data.len() as u64 <= max {
-            let h =
-                RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
+            let h = RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
             return self.call(h, data).await.map(drop);
         }
         futures::future::try_join_all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
@@ -180,9 +165,7 @@ impl Volume {
 
     /// Makes every write completed before this call durable.
     pub async fn flush(&self) -> Result<(), Error> {
-        self.call(RequestHeader::new(Command::Flush, 0, 0, 0, 0), Bytes::new())
-            .await
-            .map(drop)
+        self.call(RequestHeader::new(Command::Flush, 0, 0, 0, 0), Bytes::new()).await.map(drop)
     }
 
     /// Tells the target the range is no longer needed; it reads as zeros after.
@@ -192,13 +175,7 @@ impl Volume {
 
     /// Makes the range read as zeros.
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-        self.ranged(
-            Command::WriteZeroes,
-            if fua { FLAG_FUA } else { 0 },
-            offset,
-            len,
-        )
-        .await
+        self.ranged(Command::WriteZeroes, if fua { FLAG_FUA } else { 0 }, offset, len).await
     }
 
     async fn ranged(&self, cmd: Command, flags: u8, offset: u64, len: u64) -> Result<(), Error> {
@@ -218,14 +195,7 @@ impl Volume {
         h.tag = self.shared.next_tag.fetch_add(1, Relaxed);
         let (done, reply) = oneshot::channel();
         self.shared.stats.requests.fetch_add(1, Relaxed);
-        let s = Submit {
-            header: h,
-            payload,
-            pending: Pending {
-                done,
-                _credit: credit,
-            },
-        };
+        let s = Submit { header: h, payload, pending: Pending { done, _credit: credit } };
         if conn.submit(s).is_err() {
             return Err(Error::ConnectionLost);
         }
@@ -299,22 +269,24 @@ fn start_conn(
 }
 
 async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
-    let mut hs = Handshake::start(&sh.url.authority(), &sh.opts).await?;
-    let info = hs.open(&sh.url.volume, sh.info.session).await?;
+    let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session).await?;
     if info.size != sh.info.size || info.block_size != sh.info.block_size {
         return Err(Error::Unexpected(format!(
             "volume changed: size {} -> {}, block size {} -> {}",
             sh.info.size, info.size, sh.info.block_size, info.block_size
         )));
     }
-    Ok(start_conn(
-        &Arc::downgrade(sh),
-        slot,
-        hs,
-        &info,
-        &sh.opts,
-        &sh.stats,
-    ))
+    Ok(start_conn(&Arc::downgrade(sh), slot, hs, &info, &sh.opts, &sh.stats))
+}
+
+/// Connects and opens the URL's volume, all within the connect timeout.
+async fn open_handshake(url: &BrpUrl, opts: &Options, session: u64) -> Result<(Handshake, OpenInfo), Error> {
+    let work = async {
+        let mut hs = Handshake::start(&url.authority(), opts).await?;
+        let info = hs.open(&url.volume, session).await?;
+        Ok((hs, info))
+    };
+    tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("handshake"))?
 }
 
 /// Re-opens connection `slot` until it works or the volume is dropped.

@@ -18,9 +18,7 @@ pub struct BrpUrl {
 impl BrpUrl {
     pub fn parse(s: &str) -> Result<Self, Error> {
         let bad = |why: &str| Error::Url(format!("{s:?}: {why} (expected brp://HOST:PORT/VOLUME)"));
-        let rest = s
-            .strip_prefix("brp://")
-            .ok_or_else(|| bad("scheme must be brp://"))?;
+        let rest = s.strip_prefix("brp://").ok_or_else(|| bad("scheme must be brp://"))?;
         let (authority, volume) = rest.split_once('/').unwrap_or((rest, ""));
         let (host, port) = if let Some(r) = authority.strip_prefix('[') {
             let (h, after) = r.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
@@ -41,11 +39,7 @@ impl BrpUrl {
         if volume.contains('/') {
             return Err(bad("volume names have no '/'"));
         }
-        Ok(BrpUrl {
-            host: host.to_owned(),
-            port,
-            volume: volume.to_owned(),
-        })
+        Ok(BrpUrl { host: host.to_owned(), port, volume: volume.to_owned() })
     }
 
     /// `host:port` for connecting.
@@ -71,15 +65,9 @@ mod tests {
     #[test]
     fn parses_hosts_ports_and_volumes() {
         let u = BrpUrl::parse("brp://127.0.0.1:9000/vol0").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.volume.as_str()),
-            ("127.0.0.1", 9000, "vol0")
-        );
+        assert_eq!((u.host.as_str(), u.port, u.volume.as_str()), ("127.0.0.1", 9000, "vol0"));
         let u = BrpUrl::parse("brp://[::1]/disk").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.volume.as_str()),
-            ("::1", DEFAULT_PORT, "disk")
-        );
+        assert_eq!((u.host.as_str(), u.port, u.volume.as_str()), ("::1", DEFAULT_PORT, "disk"));
         assert_eq!(u.authority(), "[::1]:10810");
         let u = BrpUrl::parse("brp://localhost:1").unwrap();
         assert_eq!(u.volume, "");

@@ -12,10 +12,7 @@ pub fn request(data: &[u8]) {
             Payload::None | Payload::Skip(_) => assert_eq!(used, REQUEST_LEN),
         }
         assert!(used <= data.len());
-        assert_eq!(
-            Request::decode(data[..REQUEST_LEN].try_into().unwrap()),
-            Ok(r)
-        );
+        assert_eq!(Request::decode(data[..REQUEST_LEN].try_into().unwrap()), Ok(r));
     }
     let _ = parse_reply_head(data);
 }

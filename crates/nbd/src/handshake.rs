@@ -41,22 +41,13 @@ pub fn parse_option(buf: &[u8]) -> Result<Option<(OptionRequest, usize)>, Protoc
     let option = be32(buf, 8);
     let len = be32(buf, 12);
     if len > MAX_OPTION {
-        return Err(ProtocolError::OptionTooLarge {
-            len,
-            limit: MAX_OPTION,
-        });
+        return Err(ProtocolError::OptionTooLarge { len, limit: MAX_OPTION });
     }
     let total = OPTION_HEADER_LEN + len as usize;
     if buf.len() < total {
         return Ok(None);
     }
-    Ok(Some((
-        OptionRequest {
-            option,
-            data: buf[OPTION_HEADER_LEN..total].to_vec(),
-        },
-        total,
-    )))
+    Ok(Some((OptionRequest { option, data: buf[OPTION_HEADER_LEN..total].to_vec() }, total)))
 }
 
 /// Encodes an option request (the client side).
@@ -95,21 +86,14 @@ pub fn parse_reply(buf: &[u8]) -> Result<Option<(OptionReply, usize)>, ProtocolE
     }
     let len = be32(buf, 16);
     if len > MAX_OPTION {
-        return Err(ProtocolError::ReplyTooLarge {
-            len,
-            limit: MAX_OPTION,
-        });
+        return Err(ProtocolError::ReplyTooLarge { len, limit: MAX_OPTION });
     }
     let total = 20 + len as usize;
     if buf.len() < total {
         return Ok(None);
     }
     Ok(Some((
-        OptionReply {
-            option: be32(buf, 8),
-            reply_type: be32(buf, 12),
-            data: buf[20..total].to_vec(),
-        },
+        OptionReply { option: be32(buf, 8), reply_type: be32(buf, 12), data: buf[20..total].to_vec() },
         total,
     )))
 }
@@ -293,11 +277,7 @@ mod tests {
         let mut b = Vec::new();
         encode_option(
             OPT_GO,
-            &InfoRequest {
-                name: "vol0".into(),
-                infos: vec![INFO_BLOCK_SIZE],
-            }
-            .encode(),
+            &InfoRequest { name: "vol0".into(), infos: vec![INFO_BLOCK_SIZE] }.encode(),
             &mut b,
         );
         for cut in 0..b.len() {
@@ -305,32 +285,17 @@ mod tests {
         }
         let (o, n) = parse_option(&b).unwrap().unwrap();
         assert_eq!((o.option, n), (OPT_GO, b.len()));
-        assert_eq!(
-            InfoRequest::parse(&o.data).unwrap(),
-            InfoRequest {
-                name: "vol0".into(),
-                infos: vec![3]
-            }
-        );
+        assert_eq!(InfoRequest::parse(&o.data).unwrap(), InfoRequest { name: "vol0".into(), infos: vec![3] });
         let mut huge = b[..12].to_vec();
         huge.extend_from_slice(&(MAX_OPTION + 1).to_be_bytes());
-        assert!(matches!(
-            parse_option(&huge),
-            Err(ProtocolError::OptionTooLarge { .. })
-        ));
+        assert!(matches!(parse_option(&huge), Err(ProtocolError::OptionTooLarge { .. })));
     }
 
     #[test]
     fn malformed_payloads_are_errors() {
         assert!(InfoRequest::parse(&[0, 0, 0, 9, b'a']).is_err());
-        assert!(
-            InfoRequest::parse(&[0, 0, 0, 0, 0, 2, 0, 1]).is_err(),
-            "promises 2 infos, has 1"
-        );
-        assert!(
-            InfoRequest::parse(&[0, 0, 0, 0, 0, 0, 7]).is_err(),
-            "trailing byte"
-        );
+        assert!(InfoRequest::parse(&[0, 0, 0, 0, 0, 2, 0, 1]).is_err(), "promises 2 infos, has 1");
+        assert!(InfoRequest::parse(&[0, 0, 0, 0, 0, 0, 7]).is_err(), "trailing byte");
         assert!(
             MetaContextRequest::parse(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).is_err(),
             "4G queries, no bytes"

@@ -86,9 +86,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(Request, Payload, usize)>, Pr
 /// Bytes the request at the start of `buf` needs in all, when its header is there.
 pub fn request_need(buf: &[u8]) -> usize {
     match buf.first_chunk().map(Request::decode) {
-        Some(Ok(r)) if r.command == CMD_WRITE && r.length <= MAX_PAYLOAD => {
-            REQUEST_LEN + r.length as usize
-        }
+        Some(Ok(r)) if r.command == CMD_WRITE && r.length <= MAX_PAYLOAD => REQUEST_LEN + r.length as usize,
         _ => REQUEST_LEN,
     }
 }
@@ -117,12 +115,7 @@ pub enum ReplyHead {
     /// A simple reply; a successful READ's data follows (its length is the request's).
     Simple { error: u32, cookie: u64 },
     /// A structured chunk with `length` bytes of payload following.
-    Chunk {
-        flags: u16,
-        kind: u16,
-        cookie: u64,
-        length: u32,
-    },
+    Chunk { flags: u16, kind: u16, cookie: u64, length: u32 },
 }
 
 /// Parses a reply header (the client side): `Ok(None)` until it is whole,
@@ -132,28 +125,17 @@ pub fn parse_reply_head(buf: &[u8]) -> Result<Option<(ReplyHead, usize)>, Protoc
         return Ok(None);
     }
     match be32(buf, 0) {
-        SIMPLE_REPLY_MAGIC if buf.len() >= SIMPLE_REPLY_LEN => Ok(Some((
-            ReplyHead::Simple {
-                error: be32(buf, 4),
-                cookie: be64(buf, 8),
-            },
-            SIMPLE_REPLY_LEN,
-        ))),
+        SIMPLE_REPLY_MAGIC if buf.len() >= SIMPLE_REPLY_LEN => {
+            Ok(Some((ReplyHead::Simple { error: be32(buf, 4), cookie: be64(buf, 8) }, SIMPLE_REPLY_LEN)))
+        }
         STRUCTURED_REPLY_MAGIC if buf.len() >= CHUNK_HEADER_LEN => {
             let length = be32(buf, 16);
             // A data chunk carries at most a maximal payload plus its 8-byte offset.
             if length > MAX_PAYLOAD + 8 {
-                return Err(ProtocolError::ReplyTooLarge {
-                    len: length,
-                    limit: MAX_PAYLOAD + 8,
-                });
+                return Err(ProtocolError::ReplyTooLarge { len: length, limit: MAX_PAYLOAD + 8 });
             }
-            let head = ReplyHead::Chunk {
-                flags: be16(buf, 4),
-                kind: be16(buf, 6),
-                cookie: be64(buf, 8),
-                length,
-            };
+            let head =
+                ReplyHead::Chunk { flags: be16(buf, 4), kind: be16(buf, 6), cookie: be64(buf, 8), length };
             Ok(Some((head, CHUNK_HEADER_LEN)))
         }
         SIMPLE_REPLY_MAGIC | STRUCTURED_REPLY_MAGIC => Ok(None),
@@ -168,63 +150,27 @@ mod tests {
 
     #[test]
     fn write_framing_and_skip() {
-        let r = Request {
-            flags: CMD_FLAG_FUA,
-            command: CMD_WRITE,
-            cookie: 9,
-            offset: 4096,
-            length: 3,
-        };
+        let r = Request { flags: CMD_FLAG_FUA, command: CMD_WRITE, cookie: 9, offset: 4096, length: 3 };
         let mut b = r.encode().to_vec();
         b.extend_from_slice(b"abc");
         for cut in 0..b.len() {
             assert_eq!(parse_request(&b[..cut]), Ok(None));
         }
         assert_eq!(parse_request(&b), Ok(Some((r, Payload::Inline(3), 31))));
-        let big = Request {
-            length: MAX_PAYLOAD + 1,
-            ..r
-        };
-        assert_eq!(
-            parse_request(&big.encode()),
-            Ok(Some((big, Payload::Skip(MAX_PAYLOAD + 1), 28)))
-        );
-        let read = Request {
-            command: CMD_READ,
-            length: u32::MAX,
-            ..r
-        };
-        assert_eq!(
-            parse_request(&read.encode()),
-            Ok(Some((read, Payload::None, 28)))
-        );
+        let big = Request { length: MAX_PAYLOAD + 1, ..r };
+        assert_eq!(parse_request(&big.encode()), Ok(Some((big, Payload::Skip(MAX_PAYLOAD + 1), 28))));
+        let read = Request { command: CMD_READ, length: u32::MAX, ..r };
+        assert_eq!(parse_request(&read.encode()), Ok(Some((read, Payload::None, 28))));
     }
 
     #[test]
     fn reply_heads() {
         let s = simple_reply(EINVAL, 5);
-        assert_eq!(
-            parse_reply_head(&s),
-            Ok(Some((
-                ReplyHead::Simple {
-                    error: EINVAL,
-                    cookie: 5
-                },
-                16
-            )))
-        );
+        assert_eq!(parse_reply_head(&s), Ok(Some((ReplyHead::Simple { error: EINVAL, cookie: 5 }, 16))));
         let c = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 6, 4104);
         assert_eq!(
             parse_reply_head(&c),
-            Ok(Some((
-                ReplyHead::Chunk {
-                    flags: 1,
-                    kind: 1,
-                    cookie: 6,
-                    length: 4104
-                },
-                20
-            )))
+            Ok(Some((ReplyHead::Chunk { flags: 1, kind: 1, cookie: 6, length: 4104 }, 20)))
         );
         assert_eq!(parse_reply_head(&c[..19]), Ok(None));
         assert!(parse_reply_head(&chunk_header(0, 1, 1, u32::MAX)).is_err());

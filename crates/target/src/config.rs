@@ -37,15 +37,10 @@ pub struct VolumeSpec {
 
 impl VolumeSpec {
     pub fn parse(spec: &str) -> Result<Self, ConfigError> {
-        let err = |why: &str| ConfigError::Volume {
-            spec: spec.to_owned(),
-            why: why.to_owned(),
-        };
+        let err = |why: &str| ConfigError::Volume { spec: spec.to_owned(), why: why.to_owned() };
         let (name, rest) = spec.split_once('=').ok_or_else(|| err("missing '='"))?;
         check_name(name).map_err(|why| err(&why))?;
-        let (kind, rest) = rest
-            .split_once(':')
-            .ok_or_else(|| err("missing ':' after the kind"))?;
+        let (kind, rest) = rest.split_once(':').ok_or_else(|| err("missing ':' after the kind"))?;
         let mut parts = rest.split(',');
         let arg = parts.next().unwrap_or_default();
         let (mut read_only, mut direct) = (false, false);
@@ -68,17 +63,10 @@ impl VolumeSpec {
             "memory" => BackendSpec::Memory { size: size(arg)? },
             "null" => BackendSpec::Null { size: size(arg)? },
             "file" if arg.is_empty() => return Err(err("missing path")),
-            "file" => BackendSpec::File {
-                path: PathBuf::from(arg),
-                direct,
-            },
+            "file" => BackendSpec::File { path: PathBuf::from(arg), direct },
             other => return Err(err(&format!("unknown kind {other:?}"))),
         };
-        Ok(VolumeSpec {
-            name: name.to_owned(),
-            backend,
-            read_only,
-        })
+        Ok(VolumeSpec { name: name.to_owned(), backend, read_only })
     }
 }
 
@@ -86,10 +74,7 @@ fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > brp::limits::MAX_NAME {
         return Err(format!("a name has 1 to {} bytes", brp::limits::MAX_NAME));
     }
-    if name
-        .chars()
-        .any(|c| c.is_control() || c == '/' || c == ',' || c == '=')
-    {
+    if name.chars().any(|c| c.is_control() || c == '/' || c == ',' || c == '=') {
         return Err("a name has no control characters, '/', ',' or '='".into());
     }
     Ok(())
@@ -155,11 +140,7 @@ impl Default for ServerConfig {
 impl ServerConfig {
     /// The default volume when none is configured: 1 GiB of memory named `vol0`.
     pub fn default_volume() -> VolumeSpec {
-        VolumeSpec {
-            name: "vol0".into(),
-            backend: BackendSpec::Memory { size: 1 << 30 },
-            read_only: false,
-        }
+        VolumeSpec { name: "vol0".into(), backend: BackendSpec::Memory { size: 1 << 30 }, read_only: false }
     }
 
     /// Checks the whole configuration before anything starts.
@@ -167,10 +148,7 @@ impl ServerConfig {
         let mut names = std::collections::HashSet::new();
         for v in &self.volumes {
             if !names.insert(v.name.as_str()) {
-                return Err(ConfigError::Invalid(format!(
-                    "volume name {:?} given twice",
-                    v.name
-                )));
+                return Err(ConfigError::Invalid(format!("volume name {:?} given twice", v.name)));
             }
         }
         if self.secret.is_none() && !self.brp.ip().is_loopback() {
@@ -187,9 +165,7 @@ impl ServerConfig {
         }
         let max = brp::limits::MAX_PAYLOAD - 64 * 1024;
         if self.max_transfer < 4096 || self.max_transfer > max {
-            return Err(ConfigError::Invalid(format!(
-                "max transfer must be 4096..={max}"
-            )));
+            return Err(ConfigError::Invalid(format!("max transfer must be 4096..={max}")));
         }
         if self.io_threads == 0 || self.io_threads > 1024 {
             return Err(ConfigError::Invalid("io threads must be 1..=1024".into()));
@@ -225,10 +201,7 @@ pub struct ConfigFile {
 
 impl ConfigFile {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let err = |why: String| ConfigError::File {
-            path: path.display().to_string(),
-            why,
-        };
+        let err = |why: String| ConfigError::File { path: path.display().to_string(), why };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
         toml::from_str(&text).map_err(|e| err(e.to_string()))
     }
@@ -236,10 +209,8 @@ impl ConfigFile {
 
 /// Reads a secret file: its bytes, without a trailing newline.
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, ConfigError> {
-    let mut s = std::fs::read(path).map_err(|e| ConfigError::File {
-        path: path.display().to_string(),
-        why: e.to_string(),
-    })?;
+    let mut s = std::fs::read(path)
+        .map_err(|e| ConfigError::File { path: path.display().to_string(), why: e.to_string() })?;
     while matches!(s.last(), Some(b'\n' | b'\r')) {
         s.pop();
     }
@@ -269,18 +240,9 @@ mod tests {
         assert_eq!(v.backend, BackendSpec::Memory { size: 128 << 20 });
         assert!(!v.read_only);
         let v = VolumeSpec::parse("disk=file:/tmp/x.img,direct,ro").unwrap();
-        assert_eq!(
-            v.backend,
-            BackendSpec::File {
-                path: "/tmp/x.img".into(),
-                direct: true
-            }
-        );
+        assert_eq!(v.backend, BackendSpec::File { path: "/tmp/x.img".into(), direct: true });
         assert!(v.read_only);
-        assert_eq!(
-            VolumeSpec::parse("n=null:1G").unwrap().backend,
-            BackendSpec::Null { size: 1 << 30 }
-        );
+        assert_eq!(VolumeSpec::parse("n=null:1G").unwrap().backend, BackendSpec::Null { size: 1 << 30 });
         for bad in [
             "memory:1G",
             "=memory:1G",
@@ -298,10 +260,7 @@ mod tests {
 
     #[test]
     fn non_loopback_needs_a_secret() {
-        let mut c = ServerConfig {
-            brp: "0.0.0.0:10810".parse().unwrap(),
-            ..Default::default()
-        };
+        let mut c = ServerConfig { brp: "0.0.0.0:10810".parse().unwrap(), ..Default::default() };
         assert!(c.validate().is_err());
         c.secret = Some(b"k".to_vec());
         assert!(c.validate().is_ok());
@@ -310,8 +269,7 @@ mod tests {
     #[test]
     fn config_file_parses_and_rejects_unknown_keys() {
         let c: ConfigFile =
-            toml::from_str("brp = \"127.0.0.1:1\"\nvolumes = [\"v=null:1G\"]\nqueue_depth = 8")
-                .unwrap();
+            toml::from_str("brp = \"127.0.0.1:1\"\nvolumes = [\"v=null:1G\"]\nqueue_depth = 8").unwrap();
         assert_eq!(c.volumes, vec!["v=null:1G".to_string()]);
         assert_eq!(c.queue_depth, Some(8));
         assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());

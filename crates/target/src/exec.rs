@@ -10,31 +10,13 @@ use std::io;
 /// A validated operation, ready for the backend.
 #[derive(Debug)]
 pub enum Op {
-    Read {
-        offset: u64,
-        len: u32,
-    },
-    Write {
-        offset: u64,
-        data: Bytes,
-        fua: bool,
-    },
+    Read { offset: u64, len: u32 },
+    Write { offset: u64, data: Bytes, fua: bool },
     Flush,
-    Trim {
-        offset: u64,
-        len: u64,
-    },
-    WriteZeroes {
-        offset: u64,
-        len: u64,
-        flags: ZeroFlags,
-    },
+    Trim { offset: u64, len: u64 },
+    WriteZeroes { offset: u64, len: u64, flags: ZeroFlags },
     Cache,
-    BlockStatus {
-        offset: u64,
-        len: u64,
-        one: bool,
-    },
+    BlockStatus { offset: u64, len: u64, one: bool },
 }
 
 /// What a successful operation gives back.
@@ -51,9 +33,7 @@ pub fn execute(backend: &dyn Backend, op: Op) -> Result<Outcome, Refusal> {
     let r = match op {
         Op::Read { offset, len } => {
             let mut buf = vec![0u8; len as usize];
-            backend
-                .read_at(&mut buf, offset)
-                .map(|()| Outcome::Data(Bytes::from(buf)))
+            backend.read_at(&mut buf, offset).map(|()| Outcome::Data(Bytes::from(buf)))
         }
         Op::Write { offset, data, fua } => done(backend.write_at(&data, offset, fua)),
         Op::Flush => done(backend.flush()),
@@ -108,10 +88,7 @@ impl IoPool {
                     .expect("spawn an I/O thread")
             })
             .collect();
-        IoPool {
-            tx: Some(tx),
-            threads,
-        }
+        IoPool { tx: Some(tx), threads }
     }
 
     pub fn submit(&self, job: impl FnOnce() + Send + 'static) {

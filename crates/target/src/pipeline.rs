@@ -26,6 +26,12 @@ use tracing::debug;
 const BYTE_BUDGET: u32 = 64 << 20;
 /// Credits on the byte budget are counted in KiB.
 const BUDGET_UNIT: u32 = 1024;
+/// How long a reply write may make no progress before the connection is dropped.
+pub const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+/// Most bytes the read buffer grows by ahead of the data that arrived.
+const READ_GROWTH: usize = 1 << 20;
+/// Smallest room offered to each read.
+pub const READ_CHUNK: usize = 256 * 1024;
 /// Most replies gathered into one write.
 const MAX_REPLIES_PER_WRITE: usize = 256;
 
@@ -76,11 +82,7 @@ impl<M: Send + 'static> Dispatcher<M> {
         limits: Limits,
     ) -> (Self, mpsc::UnboundedReceiver<Reply<M>>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let depth = if ctx.config.serial {
-            1
-        } else {
-            ctx.config.queue_depth as usize
-        };
+        let depth = if ctx.config.serial { 1 } else { ctx.config.queue_depth as usize };
         let d = Dispatcher {
             volume,
             ctx,
@@ -103,7 +105,12 @@ impl<M: Send + 'static> Dispatcher<M> {
             IoKind::Read | IoKind::Write => r.length,
             _ => 0,
         });
-        let credit = self.credit(moves).await;
+        // At shutdown a request still waiting for a credit is dropped unanswered:
+        // the connection is closing and the initiator will retry elsewhere.
+        let credit = tokio::select! {
+            c = self.credit(moves) => c,
+            _ = self.ctx.shutdown.cancelled() => return,
+        };
         let stats = &self.ctx.stats;
         Stats::add(&stats.requests, 1);
         let op = req.and_then(|r| self.volume.validate(r, &self.limits));
@@ -112,12 +119,7 @@ impl<M: Send + 'static> Dispatcher<M> {
             Err(refusal) => {
                 debug!(tag, ?refusal, "request refused");
                 Stats::add(&stats.errors, 1);
-                let _ = self.tx.send(Reply {
-                    tag,
-                    meta,
-                    result: Err(refusal),
-                    _credit: credit,
-                });
+                let _ = self.tx.send(Reply { tag, meta, result: Err(refusal), _credit: credit });
                 return;
             }
         };
@@ -138,12 +140,7 @@ impl<M: Send + 'static> Dispatcher<M> {
                 }
                 Err(_) => Stats::add(&ctx.stats.errors, 1),
             }
-            let _ = tx.send(Reply {
-                tag,
-                meta,
-                result,
-                _credit: credit,
-            });
+            let _ = tx.send(Reply { tag, meta, result, _credit: credit });
         };
         if self.volume.backend.may_block() && !self.ctx.config.serial {
             self.ctx.pool.submit(run);
@@ -154,30 +151,23 @@ impl<M: Send + 'static> Dispatcher<M> {
 
     /// Waits for a queue slot and, for requests that move data, byte budget.
     async fn credit(&self, bytes: u64) -> Credit {
-        let slot = self
-            .credits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("never closed");
+        let slot = self.credits.clone().acquire_owned().await.expect("never closed");
         let bytes = if bytes > 0 {
-            let units =
-                (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
-            Some(
-                self.budget
-                    .clone()
-                    .acquire_many_owned(units)
-                    .await
-                    .expect("never closed"),
-            )
+            let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
+            Some(self.budget.clone().acquire_many_owned(units).await.expect("never closed"))
         } else {
             None
         };
-        Credit {
-            _slot: slot,
-            _bytes: bytes,
-        }
+        Credit { _slot: slot, _bytes: bytes }
     }
+}
+
+/// How much to reserve before the next read, when `buffered` bytes are held
+/// and the frame being received needs `need` in all: room for it, but grown a
+/// megabyte at a time, so a header that announces 16 MiB costs memory only as
+/// the bytes really arrive.
+pub fn read_room(buffered: usize, need: usize) -> usize {
+    need.min(buffered + READ_GROWTH).max(READ_CHUNK).saturating_sub(buffered).max(4096)
 }
 
 /// Gathers every reply that is ready into one vectored write, until every

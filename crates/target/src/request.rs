@@ -39,10 +39,7 @@ pub enum IoKind {
 impl IoKind {
     /// Whether the request changes the volume.
     pub fn writes(self) -> bool {
-        matches!(
-            self,
-            IoKind::Write | IoKind::Trim | IoKind::WriteZeroes { .. }
-        )
+        matches!(self, IoKind::Write | IoKind::Trim | IoKind::WriteZeroes { .. })
     }
 }
 

@@ -22,15 +22,9 @@ pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("volume {name}: {source}")]
-    Volume {
-        name: String,
-        source: std::io::Error,
-    },
+    Volume { name: String, source: std::io::Error },
     #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { addr: SocketAddr, source: std::io::Error },
 }
 
 /// A session: the connections an initiator opened to one volume under one id.
@@ -87,19 +81,14 @@ impl Server {
         let mut volumes = HashMap::new();
         let mut order = Vec::new();
         for spec in &config.volumes {
-            let v =
-                Volume::open(spec, config.max_transfer).map_err(|source| ServerError::Volume {
-                    name: spec.name.clone(),
-                    source,
-                })?;
+            let v = Volume::open(spec, config.max_transfer)
+                .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
             info!(volume = %v.name, read_only = v.read_only, "volume ready: {}", v.backend.describe());
             order.push(v.name.clone());
             volumes.insert(v.name.clone(), Arc::new(v));
         }
         let addr = config.brp;
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| ServerError::Bind { addr, source })?;
+        let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
         let ctx = Arc::new(Ctx {
             pool: IoPool::new(config.io_threads),
             config,
@@ -113,15 +102,11 @@ impl Server {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .expect("a bound listener has an address")
+        self.listener.local_addr().expect("a bound listener has an address")
     }
 
     pub fn handle(&self) -> ServerHandle {
-        ServerHandle {
-            ctx: self.ctx.clone(),
-        }
+        ServerHandle { ctx: self.ctx.clone() }
     }
 
     /// Serves until shutdown is requested, then drains and flushes.
@@ -144,7 +129,7 @@ impl Server {
                     }
                 },
             };
-            let _ = stream.set_nodelay(true);
+            tune(&stream);
             Stats::add(&ctx.stats.connections, 1);
             let permit = slots.clone().try_acquire_owned().ok();
             let ctx = ctx.clone();
@@ -157,18 +142,9 @@ impl Server {
         }
         drop(self.listener);
         tracker.close();
-        info!(
-            connections = tracker.len(),
-            "shutting down: no new connections; finishing in-flight requests"
-        );
-        if tokio::time::timeout(ctx.config.drain_timeout, tracker.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                "some connections did not finish within {:?}",
-                ctx.config.drain_timeout
-            );
+        info!(connections = tracker.len(), "shutting down: no new connections; finishing in-flight requests");
+        if tokio::time::timeout(ctx.config.drain_timeout, tracker.wait()).await.is_err() {
+            warn!("some connections did not finish within {:?}", ctx.config.drain_timeout);
         }
         for name in &ctx.order {
             let v = &ctx.volumes[name];
@@ -188,4 +164,15 @@ impl Server {
         );
         Ok(())
     }
+}
+
+/// No Nagle delay (replies leave at once), and keepalive probes so that a
+/// vanished peer does not hold a connection slot forever.
+pub(crate) fn tune(stream: &tokio::net::TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(30))
+        .with_interval(std::time::Duration::from_secs(10))
+        .with_retries(3);
+    let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&ka);
 }

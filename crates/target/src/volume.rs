@@ -28,38 +28,20 @@ impl Volume {
             }
             BackendSpec::Null { size } => Arc::new(NullBackend::new(*size)),
             BackendSpec::File { path, direct } => {
-                let f = FileBackend::open(path, spec.read_only, *direct).map_err(|e| {
-                    io::Error::new(e.kind(), format!("opening {}: {e}", path.display()))
-                })?;
+                let f = FileBackend::open(path, spec.read_only, *direct)
+                    .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
                 Arc::new(f)
             }
         };
-        Ok(Volume::new(
-            spec.name.clone(),
-            backend,
-            spec.read_only,
-            max_transfer,
-        ))
+        Ok(Volume::new(spec.name.clone(), backend, spec.read_only, max_transfer))
     }
 
-    pub fn new(
-        name: String,
-        backend: Arc<dyn Backend>,
-        read_only: bool,
-        max_transfer: u32,
-    ) -> Self {
+    pub fn new(name: String, backend: Arc<dyn Backend>, read_only: bool, max_transfer: u32) -> Self {
         let block_size = backend.block_size();
         // Round the usable size down to whole blocks.
         let size = backend.size() / block_size as u64 * block_size as u64;
         let max_transfer = max_transfer / block_size * block_size;
-        Volume {
-            name,
-            backend,
-            read_only,
-            size,
-            block_size,
-            max_transfer,
-        }
+        Volume { name, backend, read_only, size, block_size, max_transfer }
     }
 
     pub fn flags(&self) -> u32 {
@@ -88,23 +70,13 @@ impl Volume {
         if r.kind.writes() && self.read_only {
             return Err(Refusal::ReadOnly);
         }
-        let IoRequest {
-            kind,
-            offset,
-            length,
-            fua,
-            payload,
-        } = r;
+        let IoRequest { kind, offset, length, fua, payload } = r;
         if kind == IoKind::Flush {
             return Ok(Op::Flush);
         }
         // READ and WRITE move data through memory: bound them; the others may span the volume.
         let moves_data = matches!(kind, IoKind::Read | IoKind::Write);
-        let max = if moves_data {
-            limits.max_io as u64
-        } else {
-            u32::MAX as u64
-        };
+        let max = if moves_data { limits.max_io as u64 } else { u32::MAX as u64 };
         if length == 0 {
             return Err(Refusal::Invalid);
         }
@@ -120,35 +92,15 @@ impl Volume {
             _ => return Err(Refusal::OutOfRange),
         }
         Ok(match kind {
-            IoKind::Read => Op::Read {
-                offset,
-                len: length as u32,
-            },
+            IoKind::Read => Op::Read { offset, len: length as u32 },
             IoKind::Write if payload.len() as u64 != length => return Err(Refusal::Invalid),
-            IoKind::Write => Op::Write {
-                offset,
-                data: payload,
-                fua,
-            },
-            IoKind::Trim => Op::Trim {
-                offset,
-                len: length,
-            },
-            IoKind::WriteZeroes { no_hole, fast_only } => Op::WriteZeroes {
-                offset,
-                len: length,
-                flags: ZeroFlags {
-                    fua,
-                    no_hole,
-                    fast_only,
-                },
-            },
+            IoKind::Write => Op::Write { offset, data: payload, fua },
+            IoKind::Trim => Op::Trim { offset, len: length },
+            IoKind::WriteZeroes { no_hole, fast_only } => {
+                Op::WriteZeroes { offset, len: length, flags: ZeroFlags { fua, no_hole, fast_only } }
+            }
             IoKind::Cache => Op::Cache,
-            IoKind::BlockStatus { one } => Op::BlockStatus {
-                offset,
-                len: length,
-                one,
-            },
+            IoKind::BlockStatus { one } => Op::BlockStatus { offset, len: length, one },
             IoKind::Flush => Op::Flush,
         })
     }
@@ -158,11 +110,7 @@ impl Volume {
 fn check_memory(size: u64) -> io::Result<()> {
     let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
-        line.split_whitespace()
-            .nth(1)?
-            .parse::<u64>()
-            .ok()
-            .map(|kib| kib * 1024)
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
     });
     match total {
         Some(ram) if size > ram => Err(io::Error::new(
@@ -179,35 +127,15 @@ mod tests {
     use bytes::Bytes;
 
     fn vol(read_only: bool) -> Volume {
-        Volume::new(
-            "v".into(),
-            Arc::new(MemoryBackend::new(1 << 20)),
-            read_only,
-            65536,
-        )
+        Volume::new("v".into(), Arc::new(MemoryBackend::new(1 << 20)), read_only, 65536)
     }
 
-    const BRP: Limits = Limits {
-        align: 512,
-        max_io: 65536,
-    };
+    const BRP: Limits = Limits { align: 512, max_io: 65536 };
 
     fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
-        let payload = if kind == IoKind::Write {
-            Bytes::from(vec![0u8; length as usize])
-        } else {
-            Bytes::new()
-        };
-        v.validate(
-            IoRequest {
-                kind,
-                offset,
-                length,
-                fua: false,
-                payload,
-            },
-            &BRP,
-        )
+        let payload =
+            if kind == IoKind::Write { Bytes::from(vec![0u8; length as usize]) } else { Bytes::new() };
+        v.validate(IoRequest { kind, offset, length, fua: false, payload }, &BRP)
     }
 
     #[test]
@@ -216,30 +144,12 @@ mod tests {
         assert!(check(&v, IoKind::Read, 0, 4096).is_ok());
         assert!(check(&v, IoKind::Write, 512, 512).is_ok());
         assert_eq!(check(&v, IoKind::Read, 0, 0).err(), Some(Refusal::Invalid));
-        assert_eq!(
-            check(&v, IoKind::Read, 1, 512).err(),
-            Some(Refusal::Misaligned)
-        );
-        assert_eq!(
-            check(&v, IoKind::Read, 0, 100).err(),
-            Some(Refusal::Misaligned)
-        );
-        assert_eq!(
-            check(&v, IoKind::Read, 1 << 20, 512).err(),
-            Some(Refusal::OutOfRange)
-        );
-        assert_eq!(
-            check(&v, IoKind::Read, u64::MAX - 511, 512).err(),
-            Some(Refusal::OutOfRange)
-        );
-        assert_eq!(
-            check(&v, IoKind::Read, 0, 1 << 17).err(),
-            Some(Refusal::TooLarge)
-        );
-        assert!(
-            check(&v, IoKind::Trim, 0, 1 << 20).is_ok(),
-            "trim is not bound by max transfer"
-        );
+        assert_eq!(check(&v, IoKind::Read, 1, 512).err(), Some(Refusal::Misaligned));
+        assert_eq!(check(&v, IoKind::Read, 0, 100).err(), Some(Refusal::Misaligned));
+        assert_eq!(check(&v, IoKind::Read, 1 << 20, 512).err(), Some(Refusal::OutOfRange));
+        assert_eq!(check(&v, IoKind::Read, u64::MAX - 511, 512).err(), Some(Refusal::OutOfRange));
+        assert_eq!(check(&v, IoKind::Read, 0, 1 << 17).err(), Some(Refusal::TooLarge));
+        assert!(check(&v, IoKind::Trim, 0, 1 << 20).is_ok(), "trim is not bound by max transfer");
         assert!(check(&v, IoKind::BlockStatus { one: false }, 0, 1 << 20).is_ok());
         let short = IoRequest {
             kind: IoKind::Write,
@@ -249,21 +159,9 @@ mod tests {
             payload: Bytes::from(vec![0; 512]),
         };
         assert_eq!(v.validate(short, &BRP).err(), Some(Refusal::Invalid));
-        let bytes = Limits {
-            align: 1,
-            max_io: 1 << 20,
-        };
-        let odd = IoRequest {
-            kind: IoKind::Read,
-            offset: 3,
-            length: 5,
-            fua: false,
-            payload: Bytes::new(),
-        };
-        assert!(
-            v.validate(odd, &bytes).is_ok(),
-            "byte-granular front ends may read any range"
-        );
+        let bytes = Limits { align: 1, max_io: 1 << 20 };
+        let odd = IoRequest { kind: IoKind::Read, offset: 3, length: 5, fua: false, payload: Bytes::new() };
+        assert!(v.validate(odd, &bytes).is_ok(), "byte-granular front ends may read any range");
     }
 
     #[test]
@@ -272,10 +170,7 @@ mod tests {
         assert!(check(&v, IoKind::Read, 0, 512).is_ok());
         assert!(check(&v, IoKind::Flush, 0, 0).is_ok());
         assert!(check(&v, IoKind::Cache, 0, 512).is_ok());
-        let zero = IoKind::WriteZeroes {
-            no_hole: false,
-            fast_only: false,
-        };
+        let zero = IoKind::WriteZeroes { no_hole: false, fast_only: false };
         for k in [IoKind::Write, IoKind::Trim, zero] {
             assert_eq!(check(&v, k, 0, 512).err(), Some(Refusal::ReadOnly), "{k:?}");
         }

@@ -15,12 +15,7 @@ const REQUESTERS: u64 = 64;
 /// 512 B to 1 MiB, each checked against a model of its own region.
 async fn mixed_load(mode: MergeMode, digests: bool, ops: usize) {
     let srv = TestServer::start(&["v=memory:128M"], |_| {}).await;
-    let opts = Options {
-        connections: 4,
-        merge: mode,
-        digests,
-        ..Default::default()
-    };
+    let opts = Options { connections: 4, merge: mode, digests, ..Default::default() };
     let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
     let mismatches = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = Vec::new();
@@ -39,9 +34,7 @@ async fn mixed_load(mode: MergeMode, digests: bool, ops: usize) {
                 let off = rng.gen_range(0..=(REGION - len) / 512) * 512;
                 if rng.gen_bool(0.5) {
                     let data = pattern(r * 1000 + i as u64, off, len as usize);
-                    vol.write_at(&data, base + off, rng.gen_bool(0.1))
-                        .await
-                        .unwrap();
+                    vol.write_at(&data, base + off, rng.gen_bool(0.1)).await.unwrap();
                     model[off as usize..(off + len) as usize].copy_from_slice(&data);
                 } else {
                     let got = vol.read(base + off, len).await.unwrap();
@@ -62,11 +55,7 @@ async fn mixed_load(mode: MergeMode, digests: bool, ops: usize) {
     for t in tasks {
         t.await.unwrap();
     }
-    assert_eq!(
-        mismatches.load(std::sync::atomic::Ordering::Relaxed),
-        0,
-        "mode {mode:?}"
-    );
+    assert_eq!(mismatches.load(std::sync::atomic::Ordering::Relaxed), 0, "mode {mode:?}");
     let st = srv.handle.stats();
     assert_eq!(st.errors, 0);
     let ist = vol.stats();
@@ -74,10 +63,7 @@ async fn mixed_load(mode: MergeMode, digests: bool, ops: usize) {
         MergeMode::Off => assert_eq!(st.batches, 0, "merge off never sends BATCH"),
         // Requests above 128 KiB always travel alone; every small one goes in a BATCH.
         MergeMode::Always | MergeMode::Adaptive => {
-            assert!(
-                ist.batches > 0 && st.batches == ist.batches,
-                "{ist:?} {st:?}"
-            );
+            assert!(ist.batches > 0 && st.batches == ist.batches, "{ist:?} {st:?}");
         }
     }
     drop(vol);
@@ -109,20 +95,11 @@ async fn mixed_load_with_digests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_appear_under_load_and_not_at_qd1() {
     let srv = TestServer::start(&["v=memory:64M"], |_| {}).await;
-    let opts = Options {
-        connections: 1,
-        merge: MergeMode::Adaptive,
-        ..Default::default()
-    };
+    let opts = Options { connections: 1, merge: MergeMode::Adaptive, ..Default::default() };
     let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
     for i in 0..300u64 {
-        vol.write_at(&[i as u8; 4096], i * 4096, false)
-            .await
-            .unwrap();
-        assert_eq!(
-            vol.read(i * 4096, 4096).await.unwrap()[..],
-            [i as u8; 4096][..]
-        );
+        vol.write_at(&[i as u8; 4096], i * 4096, false).await.unwrap();
+        assert_eq!(vol.read(i * 4096, 4096).await.unwrap()[..], [i as u8; 4096][..]);
     }
     let qd1 = srv.handle.stats();
     assert_eq!(qd1.requests, 600);
@@ -147,15 +124,8 @@ async fn batches_appear_under_load_and_not_at_qd1() {
     let batches = load.batches - qd1.batches;
     let batched = load.batched_requests - qd1.batched_requests;
     assert!(batches > 0, "BATCH frames under load: {load:?}");
-    assert!(
-        batched >= 2 * batches,
-        "batches carry several requests: {batched} in {batches}"
-    );
-    assert_eq!(
-        vol.stats().batched_requests,
-        load.batched_requests,
-        "initiator and target agree"
-    );
+    assert!(batched >= 2 * batches, "batches carry several requests: {batched} in {batches}");
+    assert_eq!(vol.stats().batched_requests, load.batched_requests, "initiator and target agree");
     drop(vol);
     srv.stop().await;
 }
@@ -164,16 +134,11 @@ async fn batches_appear_under_load_and_not_at_qd1() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_io_is_split() {
     let srv = TestServer::start(&["v=memory:64M"], |c| c.max_transfer = 64 * 1024).await;
-    let vol = Volume::connect(&srv.url("v"), Options::default())
-        .await
-        .unwrap();
+    let vol = Volume::connect(&srv.url("v"), Options::default()).await.unwrap();
     assert_eq!(vol.info().max_transfer, 64 * 1024);
     let data = pattern(5, 0, 3 << 20);
     vol.write_at(&data, 4096, true).await.unwrap();
-    assert_eq!(
-        vol.read(4096, data.len() as u64).await.unwrap()[..],
-        data[..]
-    );
+    assert_eq!(vol.read(4096, data.len() as u64).await.unwrap()[..], data[..]);
     assert!(srv.handle.stats().requests >= 96);
     drop(vol);
     srv.stop().await;
@@ -182,9 +147,7 @@ async fn large_io_is_split() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trim_and_write_zeroes_read_back_zeros() {
     let srv = TestServer::start(&["v=memory:16M"], |_| {}).await;
-    let vol = Volume::connect(&srv.url("v"), Options::default())
-        .await
-        .unwrap();
+    let vol = Volume::connect(&srv.url("v"), Options::default()).await.unwrap();
     vol.write_at(&[0xAB; 1 << 20], 0, false).await.unwrap();
     vol.trim(0, 256 * 1024).await.unwrap();
     vol.write_zeroes(512 * 1024, 4096, true).await.unwrap();
@@ -204,22 +167,12 @@ async fn file_volume_pool_and_serial_mode() {
     let dir = std::env::temp_dir().join(format!("fastsan-pipeline-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("v.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(32 << 20)
-        .unwrap();
+    std::fs::File::create(&img).unwrap().set_len(32 << 20).unwrap();
     for serial in [false, true] {
         let spec = format!("v=file:{}", img.display());
         let srv = TestServer::start(&[spec.as_str()], |c| c.serial = serial).await;
-        let vol = Volume::connect(
-            &srv.url("v"),
-            Options {
-                connections: 2,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+        let vol =
+            Volume::connect(&srv.url("v"), Options { connections: 2, ..Default::default() }).await.unwrap();
         assert_eq!(vol.info().queue_depth, if serial { 1 } else { 256 });
         let tasks: Vec<_> = (0..16u64)
             .map(|t| {
@@ -227,10 +180,7 @@ async fn file_volume_pool_and_serial_mode() {
                 tokio::spawn(async move {
                     let data = pattern(t + serial as u64, t, 256 * 1024);
                     vol.write_at(&data, t << 20, false).await.unwrap();
-                    assert_eq!(
-                        vol.read(t << 20, data.len() as u64).await.unwrap()[..],
-                        data[..]
-                    );
+                    assert_eq!(vol.read(t << 20, data.len() as u64).await.unwrap()[..], data[..]);
                 })
             })
             .collect();

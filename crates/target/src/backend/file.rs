@@ -37,19 +37,10 @@ impl FileBackend {
         let meta = file.metadata()?;
         let block_device = meta.file_type().is_block_device();
         if !block_device && !meta.is_file() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a regular file or a block device",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file or a block device"));
         }
         let size = file.seek(SeekFrom::End(0))?;
-        Ok(FileBackend {
-            file,
-            path: path.to_owned(),
-            size,
-            direct,
-            block_device,
-        })
+        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device })
     }
 
     fn fd(&self) -> libc::c_int {
@@ -97,8 +88,7 @@ impl FileBackend {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(ZERO_PIECE) as usize;
-            self.file
-                .write_all_at(&zeros.as_slice()[..n], offset + done)?;
+            self.file.write_all_at(&zeros.as_slice()[..n], offset + done)?;
             done += n as u64;
         }
         Ok(())
@@ -106,10 +96,7 @@ impl FileBackend {
 }
 
 fn unsupported(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL)
-    )
+    matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
 }
 
 impl Backend for FileBackend {
@@ -153,11 +140,7 @@ impl Backend for FileBackend {
         let r = if self.block_device {
             self.blk_ioctl(BLKDISCARD, offset, len)
         } else {
-            self.fallocate(
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            )
+            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
         };
         match r {
             // Trim is advisory: a device that cannot discard keeps its data.
@@ -170,18 +153,11 @@ impl Backend for FileBackend {
         let r = if self.block_device {
             self.blk_ioctl(BLKZEROOUT, offset, len)
         } else {
-            self.fallocate(
-                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            )
+            self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
         };
         match r {
             Err(e) if unsupported(&e) && flags.fast_only => {
-                return Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "no fast zeroing here",
-                ));
+                return Err(io::Error::new(io::ErrorKind::Unsupported, "no fast zeroing here"));
             }
             Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len)?,
             r => r?,
@@ -202,22 +178,12 @@ impl Backend for FileBackend {
         while at < end {
             let data = self.seek(at, libc::SEEK_DATA)?.unwrap_or(end).min(end);
             if data > at {
-                out.push(Extent {
-                    len: data - at,
-                    hole: true,
-                });
+                out.push(Extent { len: data - at, hole: true });
                 at = data;
                 continue;
             }
-            let hole = self
-                .seek(at, libc::SEEK_HOLE)?
-                .unwrap_or(end)
-                .min(end)
-                .max(at + 1);
-            out.push(Extent {
-                len: hole - at,
-                hole: false,
-            });
+            let hole = self.seek(at, libc::SEEK_HOLE)?.unwrap_or(end).min(end).max(at + 1);
+            out.push(Extent { len: hole - at, hole: false });
             at = hole;
         }
         Ok(out)
@@ -231,11 +197,7 @@ impl Backend for FileBackend {
     fn describe(&self) -> String {
         format!(
             "{} {}, {} bytes{}",
-            if self.block_device {
-                "block device"
-            } else {
-                "file"
-            },
+            if self.block_device { "block device" } else { "file" },
             self.path.display(),
             self.size,
             if self.direct { ", O_DIRECT" } else { "" }
@@ -306,10 +268,7 @@ mod tests {
         assert!(back.iter().all(|&x| x == 0));
         let map = b.extents(0, 1 << 20).unwrap();
         assert_eq!(map.iter().map(|e| e.len).sum::<u64>(), 1 << 20, "{map:?}");
-        assert!(
-            map.iter().any(|e| e.hole),
-            "a sparse file has holes: {map:?}"
-        );
+        assert!(map.iter().any(|e| e.hole), "a sparse file has holes: {map:?}");
         assert!(map.iter().any(|e| !e.hole), "and data: {map:?}");
         std::fs::remove_file(p).unwrap();
     }

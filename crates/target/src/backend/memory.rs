@@ -18,10 +18,7 @@ pub struct MemoryBackend {
 impl MemoryBackend {
     pub fn new(size: u64) -> Self {
         let n = size.div_ceil(CHUNK) as usize;
-        MemoryBackend {
-            size,
-            chunks: (0..n).map(|_| RwLock::new(None)).collect(),
-        }
+        MemoryBackend { size, chunks: (0..n).map(|_| RwLock::new(None)).collect() }
     }
 
     /// Bytes of RAM the volume holds now.
@@ -37,11 +34,7 @@ impl MemoryBackend {
             let at = offset + done;
             let in_chunk = at % CHUNK;
             let n = (CHUNK - in_chunk).min(len - done);
-            f(
-                (at / CHUNK) as usize,
-                in_chunk as usize,
-                done as usize..(done + n) as usize,
-            );
+            f((at / CHUNK) as usize, in_chunk as usize, done as usize..(done + n) as usize);
             done += n;
         }
     }
@@ -99,10 +92,7 @@ impl Backend for MemoryBackend {
             let hole = self.chunks[i].read().is_none();
             match out.last_mut() {
                 Some(e) if e.hole == hole => e.len += r.len() as u64,
-                _ => out.push(Extent {
-                    len: r.len() as u64,
-                    hole,
-                }),
+                _ => out.push(Extent { len: r.len() as u64, hole }),
             }
         });
         Ok(out)
@@ -125,9 +115,7 @@ mod tests {
     #[test]
     fn writes_across_chunks_read_back_and_zeroing_frees() {
         let m = MemoryBackend::new(3 * CHUNK + 512);
-        let data: Vec<u8> = (0..(CHUNK as usize + 1024))
-            .map(|i| (i % 251) as u8)
-            .collect();
+        let data: Vec<u8> = (0..(CHUNK as usize + 1024)).map(|i| (i % 251) as u8).collect();
         let off = CHUNK - 512;
         m.write_at(&data, off, false).unwrap();
         let mut back = vec![0u8; data.len()];

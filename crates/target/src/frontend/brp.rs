@@ -9,7 +9,7 @@
 //! 4. **reply**: [`crate::pipeline::write_replies`] with this module's [`BrpEncoder`].
 
 use crate::exec::Outcome;
-use crate::pipeline::{write_replies, Dispatcher, Encoded, Encoder, Reply};
+use crate::pipeline::{write_replies, Dispatcher, Encoded, Encoder, Reply, READ_CHUNK};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::server::{Ctx, Session};
 use crate::stats::Stats;
@@ -28,30 +28,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tracing::{debug, info, warn};
-const READ_CHUNK: usize = 256 * 1024;
 
 /// Tells a client over the connection cap that the target is busy.
 pub async fn refuse_busy(mut stream: TcpStream, peer: SocketAddr) {
     warn!(%peer, "connection refused: too many connections");
-    let msg = Message::Error {
-        status: Status::BUSY,
-        message: "too many connections".into(),
-    };
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(1),
-        stream.write_all(&msg.to_vec()),
-    )
-    .await;
+    let msg = Message::Error { status: Status::BUSY, message: "too many connections".into() };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), stream.write_all(&msg.to_vec())).await;
 }
 
 /// Serves one connection until the peer leaves, breaks the protocol, or the
 /// server shuts down.
 pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let hs = tokio::time::timeout(
-        ctx.config.handshake_timeout,
-        handshake(&mut stream, &mut buf, &ctx),
-    );
+    let hs = tokio::time::timeout(ctx.config.handshake_timeout, handshake(&mut stream, &mut buf, &ctx));
     let opened = match hs.await {
         Err(_) => {
             info!(%peer, "handshake timed out; closing");
@@ -74,18 +63,11 @@ pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
         }
         Ok(Ok(o)) => o,
     };
-    let Opened {
-        volume,
-        session,
-        digests,
-    } = opened;
-    info!(%peer, volume = %volume.name, session = format_args!("{session:016x}"), digests, "connection open");
+    let Opened { volume, session, digests } = opened;
+    info!(%peer, volume = %volume.name, session = format_args!("{:016x}", session.id), digests, "connection open");
 
     let (rd, wr) = stream.into_split();
-    let limits = Limits {
-        align: volume.block_size,
-        max_io: volume.max_transfer,
-    };
+    let limits = Limits { align: volume.block_size, max_io: volume.max_transfer };
     let (dispatcher, replies) = Dispatcher::new(volume, ctx.clone(), limits);
     let writer = tokio::spawn(write_replies(wr, replies, BrpEncoder { digests }));
     let end = read_loop(&dispatcher, &ctx, rd, buf, digests).await;
@@ -102,18 +84,12 @@ pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
         (ReadEnd::Eof, Ok(())) => info!(%peer, "connection closed by peer"),
         (ReadEnd::Shutdown, Ok(())) => info!(%peer, "connection drained for shutdown"),
     }
-    let mut sessions = ctx.sessions.lock();
-    if let Some(s) = sessions.get_mut(&session) {
-        s.connections -= 1;
-        if s.connections == 0 {
-            sessions.remove(&session);
-        }
-    }
+    drop(session);
 }
 
 struct Opened {
     volume: Arc<Volume>,
-    session: u64,
+    session: SessionGuard,
     digests: bool,
 }
 
@@ -152,10 +128,7 @@ async fn send(stream: &mut TcpStream, m: &Message) -> io::Result<()> {
 }
 
 async fn refuse(stream: &mut TcpStream, status: Status, why: String) -> HandshakeEnd {
-    let m = Message::Error {
-        status,
-        message: why.clone(),
-    };
+    let m = Message::Error { status, message: why.clone() };
     if let Err(e) = send(stream, &m).await {
         return HandshakeEnd::Io(e);
     }
@@ -167,14 +140,10 @@ async fn refuse(stream: &mut TcpStream, status: Status, why: String) -> Handshak
 async fn handshake(
     stream: &mut TcpStream,
     buf: &mut BytesMut,
-    ctx: &Ctx,
+    ctx: &Arc<Ctx>,
 ) -> Result<Opened, HandshakeEnd> {
     let features = match read_message(stream, buf).await? {
-        Message::Hello {
-            min_version,
-            max_version,
-            features,
-        } => {
+        Message::Hello { min_version, max_version, features } => {
             if !(min_version..=max_version).contains(&brp::VERSION) {
                 let why = format!(
                     "client speaks versions {min_version}..={max_version}, target speaks {}",
@@ -185,46 +154,20 @@ async fn handshake(
             features & brp::FEATURES_KNOWN
         }
         other => {
-            return Err(refuse(
-                stream,
-                Status::UNEXPECTED,
-                format!("expected HELLO, got {other:?}"),
-            )
-            .await)
+            return Err(refuse(stream, Status::UNEXPECTED, format!("expected HELLO, got {other:?}")).await)
         }
     };
     let mut challenge = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut challenge);
-    let auth = if ctx.config.secret.is_some() {
-        AUTH_HMAC_SHA256
-    } else {
-        AUTH_NONE
-    };
-    send(
-        stream,
-        &Message::HelloReply {
-            version: brp::VERSION,
-            auth,
-            features,
-            challenge,
-        },
-    )
-    .await?;
+    let auth = if ctx.config.secret.is_some() { AUTH_HMAC_SHA256 } else { AUTH_NONE };
+    send(stream, &Message::HelloReply { version: brp::VERSION, auth, features, challenge }).await?;
 
     if let Some(secret) = &ctx.config.secret {
         match read_message(stream, buf).await? {
-            Message::Auth {
-                client_nonce,
-                proof,
-            } => {
+            Message::Auth { client_nonce, proof } => {
                 if !brp::auth::verify_client(secret, &challenge, &client_nonce, &proof) {
                     Stats::add(&ctx.stats.auth_failures, 1);
-                    return Err(refuse(
-                        stream,
-                        Status::AUTH_FAILED,
-                        "authentication failed".into(),
-                    )
-                    .await);
+                    return Err(refuse(stream, Status::AUTH_FAILED, "authentication failed".into()).await);
                 }
                 let proof = brp::auth::server_proof(secret, &challenge, &client_nonce);
                 send(stream, &Message::AuthOk { proof }).await?;
@@ -259,27 +202,16 @@ async fn handshake(
                 let session = match join_session(ctx, session, &name) {
                     Ok(s) => s,
                     Err(why) => {
-                        send(
-                            stream,
-                            &Message::Error {
-                                status: Status::UNEXPECTED,
-                                message: why,
-                            },
-                        )
-                        .await?;
+                        send(stream, &Message::Error { status: Status::UNEXPECTED, message: why }).await?;
                         continue;
                     }
                 };
                 let info = OpenInfo {
-                    session,
+                    session: session.id,
                     size: volume.size,
                     block_size: volume.block_size,
                     max_transfer: volume.max_transfer,
-                    queue_depth: if ctx.config.serial {
-                        1
-                    } else {
-                        ctx.config.queue_depth
-                    },
+                    queue_depth: if ctx.config.serial { 1 } else { ctx.config.queue_depth },
                     max_batch: brp::limits::MAX_BATCH,
                     flags: volume.flags(),
                 };
@@ -290,41 +222,50 @@ async fn handshake(
                     digests: features & brp::FEATURE_DIGEST != 0,
                 });
             }
-            other => {
-                return Err(
-                    refuse(stream, Status::UNEXPECTED, format!("unexpected {other:?}")).await,
-                )
-            }
+            other => return Err(refuse(stream, Status::UNEXPECTED, format!("unexpected {other:?}")).await),
         }
     }
 }
 
 /// Joins session `id` (0: a new one). An unknown id is taken as given, so an
-/// initiator keeps its session across a target restart.
-fn join_session(ctx: &Ctx, id: u64, volume: &str) -> Result<u64, String> {
+/// initiator keeps its session across a target restart. The connection
+/// leaves the session when the guard drops, whatever path it ends by.
+fn join_session(ctx: &Arc<Ctx>, id: u64, volume: &str) -> Result<SessionGuard, String> {
     let mut sessions = ctx.sessions.lock();
-    let id = if id == 0 {
+    let id = if id != 0 {
+        id
+    } else {
         loop {
             let r = rand::random::<u64>();
             if r != 0 && !sessions.contains_key(&r) {
                 break r;
             }
         }
-    } else {
-        id
     };
-    let s = sessions.entry(id).or_insert_with(|| Session {
-        volume: volume.to_owned(),
-        connections: 0,
-    });
+    let s = sessions.entry(id).or_insert_with(|| Session { volume: volume.to_owned(), connections: 0 });
     if s.volume != volume {
-        return Err(format!(
-            "session {id:016x} belongs to volume {:?}",
-            s.volume
-        ));
+        return Err(format!("session {id:016x} belongs to volume {:?}", s.volume));
     }
     s.connections += 1;
-    Ok(id)
+    Ok(SessionGuard { ctx: ctx.clone(), id })
+}
+
+/// A connection's membership in a session.
+struct SessionGuard {
+    ctx: Arc<Ctx>,
+    id: u64,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        let mut sessions = self.ctx.sessions.lock();
+        if let Some(s) = sessions.get_mut(&self.id) {
+            s.connections -= 1;
+            if s.connections == 0 {
+                sessions.remove(&self.id);
+            }
+        }
+    }
 }
 
 enum ReadEnd {
@@ -349,8 +290,7 @@ async fn read_loop(
                     let bytes = buf.split_to(frame.frame_len).freeze();
                     let at = frame.payload_at;
                     let payload = bytes.slice(at..at + frame.header.payload_len as usize);
-                    if let Err(e) = on_frame(d, ctx, frame.header, payload, frame.payload_ok).await
-                    {
+                    if let Err(e) = on_frame(d, ctx, frame.header, payload, frame.payload_ok).await {
                         return ReadEnd::Protocol(e);
                     }
                 }
@@ -361,7 +301,7 @@ async fn read_loop(
         if ctx.shutdown.is_cancelled() {
             return ReadEnd::Shutdown;
         }
-        buf.reserve(need.max(READ_CHUNK).saturating_sub(buf.len()));
+        buf.reserve(crate::pipeline::read_room(buf.len(), need));
         let n = tokio::select! {
             r = rd.read_buf(&mut buf) => r,
             _ = ctx.shutdown.cancelled() => return ReadEnd::Shutdown,
@@ -386,14 +326,16 @@ async fn on_frame(
         d.dispatch(h.tag, (), decode(&h, payload, ok)).await;
         return Ok(());
     }
+    if !ok {
+        return Err(ProtocolError::BatchDigest);
+    }
     let body = BatchBody::parse(h.count, &payload)?;
     Stats::add(&ctx.stats.batches, 1);
     Stats::add(&ctx.stats.batched_requests, body.len() as u64);
     for sub in body.iter() {
         let at = sub.payload_at;
         let p = payload.slice(at..at + sub.header.payload_len as usize);
-        d.dispatch(sub.header.tag, (), decode(&sub.header, p, ok))
-            .await;
+        d.dispatch(sub.header.tag, (), decode(&sub.header, p, ok)).await;
     }
     Ok(())
 }
@@ -406,10 +348,7 @@ fn decode(h: &RequestHeader, payload: Bytes, payload_ok: bool) -> Result<IoReque
         Command::Write => IoKind::Write,
         Command::Flush => IoKind::Flush,
         Command::Trim => IoKind::Trim,
-        Command::WriteZeroes => IoKind::WriteZeroes {
-            no_hole: false,
-            fast_only: false,
-        },
+        Command::WriteZeroes => IoKind::WriteZeroes { no_hole: false, fast_only: false },
         Command::Batch => return Err(Refusal::Invalid),
         Command::Unknown(_) => return Err(Refusal::Unsupported),
     };
@@ -419,13 +358,7 @@ fn decode(h: &RequestHeader, payload: Bytes, payload_ok: bool) -> Result<IoReque
     if !payload_ok {
         return Err(Refusal::DigestMismatch);
     }
-    Ok(IoRequest {
-        kind,
-        offset: h.offset,
-        length: h.length as u64,
-        fua: h.is_fua(),
-        payload,
-    })
+    Ok(IoRequest { kind, offset: h.offset, length: h.length as u64, fua: h.is_fua(), payload })
 }
 
 /// The one mapping from a refusal to a BRP status.
@@ -469,23 +402,12 @@ impl Encoder for BrpEncoder {
         };
         let payload_len = data.as_ref().map_or(0, |d| d.len() as u32);
         let start = scratch.len();
-        let (h, n) = ReplyHeader {
-            status: st,
-            tag: r.tag,
-            payload_len,
-        }
-        .encode_wire(self.digests);
+        let (h, n) = ReplyHeader { status: st, tag: r.tag, payload_len }.encode_wire(self.digests);
         scratch.extend_from_slice(&h[..n]);
         let head = start..scratch.len();
         if self.digests && payload_len > 0 {
-            scratch.extend(brp::request::encode_data_digest(
-                data.as_deref().unwrap_or_default(),
-            ));
+            scratch.extend(brp::request::encode_data_digest(data.as_deref().unwrap_or_default()));
         }
-        Encoded {
-            head: head.clone(),
-            data,
-            tail: head.end..scratch.len(),
-        }
+        Encoded { head: head.clone(), data, tail: head.end..scratch.len() }
     }
 }

@@ -22,10 +22,7 @@ impl TestServer {
     pub async fn start(volumes: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let mut c = ServerConfig {
             brp: "127.0.0.1:0".parse().unwrap(),
-            volumes: volumes
-                .iter()
-                .map(|v| VolumeSpec::parse(v).unwrap())
-                .collect(),
+            volumes: volumes.iter().map(|v| VolumeSpec::parse(v).unwrap()).collect(),
             ..Default::default()
         };
         tweak(&mut c);
@@ -42,11 +39,7 @@ impl TestServer {
 
     pub async fn stop(self) {
         self.handle.shutdown();
-        tokio::time::timeout(Duration::from_secs(10), self.task)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap().unwrap();
     }
 }
 
@@ -59,11 +52,7 @@ pub struct Raw {
 
 impl Raw {
     pub async fn connect(addr: SocketAddr) -> Raw {
-        Raw {
-            s: TcpStream::connect(addr).await.unwrap(),
-            buf: Vec::new(),
-            digests: false,
-        }
+        Raw { s: TcpStream::connect(addr).await.unwrap(), buf: Vec::new(), digests: false }
     }
 
     /// Connects, says HELLO (no features) and opens `volume`.
@@ -73,24 +62,13 @@ impl Raw {
 
     pub async fn open_with(addr: SocketAddr, volume: &str, features: u32) -> (Raw, OpenInfo) {
         let mut r = Raw::connect(addr).await;
-        let Message::HelloReply { features, .. } = r
-            .ask(&Message::Hello {
-                min_version: 1,
-                max_version: 1,
-                features,
-            })
-            .await
+        let Message::HelloReply { features, .. } =
+            r.ask(&Message::Hello { min_version: 1, max_version: 1, features }).await
         else {
             panic!("expected HELLO_REPLY")
         };
         r.digests = features & brp::FEATURE_DIGEST != 0;
-        let Message::OpenReply(info) = r
-            .ask(&Message::Open {
-                session: 0,
-                name: volume.into(),
-            })
-            .await
-        else {
+        let Message::OpenReply(info) = r.ask(&Message::Open { session: 0, name: volume.into() }).await else {
             panic!("expected OPEN_REPLY")
         };
         (r, info)
@@ -132,15 +110,11 @@ impl Raw {
     pub async fn reply(&mut self) -> (ReplyHeader, Vec<u8>) {
         loop {
             if let Some(f) = parse_reply(&self.buf, self.digests).unwrap() {
-                let data =
-                    self.buf[f.payload_at..f.payload_at + f.header.payload_len as usize].to_vec();
+                let data = self.buf[f.payload_at..f.payload_at + f.header.payload_len as usize].to_vec();
                 self.buf.drain(..f.frame_len);
                 return (f.header, data);
             }
-            assert!(
-                self.fill().await,
-                "server closed while a reply was expected"
-            );
+            assert!(self.fill().await, "server closed while a reply was expected");
         }
     }
 
@@ -174,7 +148,5 @@ impl Raw {
 
 /// A pattern that differs by offset and seed, so misplaced data is caught.
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8)
-        .collect()
+    (0..len as u64).map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8).collect()
 }
