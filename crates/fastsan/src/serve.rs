@@ -8,9 +8,11 @@ use target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSp
 use target::Server;
 use tracing::info;
 
-/// Serve volumes over BRP until SIGINT or SIGTERM.
+/// Serve volumes over BRP and NBD until SIGINT or SIGTERM.
 ///
-/// With no volume given, serves one 1 GiB memory volume named vol0.
+/// With no volume given, serves one 1 GiB memory volume named vol0. Every
+/// volume is also an NBD export of the same name (and the default export ""
+/// when there is exactly one), for qemu, nbd-client, nbdinfo, fio...
 /// Examples:
 ///   fastsan serve
 ///   fastsan serve --volume data=memory:4G --volume disk=file:/dev/nvme0n1,direct
@@ -29,7 +31,19 @@ pub struct Args {
     /// Address of the BRP listener [default: 127.0.0.1:10810].
     #[arg(long, value_name = "ADDR")]
     brp: Option<SocketAddr>,
-    /// File holding the shared secret clients must prove they know. Required
+    /// Address of the NBD listener [default: 127.0.0.1:10809].
+    #[arg(long, value_name = "ADDR", conflicts_with = "no_nbd")]
+    nbd: Option<SocketAddr>,
+    /// Serve no NBD over TCP.
+    #[arg(long)]
+    no_nbd: bool,
+    /// Also serve NBD on this unix socket.
+    #[arg(long, value_name = "PATH")]
+    nbd_unix: Option<PathBuf>,
+    /// Allow NBD on a non-loopback address (NBD has no authentication yet).
+    #[arg(long)]
+    nbd_allow_remote: bool,
+    /// File holding the shared secret BRP clients must prove they know. Required
     /// when listening on an address other than loopback.
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
@@ -63,6 +77,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(b) = a.brp.or(file.brp) {
         c.brp = b;
     }
+    if let Some(n) = a.nbd.or(file.nbd) {
+        c.nbd = Some(n);
+    }
+    if a.no_nbd {
+        c.nbd = None;
+    }
+    c.nbd_unix = a.nbd_unix.or(file.nbd_unix);
+    c.nbd_allow_remote = a.nbd_allow_remote;
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
     }
@@ -100,6 +122,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         handle.shutdown();
     });
     println!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
+    if let Some(a) = server.nbd_addr() {
+        println!("fastsan: serving NBD on {a}");
+    }
     server.run().await?;
     Ok(())
 }

@@ -102,6 +102,12 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub brp: SocketAddr,
+    /// NBD listener on TCP; `None` disables it.
+    pub nbd: Option<SocketAddr>,
+    /// NBD listener on a unix socket.
+    pub nbd_unix: Option<PathBuf>,
+    /// Allow NBD (which has no authentication here yet) on a non-loopback address.
+    pub nbd_allow_remote: bool,
     pub volumes: Vec<VolumeSpec>,
     /// Shared secret; when set, every connection must authenticate.
     pub secret: Option<Vec<u8>>,
@@ -124,6 +130,9 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             brp: "127.0.0.1:10810".parse().expect("valid address"),
+            nbd: Some("127.0.0.1:10809".parse().expect("valid address")),
+            nbd_unix: None,
+            nbd_allow_remote: false,
             volumes: Vec::new(),
             secret: None,
             handshake_timeout: Duration::from_secs(10),
@@ -157,6 +166,14 @@ impl ServerConfig {
                 self.brp
             )));
         }
+        if let Some(a) = self.nbd {
+            if !a.ip().is_loopback() && !self.nbd_allow_remote {
+                return Err(ConfigError::Invalid(format!(
+                    "NBD on {a} (not loopback): NBD has no authentication here yet; \
+                     pass --nbd-allow-remote to serve it anyway"
+                )));
+            }
+        }
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return Err(ConfigError::Invalid("the secret file is empty".into()));
         }
@@ -178,6 +195,8 @@ impl ServerConfig {
 ///
 /// ```toml
 /// brp = "127.0.0.1:10810"
+/// nbd = "127.0.0.1:10809"
+/// nbd_unix = "/run/fastsan/nbd.sock"
 /// secret_file = "/etc/fastsan/secret"
 /// volumes = ["vol0=memory:1G", "disk=file:/dev/nvme0n1,direct"]
 /// queue_depth = 256
@@ -189,6 +208,8 @@ impl ServerConfig {
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
     pub brp: Option<SocketAddr>,
+    pub nbd: Option<SocketAddr>,
+    pub nbd_unix: Option<PathBuf>,
     pub secret_file: Option<PathBuf>,
     #[serde(default)]
     pub volumes: Vec<String>,

@@ -2,3 +2,4 @@
 //! validated operations on the same volumes.
 
 pub mod brp;
+pub mod nbd;

@@ -14,6 +14,7 @@ use tokio::net::TcpStream;
 
 pub struct TestServer {
     pub addr: SocketAddr,
+    pub nbd: Option<SocketAddr>,
     pub handle: ServerHandle,
     pub task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -22,15 +23,17 @@ impl TestServer {
     pub async fn start(volumes: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let mut c = ServerConfig {
             brp: "127.0.0.1:0".parse().unwrap(),
+            nbd: Some("127.0.0.1:0".parse().unwrap()),
             volumes: volumes.iter().map(|v| VolumeSpec::parse(v).unwrap()).collect(),
             ..Default::default()
         };
         tweak(&mut c);
         let server = Server::bind(c).await.expect("server binds");
         let addr = server.local_addr();
+        let nbd = server.nbd_addr();
         let handle = server.handle();
         let task = tokio::spawn(server.run());
-        TestServer { addr, handle, task }
+        TestServer { addr, nbd, handle, task }
     }
 
     pub fn url(&self, volume: &str) -> String {

@@ -1,0 +1,93 @@
+//! Helpers for tests that run the `fastsan` binary.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_fastsan");
+
+/// A `fastsan serve` process; killed when dropped.
+pub struct Served {
+    pub child: Child,
+    pub addr: String,
+    pub nbd: String,
+}
+
+impl Served {
+    pub fn start(args: &[&str]) -> Served {
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(args)
+            .args(["--nbd", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("fastsan runs");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut addr_after_on = || {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            let addr = line.split_whitespace().skip_while(|w| *w != "on").nth(1);
+            addr.unwrap_or_else(|| panic!("no address in {line:?}")).to_owned()
+        };
+        let addr = addr_after_on();
+        let nbd = addr_after_on();
+        Served { child, addr, nbd }
+    }
+
+    pub fn url(&self, vol: &str) -> String {
+        format!("brp://{}/{vol}", self.addr)
+    }
+
+    /// Sends a signal and waits for the exit; returns the status and stderr.
+    pub fn signal(mut self, sig: &str) -> (std::process::ExitStatus, String) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-s", sig, &pid]).status().unwrap().success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "fastsan did not exit after SIG{sig}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        (status, err)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn fastsan(args: &[&str]) -> std::process::Output {
+    Command::new(BIN).args(args).output().expect("fastsan runs")
+}
+
+pub fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fastsan-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn random_file(path: &Path, len: usize) -> Vec<u8> {
+    use rand::RngCore;
+    let mut data = vec![0u8; len];
+    rand::thread_rng().fill_bytes(&mut data);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+impl Served {
+    /// `nbd://HOST:PORT/EXPORT` of this target.
+    pub fn nbd_url(&self, export: &str) -> String {
+        format!("nbd://{}/{export}", self.nbd)
+    }
+}

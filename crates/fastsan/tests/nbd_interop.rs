@@ -1,0 +1,237 @@
+//! The NBD front end with the real clients from Debian's packages: qemu-img,
+//! qemu-io, nbdinfo, nbdcopy, fio's nbd engine, and nbdfuse with a loop
+//! device and ext4 on top. `scripts/test.sh` installs them.
+
+mod common;
+
+use common::*;
+use initiator::{BlockingVolume, Options};
+use std::path::Path;
+use std::process::Command;
+
+/// Runs a tool (bounded to two minutes); returns success and its output.
+fn tool(name: &str, args: &[&str]) -> (bool, String) {
+    let found = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().unwrap();
+    assert!(found.status.success(), "{name} is missing: scripts/test.sh installs it");
+    let out = Command::new("timeout").arg("120").arg(name).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+fn ok(name: &str, args: &[&str]) -> String {
+    let (success, text) = tool(name, args);
+    assert!(success, "{name} {args:?} failed:\n{text}");
+    text
+}
+
+fn serve(volumes: &[&str]) -> Served {
+    let mut args = vec!["--brp", "127.0.0.1:0"];
+    for v in volumes {
+        args.extend(["--volume", v]);
+    }
+    Served::start(&args)
+}
+
+#[test]
+fn qemu_img_info_convert_compare() {
+    let dir = temp_dir("qemu-img");
+    let src = dir.join("src.raw");
+    let back = dir.join("back.raw");
+    let data = random_file(&src, 32 << 20);
+    let s = serve(&["v=memory:32M"]);
+    let url = s.nbd_url("v");
+    let info = ok("qemu-img", &["info", &url]);
+    assert!(info.contains("32 MiB (33554432 bytes)"), "{info}");
+    ok("qemu-img", &["convert", "-n", "-f", "raw", "-O", "raw", src.to_str().unwrap(), &url]);
+    let cmp = ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &url]);
+    assert!(cmp.contains("Images are identical"), "{cmp}");
+    ok("qemu-img", &["convert", "-f", "raw", "-O", "raw", &url, back.to_str().unwrap()]);
+    assert!(std::fs::read(&back).unwrap() == data);
+    // A change made through NBD makes compare fail, as it must.
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 0x5a 4096 4096", &url]);
+    let (same, _) = tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &url]);
+    assert!(!same, "compare notices the difference");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn qemu_io_patterns_zeroes_and_discards() {
+    let s = serve(&["v=memory:16M"]);
+    let url = s.nbd_url("v");
+    let cmds = [
+        "write -P 0xab 0 1M",
+        "read -P 0xab 0 1M",
+        "write -P 0xcd -f 1M 64k", // FUA
+        "read -P 0xcd 1M 64k",
+        "write -z 1M 1M",
+        "read -P 0 1M 1M",
+        "write -P 0xee 2M 1M",
+        "discard 2M 1M",
+        "read -P 0 2M 1M",
+        "write -P 0x11 513 1000", // byte-granular, unaligned
+        "read -P 0x11 513 1000",
+        "read -P 0xab 0 513",
+        "flush",
+    ];
+    let mut args = vec!["-f", "raw"];
+    for c in &cmds {
+        args.extend(["-c", c]);
+    }
+    args.push(&url);
+    let out = ok("qemu-io", &args);
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    assert_eq!(out.matches("read ").count(), 6, "{out}");
+    // And a pattern that is not there is reported: the check can fail.
+    let (_, out) = tool("qemu-io", &["-f", "raw", "-c", "read -P 0x77 0 4k", &url]);
+    assert!(out.contains("Pattern verification failed"), "{out}");
+}
+
+#[test]
+fn nbdinfo_list_map_and_flags() {
+    let s = serve(&["rw=memory:8M", "ro=memory:4M,ro"]);
+    let list = ok("nbdinfo", &["--list", &format!("nbd://{}", s.nbd)]);
+    assert!(list.contains("export=\"rw\"") && list.contains("export=\"ro\""), "{list}");
+    let url = s.nbd_url("rw");
+    // A fresh memory volume is one hole that reads as zeros.
+    let map = ok("nbdinfo", &["--map", &url]);
+    assert!(map.contains("hole,zero") && !map.contains("data"), "{map}");
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 1 1M 4k", &url]);
+    let map = ok("nbdinfo", &["--map", &url]);
+    assert!(map.contains("data") && map.contains("hole,zero"), "{map}");
+    for can in ["flush", "fua", "trim", "zero", "fast-zero", "cache", "df", "multi-conn", "structured-reply"]
+    {
+        let (yes, out) = tool("nbdinfo", &["--can", can, &url]);
+        assert!(yes, "rw can {can}: {out}");
+    }
+    let ro = s.nbd_url("ro");
+    assert!(tool("nbdinfo", &["--is", "read-only", &ro]).0);
+    assert!(!tool("nbdinfo", &["--is", "read-only", &url]).0);
+    for cannot in ["trim", "zero", "fast-zero"] {
+        assert!(!tool("nbdinfo", &["--can", cannot, &ro]).0, "ro cannot {cannot}");
+    }
+    let size = ok("nbdinfo", &["--size", &ro]);
+    assert_eq!(size.trim(), "4194304");
+}
+
+#[test]
+fn nbdcopy_round_trip() {
+    let dir = temp_dir("nbdcopy");
+    let src = dir.join("src.raw");
+    let back = dir.join("back.raw");
+    let data = random_file(&src, 48 << 20);
+    let s = serve(&["v=memory:48M"]);
+    let url = s.nbd_url("v");
+    ok("nbdcopy", &[src.to_str().unwrap(), &url]);
+    ok("nbdcopy", &[&url, back.to_str().unwrap()]);
+    assert!(std::fs::read(&back).unwrap() == data);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn fio_nbd_engine_random_writes_verify() {
+    let s = serve(&["v=memory:64M"]);
+    let uri = format!("--uri={}", s.nbd_url("v"));
+    let out = ok(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=16M",
+            "--offset_increment=16M",
+            "--numjobs=4",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--group_reporting",
+        ],
+    );
+    assert!(out.contains("err= 0"), "{out}");
+    assert!(!out.contains("verify: bad"), "{out}");
+}
+
+/// Unmounts, detaches and kills on every exit path, so a failing test leaves
+/// no mount, loop device or FUSE process behind.
+struct Stack<'a> {
+    fuse_dir: &'a Path,
+    mnt: &'a Path,
+    loopdev: Option<String>,
+    fuse: Option<std::process::Child>,
+}
+
+impl Drop for Stack<'_> {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.mnt).output();
+        if let Some(l) = &self.loopdev {
+            let _ = Command::new("losetup").args(["-d", l]).output();
+        }
+        let _ = Command::new("fusermount3").arg("-u").arg(self.fuse_dir).output();
+        if let Some(mut f) = self.fuse.take() {
+            let _ = f.kill();
+            let _ = f.wait();
+        }
+    }
+}
+
+#[test]
+fn nbdfuse_loop_ext4_files_survive_remount_and_fsck() {
+    let dir = temp_dir("nbdfuse");
+    let fuse_dir = dir.join("fuse");
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let s = serve(&["disk=memory:128M"]);
+    tool("nbdfuse", &["--version"]);
+    let disk = fuse_dir.join("disk");
+    let child = Command::new("nbdfuse").arg(&disk).arg(s.nbd_url("disk")).spawn().unwrap();
+    let mut stack = Stack { fuse_dir: &fuse_dir, mnt: &mnt, loopdev: None, fuse: Some(child) };
+    for _ in 0..100 {
+        if std::fs::metadata(&disk).map(|m| m.len()).unwrap_or(0) == 128 << 20 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let dev = ok("losetup", &["-f", "--show", disk.to_str().unwrap()]).trim().to_owned();
+    stack.loopdev = Some(dev.clone());
+    ok("mkfs.ext4", &["-q", &dev]);
+    let m = mnt.to_str().unwrap();
+    ok("mount", &[&dev, m]);
+    let files: Vec<(String, Vec<u8>)> = (0..8)
+        .map(|i| {
+            (format!("f{i}"), {
+                let mut d = vec![0u8; (i + 1) * 700_001];
+                rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut d);
+                d
+            })
+        })
+        .collect();
+    for (name, d) in &files {
+        std::fs::write(mnt.join(name), d).unwrap();
+    }
+    ok("umount", &[m]);
+    let fsck = ok("fsck.ext4", &["-fn", &dev]);
+    assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
+    ok("mount", &[&dev, m]);
+    for (name, d) in &files {
+        assert!(std::fs::read(mnt.join(name)).unwrap() == *d, "{name} differs after remount");
+    }
+    drop(stack);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn brp_and_nbd_see_the_same_bytes() {
+    let s = serve(&["v=memory:16M"]);
+    let url = s.nbd_url("v");
+    let vol = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+    vol.write_at(&[0x42; 65536], 1 << 20, false).unwrap();
+    vol.flush().unwrap();
+    let out = ok("qemu-io", &["-f", "raw", "-c", "read -P 0x42 1M 64k", &url]);
+    assert!(!out.contains("verification failed"), "{out}");
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 0x24 4M 128k", "-c", "flush", &url]);
+    let mut back = vec![0u8; 128 * 1024];
+    vol.read_at(&mut back, 4 << 20).unwrap();
+    assert!(back.iter().all(|&b| b == 0x24), "a write through NBD reads back through BRP");
+}
