@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Tools like losetup and mkfs.ext4 live in sbin, which a CI shell may not have on PATH.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+
 say() { printf '\n== %s\n' "$*"; }
 
 if ! command -v cargo >/dev/null; then
@@ -13,14 +16,18 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 
-# Debian packages the tests use (kill, for the signal tests; more tools join
-# this list as interop tests arrive).
+# Debian packages the tests use: the real NBD clients for the interop tests
+# (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdfuse, fio), and what the nbdfuse
+# test stacks on top (loop device, ext4, fusermount3), and kill for signals.
 need_apt=()
-for tool in kill:procps; do
+for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
+            nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
+            losetup:mount mount:mount; do
   command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt || true

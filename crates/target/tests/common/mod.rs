@@ -153,3 +153,141 @@ impl Raw {
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
     (0..len as u64).map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8).collect()
 }
+
+/// An NBD client that speaks through raw bytes.
+pub struct NbdRaw {
+    pub s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl NbdRaw {
+    /// Connects, checks the greeting and sends client flags.
+    pub async fn connect(addr: SocketAddr) -> NbdRaw {
+        let mut r = NbdRaw { s: TcpStream::connect(addr).await.unwrap(), buf: Vec::new() };
+        let g = r.take(18).await.expect("greeting");
+        assert_eq!(
+            &g[..16],
+            &[&nbd::consts::NBDMAGIC.to_be_bytes()[..], &nbd::consts::IHAVEOPT.to_be_bytes()[..]].concat()[..]
+        );
+        r.s.write_all(&(nbd::consts::FLAG_C_FIXED_NEWSTYLE | nbd::consts::FLAG_C_NO_ZEROES).to_be_bytes())
+            .await
+            .unwrap();
+        r
+    }
+
+    /// Reads exactly n bytes (None if the server closed first).
+    pub async fn take(&mut self, n: usize) -> Option<Vec<u8>> {
+        while self.buf.len() < n {
+            let mut tmp = vec![0u8; 1 << 20];
+            match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut tmp))
+                .await
+                .expect("server answers in time")
+            {
+                Ok(0) | Err(_) => return None,
+                Ok(k) => self.buf.extend_from_slice(&tmp[..k]),
+            }
+        }
+        Some(self.buf.drain(..n).collect())
+    }
+
+    pub async fn option(&mut self, option: u32, data: &[u8]) {
+        let mut v = Vec::new();
+        nbd::handshake::encode_option(option, data, &mut v);
+        self.s.write_all(&v).await.unwrap();
+    }
+
+    /// The next option reply: (type, data), or None if the server closed.
+    pub async fn option_reply(&mut self) -> Option<(u32, Vec<u8>)> {
+        let h = self.take(20).await?;
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let data = self.take(len).await?;
+        Some((u32::from_be_bytes(h[12..16].try_into().unwrap()), data))
+    }
+
+    /// Negotiates and enters transmission; returns the export size and flags.
+    pub async fn go(&mut self, name: &str, structured: bool, allocation: bool) -> (u64, u16) {
+        use nbd::consts::*;
+        if structured {
+            self.option(OPT_STRUCTURED_REPLY, &[]).await;
+            assert_eq!(self.option_reply().await.unwrap().0, REP_ACK);
+        }
+        if allocation {
+            let q = nbd::handshake::MetaContextRequest {
+                name: name.into(),
+                queries: vec![CONTEXT_BASE_ALLOCATION.into()],
+            };
+            self.option(OPT_SET_META_CONTEXT, &q.encode()).await;
+            assert_eq!(self.option_reply().await.unwrap().0, REP_META_CONTEXT);
+            assert_eq!(self.option_reply().await.unwrap().0, REP_ACK);
+        }
+        let req = nbd::handshake::InfoRequest { name: name.into(), infos: vec![] };
+        self.option(OPT_GO, &req.encode()).await;
+        let mut export = None;
+        loop {
+            let (t, d) = self.option_reply().await.expect("GO replies");
+            match t {
+                REP_INFO if d[..2] == [0, 0] => {
+                    export = Some((
+                        u64::from_be_bytes(d[2..10].try_into().unwrap()),
+                        u16::from_be_bytes([d[10], d[11]]),
+                    ))
+                }
+                REP_INFO => {}
+                REP_ACK => return export.expect("INFO_EXPORT before ACK"),
+                other => panic!("GO failed with {other:#x}: {}", String::from_utf8_lossy(&d)),
+            }
+        }
+    }
+
+    pub async fn request(
+        &mut self,
+        command: u16,
+        flags: u16,
+        cookie: u64,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) {
+        let r = nbd::transmission::Request { flags, command, cookie, offset, length };
+        let mut v = r.encode().to_vec();
+        v.extend_from_slice(payload);
+        self.s.write_all(&v).await.unwrap();
+    }
+
+    /// A simple reply: (error, cookie); then `data` bytes when error is 0.
+    pub async fn simple(&mut self, data: usize) -> (u32, u64, Vec<u8>) {
+        let h = self.take(16).await.expect("a reply");
+        assert_eq!(h[..4], nbd::consts::SIMPLE_REPLY_MAGIC.to_be_bytes(), "simple reply magic");
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let d = if error == 0 { self.take(data).await.unwrap() } else { vec![] };
+        (error, cookie, d)
+    }
+
+    /// One structured chunk: (flags, type, cookie, payload).
+    pub async fn chunk(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let h = self.take(20).await.expect("a chunk");
+        assert_eq!(h[..4], nbd::consts::STRUCTURED_REPLY_MAGIC.to_be_bytes(), "chunk magic");
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let p = self.take(len).await.unwrap();
+        (
+            u16::from_be_bytes([h[4], h[5]]),
+            u16::from_be_bytes([h[6], h[7]]),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+            p,
+        )
+    }
+
+    /// True when the server closes within `t`.
+    pub async fn closed_within(&mut self, t: Duration) -> bool {
+        let mut tmp = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + t;
+        loop {
+            match tokio::time::timeout_at(deadline, self.s.read(&mut tmp)).await {
+                Err(_) => return false,
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) => continue,
+            }
+        }
+    }
+}

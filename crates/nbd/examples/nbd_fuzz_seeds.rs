@@ -1,4 +1,4 @@
-//! Writes the NBD seed corpus: `cargo run -p nbd --example fuzz_seeds -- fuzz/corpus`.
+//! Writes the NBD seed corpus: `cargo run -p nbd --example nbd_fuzz_seeds -- fuzz/corpus`.
 
 use nbd::consts::*;
 use nbd::handshake::{encode_option, InfoRequest, MetaContextRequest};
