@@ -1,5 +1,5 @@
-//! Writes the seed corpus of the fuzz targets: `cargo run -p brp --example
-//! fuzz_seeds -- fuzz/corpus`. The seeds are valid frames of every kind, so
+//! Writes the seed corpus of the BRP fuzz targets: `cargo run -p brp --example
+//! brp_fuzz_seeds -- fuzz/corpus`. The seeds are valid frames of every kind, so
 //! the fuzzers start from the protocol's real shapes.
 
 use brp::batch::BatchBuilder;
