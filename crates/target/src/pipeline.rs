@@ -69,9 +69,13 @@ pub struct Dispatcher<M> {
     volume: Arc<Volume>,
     ctx: Arc<Ctx>,
     limits: Limits,
-    tx: mpsc::UnboundedSender<Reply<M>>,
+    tx: mpsc::UnboundedSender<Vec<Reply<M>>>,
     credits: Arc<Semaphore>,
     budget: Arc<Semaphore>,
+    /// Replies of requests run inline, held until the reader has dispatched
+    /// everything one read brought: the writer then gets them in one message
+    /// and sends them in one `writev`, instead of waking per reply.
+    pending: parking_lot::Mutex<Vec<Reply<M>>>,
 }
 
 impl<M: Send + 'static> Dispatcher<M> {
@@ -80,7 +84,7 @@ impl<M: Send + 'static> Dispatcher<M> {
         volume: Arc<Volume>,
         ctx: Arc<Ctx>,
         limits: Limits,
-    ) -> (Self, mpsc::UnboundedReceiver<Reply<M>>) {
+    ) -> (Self, mpsc::UnboundedReceiver<Vec<Reply<M>>>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let depth = if ctx.config.serial { 1 } else { ctx.config.queue_depth as usize };
         let d = Dispatcher {
@@ -90,6 +94,7 @@ impl<M: Send + 'static> Dispatcher<M> {
             tx,
             credits: Arc::new(Semaphore::new(depth)),
             budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
+            pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
         };
         (d, rx)
     }
@@ -119,7 +124,7 @@ impl<M: Send + 'static> Dispatcher<M> {
             Err(refusal) => {
                 debug!(tag, ?refusal, "request refused");
                 Stats::add(&stats.errors, 1);
-                let _ = self.tx.send(Reply { tag, meta, result: Err(refusal), _credit: credit });
+                self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: credit });
                 return;
             }
         };
@@ -128,33 +133,58 @@ impl<M: Send + 'static> Dispatcher<M> {
             Op::Write { data, .. } => (0, data.len() as u64),
             _ => (0, 0),
         };
-        let backend = self.volume.backend.clone();
-        let tx = self.tx.clone();
-        let ctx = self.ctx.clone();
-        let run = move || {
-            let result = execute(&*backend, op);
-            match &result {
-                Ok(_) => {
-                    Stats::add(&ctx.stats.bytes_read, read);
-                    Stats::add(&ctx.stats.bytes_written, written);
-                }
-                Err(_) => Stats::add(&ctx.stats.errors, 1),
+        let count = move |ctx: &Ctx, result: &Result<Outcome, Refusal>| match result {
+            Ok(_) => {
+                Stats::add(&ctx.stats.bytes_read, read);
+                Stats::add(&ctx.stats.bytes_written, written);
             }
-            let _ = tx.send(Reply { tag, meta, result, _credit: credit });
+            Err(_) => Stats::add(&ctx.stats.errors, 1),
         };
         if self.volume.backend.may_block() && !self.ctx.config.serial {
-            self.ctx.pool.submit(run);
+            let backend = self.volume.backend.clone();
+            let tx = self.tx.clone();
+            let ctx = self.ctx.clone();
+            self.ctx.pool.submit(move || {
+                let result = execute(&*backend, op);
+                count(&ctx, &result);
+                let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
+            });
         } else {
-            run();
+            let result = execute(&*self.volume.backend, op);
+            count(&self.ctx, &result);
+            self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
+        }
+    }
+
+    /// Hands the replies held so far to the writer. Readers call it after
+    /// dispatching what one read brought; it also runs before waiting for a
+    /// credit (the held replies are what would free it) and on drop.
+    pub fn flush(&self) {
+        let mut p = self.pending.lock();
+        if !p.is_empty() {
+            let batch = std::mem::replace(&mut *p, Vec::with_capacity(64));
+            let _ = self.tx.send(batch);
         }
     }
 
     /// Waits for a queue slot and, for requests that move data, byte budget.
     async fn credit(&self, bytes: u64) -> Credit {
-        let slot = self.credits.clone().acquire_owned().await.expect("never closed");
+        let slot = match self.credits.clone().try_acquire_owned() {
+            Ok(s) => s,
+            Err(_) => {
+                self.flush();
+                self.credits.clone().acquire_owned().await.expect("never closed")
+            }
+        };
         let bytes = if bytes > 0 {
             let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
-            Some(self.budget.clone().acquire_many_owned(units).await.expect("never closed"))
+            Some(match self.budget.clone().try_acquire_many_owned(units) {
+                Ok(b) => b,
+                Err(_) => {
+                    self.flush();
+                    self.budget.clone().acquire_many_owned(units).await.expect("never closed")
+                }
+            })
         } else {
             None
         };
@@ -170,11 +200,20 @@ pub fn read_room(buffered: usize, need: usize) -> usize {
     need.min(buffered + READ_GROWTH).max(READ_CHUNK).saturating_sub(buffered).max(4096)
 }
 
+impl<M> Drop for Dispatcher<M> {
+    fn drop(&mut self) {
+        let p = std::mem::take(&mut *self.pending.lock());
+        if !p.is_empty() {
+            let _ = self.tx.send(p);
+        }
+    }
+}
+
 /// Gathers every reply that is ready into one vectored write, until every
 /// sender (the dispatcher and the requests in flight) is gone.
 pub async fn write_replies<W, E>(
     mut w: W,
-    mut rx: mpsc::UnboundedReceiver<Reply<E::Meta>>,
+    mut rx: mpsc::UnboundedReceiver<Vec<Reply<E::Meta>>>,
     mut enc: E,
 ) -> io::Result<()>
 where
@@ -185,10 +224,10 @@ where
     let mut parts: Vec<Encoded> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
     let mut scratch: Vec<u8> = Vec::with_capacity(MAX_REPLIES_PER_WRITE * 32);
     while let Some(first) = rx.recv().await {
-        batch.push(first);
+        batch.extend(first);
         while batch.len() < MAX_REPLIES_PER_WRITE {
             match rx.try_recv() {
-                Ok(r) => batch.push(r),
+                Ok(r) => batch.extend(r),
                 Err(_) => break,
             }
         }
@@ -218,7 +257,17 @@ pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
-        let n = w.write_vectored(bufs).await?;
+        // Try once without a timer (the usual case: the socket has room); arm
+        // the stall timer only when the write has to wait.
+        let n = match futures::FutureExt::now_or_never(w.write_vectored(bufs)) {
+            Some(r) => r?,
+            None => match tokio::time::timeout(WRITE_STALL, w.write_vectored(bufs)).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies"))
+                }
+            },
+        };
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }

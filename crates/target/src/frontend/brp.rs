@@ -298,6 +298,8 @@ async fn read_loop(
                 Err(e) => return ReadEnd::Protocol(e),
             }
         };
+        // Everything this read brought is dispatched: its replies leave together.
+        d.flush();
         if ctx.shutdown.is_cancelled() {
             return ReadEnd::Shutdown;
         }

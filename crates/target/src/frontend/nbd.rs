@@ -356,6 +356,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 skip -= n;
             }
         }
+        // Everything this read brought is dispatched: its replies leave together.
+        d.flush();
         if ctx.shutdown.is_cancelled() {
             return Ok(End::Shutdown);
         }
