@@ -2,6 +2,7 @@
 //! only parses arguments and calls the `target` or `initiator` crates: no
 //! protocol or storage logic lives here.
 
+mod bench;
 mod cp;
 mod ls;
 mod serve;
@@ -25,6 +26,7 @@ enum Cmd {
     Serve(serve::Args),
     Ls(ls::Args),
     Cp(cp::Args),
+    Bench(bench::Args),
 }
 
 /// Options every client subcommand shares.
@@ -75,6 +77,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Serve(a) => serve::run(a).await,
             Cmd::Ls(a) => ls::run(a).await,
             Cmd::Cp(a) => cp::run(a).await,
+            Cmd::Bench(a) => bench::run(a).await,
         }
     });
     match r {
