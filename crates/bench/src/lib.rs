@@ -183,18 +183,25 @@ fn cpu_seconds() -> f64 {
 
 /// Runs one job description to the end and reports.
 pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
-    if spec.bs == 0 || spec.bs > 32 << 20 || spec.bs % 512 != 0 {
+    if spec.bs == 0 || spec.bs > 32 << 20 || !spec.bs.is_multiple_of(512) {
         return Err(BenchError::Invalid("--bs must be a multiple of 512 up to 32M".into()));
     }
     if spec.iodepth == 0 || spec.jobs == 0 || spec.iodepth * spec.jobs > 65536 {
-        return Err(BenchError::Invalid("--iodepth and --jobs must be at least 1 (and their product at most 65536)".into()));
+        return Err(BenchError::Invalid(
+            "--iodepth and --jobs must be at least 1 (and their product at most 65536)".into(),
+        ));
     }
     if spec.rwmixread > 100 {
         return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
     }
     let open_err = |why: String| BenchError::Open { url: spec.url.clone(), why };
     let target = if spec.url.starts_with("brp://") {
-        let opts = Options { connections: spec.connections, merge: spec.merge, secret: spec.secret.clone(), ..Default::default() };
+        let opts = Options {
+            connections: spec.connections,
+            merge: spec.merge,
+            secret: spec.secret.clone(),
+            ..Default::default()
+        };
         Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.to_string()))?)
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
@@ -207,16 +214,23 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     };
     let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
     if span < spec.bs as u64 {
-        return Err(BenchError::Invalid(format!("the volume ({} bytes) is smaller than one block", target.size())));
+        return Err(BenchError::Invalid(format!(
+            "the volume ({} bytes) is smaller than one block",
+            target.size()
+        )));
     }
     let blocks = span / spec.bs as u64;
     let target = Arc::new(target);
     let shared = Arc::new(Shared::default());
-    let written: Arc<Vec<AtomicU64>> = Arc::new((0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+    let written: Arc<Vec<AtomicU64>> =
+        Arc::new((0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
     let hists: Vec<Arc<Mutex<Histogram<u64>>>> = (0..spec.jobs)
-        .map(|_| Arc::new(Mutex::new(Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds"))))
+        .map(|_| {
+            Arc::new(Mutex::new(Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds")))
+        })
         .collect();
-    let cursors: Vec<Arc<AtomicU64>> = (0..spec.jobs).map(|j| Arc::new(AtomicU64::new(j as u64 * blocks / spec.jobs as u64))).collect();
+    let cursors: Vec<Arc<AtomicU64>> =
+        (0..spec.jobs).map(|j| Arc::new(AtomicU64::new(j as u64 * blocks / spec.jobs as u64))).collect();
     let mut fill = vec![0u8; spec.bs as usize];
     rand::thread_rng().fill_bytes(&mut fill);
     let fill = Bytes::from(fill);
@@ -229,8 +243,14 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     let mut tasks = Vec::new();
     for job in 0..spec.jobs {
         for k in 0..spec.iodepth {
-            let (target, shared, written, hist, cursor, fill) =
-                (target.clone(), shared.clone(), written.clone(), hists[job].clone(), cursors[job].clone(), fill.clone());
+            let (target, shared, written, hist, cursor, fill) = (
+                target.clone(),
+                shared.clone(),
+                written.clone(),
+                hists[job].clone(),
+                cursors[job].clone(),
+                fill.clone(),
+            );
             let spec = spec.clone();
             tasks.push(tokio::spawn(async move {
                 let mut rng = rand::rngs::SmallRng::seed_from_u64((job * 100_003 + k) as u64);
@@ -358,7 +378,13 @@ fn brp_stats(t: &Target) -> (u64, u64, u64) {
 }
 
 /// A live line on the terminal: elapsed time, IOPS and MiB/s of the last second.
-fn spawn_progress(on: bool, shared: Arc<Shared>, bs: u32, from: Instant, end: Instant) -> Option<tokio::task::JoinHandle<()>> {
+fn spawn_progress(
+    on: bool,
+    shared: Arc<Shared>,
+    bs: u32,
+    from: Instant,
+    end: Instant,
+) -> Option<tokio::task::JoinHandle<()>> {
     if !on || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         return None;
     }
@@ -402,7 +428,10 @@ impl Report {
             "  latency us: mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}\n",
             self.lat_mean_us, self.lat_p50_us, self.lat_p99_us, self.lat_p999_us, self.lat_max_us
         );
-        s += &format!("  client CPU {:.0}% of a core, {:.2} us per I/O\n", self.client_cpu_pct, self.client_cpu_us_per_io);
+        s += &format!(
+            "  client CPU {:.0}% of a core, {:.2} us per I/O\n",
+            self.client_cpu_pct, self.client_cpu_us_per_io
+        );
         if self.frames > 0 {
             let avg = if self.batches > 0 { self.batched_requests as f64 / self.batches as f64 } else { 0.0 };
             s += &format!(

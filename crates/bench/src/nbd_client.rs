@@ -32,7 +32,8 @@ fn bad(msg: String) -> io::Error {
 
 /// Splits `nbd://HOST:PORT/EXPORT` into the address and the export name.
 pub fn parse_url(url: &str) -> io::Result<(String, String)> {
-    let rest = url.strip_prefix("nbd://").ok_or_else(|| bad(format!("{url}: expected nbd://HOST:PORT/EXPORT")))?;
+    let rest =
+        url.strip_prefix("nbd://").ok_or_else(|| bad(format!("{url}: expected nbd://HOST:PORT/EXPORT")))?;
     let (host, export) = rest.split_once('/').unwrap_or((rest, ""));
     let host = if host.contains(':') { host.to_owned() } else { format!("{host}:10809") };
     Ok((host, export.to_owned()))
@@ -64,10 +65,17 @@ impl NbdClient {
             let mut d = vec![0u8; len];
             s.read_exact(&mut d).await?;
             match kind {
-                REP_INFO if len >= 12 && d[..2] == [0, 0] => size = Some(u64::from_be_bytes(d[2..10].try_into().expect("8"))),
+                REP_INFO if len >= 12 && d[..2] == [0, 0] => {
+                    size = Some(u64::from_be_bytes(d[2..10].try_into().expect("8")))
+                }
                 REP_INFO => {}
                 REP_ACK => break,
-                e => return Err(bad(format!("export {export:?} refused: {e:#x} {}", String::from_utf8_lossy(&d)))),
+                e => {
+                    return Err(bad(format!(
+                        "export {export:?} refused: {e:#x} {}",
+                        String::from_utf8_lossy(&d)
+                    )))
+                }
             }
         }
         let size = size.ok_or_else(|| bad("no export size".into()))?;
@@ -114,7 +122,14 @@ impl NbdClient {
         Ok(NbdClient { wr: tokio::sync::Mutex::new(wr), pending, next: AtomicU64::new(1), size })
     }
 
-    async fn call(&self, command: u16, offset: u64, length: u32, payload: &[u8], reply_len: usize) -> io::Result<Bytes> {
+    async fn call(
+        &self,
+        command: u16,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+        reply_len: usize,
+    ) -> io::Result<Bytes> {
         let cookie = self.next.fetch_add(1, Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(cookie, (reply_len, tx));

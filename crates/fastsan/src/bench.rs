@@ -55,7 +55,10 @@ pub struct Args {
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
     let secs = |s: f64, what: &str| {
-        anyhow::ensure!(s.is_finite() && (0.0..=86400.0).contains(&s), "--{what} must be between 0 and 86400 seconds");
+        anyhow::ensure!(
+            s.is_finite() && (0.0..=86400.0).contains(&s),
+            "--{what} must be between 0 and 86400 seconds"
+        );
         Ok(Duration::from_secs_f64(s))
     };
     let bs = parse_size(&a.bs)?;

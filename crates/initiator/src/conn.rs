@@ -77,6 +77,8 @@ pub(crate) struct Limits {
     pub mode: MergeMode,
     pub max_batch: usize,
     pub merge_max_request: u32,
+    /// Credits granted by the target, to tell how loaded the connection is.
+    pub queue_depth: u32,
     pub merge_max_bytes: u32,
 }
 
@@ -119,9 +121,10 @@ impl Conn {
         };
         let sender = {
             let (die, dead, inflight, stats) = (die.clone(), dead.clone(), inflight.clone(), stats.clone());
+            let credits_s = credits.clone();
             async move {
                 let r = tokio::select! {
-                    r = send_loop(wr, rx, &inflight, digests, limits, &stats) => r,
+                    r = send_loop(wr, rx, &inflight, &credits_s, digests, limits, &stats) => r,
                     _ = dead.cancelled() => Ok(()),
                 };
                 die(r.err().map(Error::from));
@@ -158,6 +161,9 @@ impl Drop for Conn {
     }
 }
 
+/// Requests in flight on a connection from which the adaptive sender lingers to merge.
+const MERGE_LOAD: usize = 8;
+
 fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
 }
@@ -166,6 +172,7 @@ async fn send_loop(
     mut wr: OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Submit>,
     inflight: &Inflight,
+    credits: &Semaphore,
     digests: bool,
     l: Limits,
     stats: &Stats,
@@ -181,11 +188,22 @@ async fn send_loop(
                 None => return wr.shutdown().await,
             },
         };
+        // Heavy load (the paper's condition for merging): many requests are in
+        // flight, so replies keep arriving and their requesters are about to
+        // send again. Then the adaptive sender lets them run a scheduler turn
+        // or two before it gathers, and the batch holds what they queue
+        // meanwhile. At light load it sends at once: no added latency.
+        let in_flight = (l.queue_depth as usize).saturating_sub(credits.available_permits());
+        let busy = in_flight >= MERGE_LOAD;
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
         let mut bytes = first.payload.len();
         push(&mut group, inflight, first);
         if merge {
-            let mut rounds = if l.mode == MergeMode::Always { 3 } else { 0 };
+            let mut rounds = match l.mode {
+                MergeMode::Always => 3,
+                MergeMode::Adaptive if busy => 2,
+                _ => 0,
+            };
             loop {
                 while group.len() < l.max_batch {
                     let Ok(s) = rx.try_recv() else { break };

@@ -255,6 +255,7 @@ fn start_conn(
         mode: opts.merge,
         max_batch: info.max_batch.max(1) as usize,
         merge_max_request: opts.merge_max_request,
+        queue_depth: info.queue_depth,
         merge_max_bytes: opts.merge_max_bytes.min(brp::limits::MAX_PAYLOAD / 2),
     };
     let weak = shared.clone();

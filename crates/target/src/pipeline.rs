@@ -2,8 +2,9 @@
 //! decoded, [`Dispatcher::dispatch`] takes a credit, checks it
 //! ([`Volume::validate`]), runs it on the device ([`execute`]: inline for
 //! memory and null volumes, on the I/O pool for files) and queues the
-//! [`Reply`]; [`write_replies`] gathers every ready reply into one `writev`,
-//! encoded by the front end's [`Encoder`], in completion order.
+//! [`Reply`]; replies are written in batches, one `writev` for all that are
+//! ready, encoded by the front end's [`Encoder`], in completion order: by the
+//! reader itself when the socket is free, else by the [`Writer`] task.
 //!
 //! A request holds a credit from dispatch until its reply is written, so a
 //! connection never has more than its queue depth, nor more than its byte
@@ -64,39 +65,90 @@ pub trait Encoder: Send + 'static {
     fn encode(&mut self, r: &Reply<Self::Meta>, scratch: &mut Vec<u8>) -> Encoded;
 }
 
+/// The write half of a connection with what encodes replies onto it. The
+/// reader writes through it directly when it is free (no hand-off to another
+/// task at low load); the writer task writes what the I/O pool completes, and
+/// whatever the reader found it busy with.
+struct SinkState<W, E> {
+    w: W,
+    enc: E,
+    scratch: Vec<u8>,
+    parts: Vec<Encoded>,
+}
+
+impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
+    /// Encodes `batch` and writes it with one vectored write (more if the
+    /// socket takes less).
+    async fn write(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
+        for chunk in batch.chunks(MAX_REPLIES_PER_WRITE) {
+            self.scratch.clear();
+            self.parts.clear();
+            for r in chunk {
+                let e = self.enc.encode(r, &mut self.scratch);
+                self.parts.push(e);
+            }
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(self.parts.len() * 3);
+            for p in &self.parts {
+                slices.push(IoSlice::new(&self.scratch[p.head.clone()]));
+                if let Some(d) = p.data.as_deref().filter(|d| !d.is_empty()) {
+                    slices.push(IoSlice::new(d));
+                }
+                if !p.tail.is_empty() {
+                    slices.push(IoSlice::new(&self.scratch[p.tail.clone()]));
+                }
+            }
+            write_all_vectored(&mut self.w, &mut slices).await?;
+        }
+        Ok(())
+    }
+}
+
+type Sink<W, E> = Arc<tokio::sync::Mutex<SinkState<W, E>>>;
+type Batch<E> = Vec<Reply<<E as Encoder>::Meta>>;
+
 /// Dispatches one connection's requests.
-pub struct Dispatcher<M> {
+pub struct Dispatcher<W, E: Encoder> {
     volume: Arc<Volume>,
     ctx: Arc<Ctx>,
     limits: Limits,
-    tx: mpsc::UnboundedSender<Vec<Reply<M>>>,
+    tx: mpsc::UnboundedSender<Batch<E>>,
+    sink: Sink<W, E>,
     credits: Arc<Semaphore>,
     budget: Arc<Semaphore>,
     /// Replies of requests run inline, held until the reader has dispatched
-    /// everything one read brought: the writer then gets them in one message
-    /// and sends them in one `writev`, instead of waking per reply.
-    pending: parking_lot::Mutex<Vec<Reply<M>>>,
+    /// everything one read brought, then written together in one `writev`.
+    pending: parking_lot::Mutex<Batch<E>>,
 }
 
-impl<M: Send + 'static> Dispatcher<M> {
-    /// A dispatcher and the receiving end its writer drains.
-    pub fn new(
-        volume: Arc<Volume>,
-        ctx: Arc<Ctx>,
-        limits: Limits,
-    ) -> (Self, mpsc::UnboundedReceiver<Vec<Reply<M>>>) {
+/// The task that writes what the dispatcher hands over; spawn [`Writer::run`].
+pub struct Writer<W, E: Encoder> {
+    rx: mpsc::UnboundedReceiver<Batch<E>>,
+    sink: Sink<W, E>,
+}
+
+impl<W, E> Dispatcher<W, E>
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+    E: Encoder,
+{
+    /// A dispatcher writing replies to `w` in `enc`'s format, and the writer
+    /// task to spawn beside it.
+    pub fn new(volume: Arc<Volume>, ctx: Arc<Ctx>, limits: Limits, w: W, enc: E) -> (Self, Writer<W, E>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let depth = if ctx.config.serial { 1 } else { ctx.config.queue_depth as usize };
+        let sink =
+            Arc::new(tokio::sync::Mutex::new(SinkState { w, enc, scratch: Vec::new(), parts: Vec::new() }));
         let d = Dispatcher {
             volume,
             ctx,
             limits,
             tx,
+            sink: sink.clone(),
             credits: Arc::new(Semaphore::new(depth)),
             budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
         };
-        (d, rx)
+        (d, Writer { rx, sink })
     }
 
     pub fn volume(&self) -> &Arc<Volume> {
@@ -104,8 +156,9 @@ impl<M: Send + 'static> Dispatcher<M> {
     }
 
     /// Check, then hand to the device: inline or on the pool. `req` is an
-    /// error when decoding already refused the request.
-    pub async fn dispatch(&self, tag: u64, meta: M, req: Result<IoRequest, Refusal>) {
+    /// error when decoding already refused the request. Fails only when
+    /// writing replies on the way failed (the connection is gone).
+    pub async fn dispatch(&self, tag: u64, meta: E::Meta, req: Result<IoRequest, Refusal>) -> io::Result<()> {
         let moves = req.as_ref().map_or(0, |r| match r.kind {
             IoKind::Read | IoKind::Write => r.length,
             _ => 0,
@@ -113,8 +166,8 @@ impl<M: Send + 'static> Dispatcher<M> {
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
         let credit = tokio::select! {
-            c = self.credit(moves) => c,
-            _ = self.ctx.shutdown.cancelled() => return,
+            c = self.credit(moves) => c?,
+            _ = self.ctx.shutdown.cancelled() => return Ok(()),
         };
         let stats = &self.ctx.stats;
         Stats::add(&stats.requests, 1);
@@ -125,7 +178,7 @@ impl<M: Send + 'static> Dispatcher<M> {
                 debug!(tag, ?refusal, "request refused");
                 Stats::add(&stats.errors, 1);
                 self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: credit });
-                return;
+                return Ok(());
             }
         };
         let (read, written) = match &op {
@@ -154,25 +207,33 @@ impl<M: Send + 'static> Dispatcher<M> {
             count(&self.ctx, &result);
             self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
         }
+        Ok(())
     }
 
-    /// Hands the replies held so far to the writer. Readers call it after
+    /// Sends the replies held so far: written here at once when the socket's
+    /// writer is free, else handed to the writer task. Readers call it after
     /// dispatching what one read brought; it also runs before waiting for a
-    /// credit (the held replies are what would free it) and on drop.
-    pub fn flush(&self) {
-        let mut p = self.pending.lock();
-        if !p.is_empty() {
-            let batch = std::mem::replace(&mut *p, Vec::with_capacity(64));
-            let _ = self.tx.send(batch);
+    /// credit (the held replies are what would free it).
+    pub async fn flush(&self) -> io::Result<()> {
+        let batch = std::mem::take(&mut *self.pending.lock());
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match self.sink.try_lock() {
+            Ok(mut sink) => sink.write(&batch).await,
+            Err(_) => {
+                let _ = self.tx.send(batch);
+                Ok(())
+            }
         }
     }
 
     /// Waits for a queue slot and, for requests that move data, byte budget.
-    async fn credit(&self, bytes: u64) -> Credit {
+    async fn credit(&self, bytes: u64) -> io::Result<Credit> {
         let slot = match self.credits.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
-                self.flush();
+                self.flush().await?;
                 self.credits.clone().acquire_owned().await.expect("never closed")
             }
         };
@@ -181,14 +242,44 @@ impl<M: Send + 'static> Dispatcher<M> {
             Some(match self.budget.clone().try_acquire_many_owned(units) {
                 Ok(b) => b,
                 Err(_) => {
-                    self.flush();
+                    self.flush().await?;
                     self.budget.clone().acquire_many_owned(units).await.expect("never closed")
                 }
             })
         } else {
             None
         };
-        Credit { _slot: slot, _bytes: bytes }
+        Ok(Credit { _slot: slot, _bytes: bytes })
+    }
+}
+
+impl<W, E: Encoder> Drop for Dispatcher<W, E> {
+    fn drop(&mut self) {
+        let p = std::mem::take(&mut *self.pending.lock());
+        if !p.is_empty() {
+            let _ = self.tx.send(p);
+        }
+    }
+}
+
+impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
+    /// Writes every batch handed over, gathering those that are ready into
+    /// one write, until every sender (the dispatcher and the requests in
+    /// flight) is gone; then shuts the write side down.
+    pub async fn run(mut self) -> io::Result<()> {
+        let mut batch = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
+        while let Some(first) = self.rx.recv().await {
+            batch.extend(first);
+            while batch.len() < MAX_REPLIES_PER_WRITE {
+                match self.rx.try_recv() {
+                    Ok(r) => batch.extend(r),
+                    Err(_) => break,
+                }
+            }
+            self.sink.lock().await.write(&batch).await?;
+            batch.clear();
+        }
+        self.sink.lock().await.w.shutdown().await
     }
 }
 
@@ -200,57 +291,8 @@ pub fn read_room(buffered: usize, need: usize) -> usize {
     need.min(buffered + READ_GROWTH).max(READ_CHUNK).saturating_sub(buffered).max(4096)
 }
 
-impl<M> Drop for Dispatcher<M> {
-    fn drop(&mut self) {
-        let p = std::mem::take(&mut *self.pending.lock());
-        if !p.is_empty() {
-            let _ = self.tx.send(p);
-        }
-    }
-}
-
-/// Gathers every reply that is ready into one vectored write, until every
-/// sender (the dispatcher and the requests in flight) is gone.
-pub async fn write_replies<W, E>(
-    mut w: W,
-    mut rx: mpsc::UnboundedReceiver<Vec<Reply<E::Meta>>>,
-    mut enc: E,
-) -> io::Result<()>
-where
-    W: AsyncWrite + Unpin,
-    E: Encoder,
-{
-    let mut batch: Vec<Reply<E::Meta>> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
-    let mut parts: Vec<Encoded> = Vec::with_capacity(MAX_REPLIES_PER_WRITE);
-    let mut scratch: Vec<u8> = Vec::with_capacity(MAX_REPLIES_PER_WRITE * 32);
-    while let Some(first) = rx.recv().await {
-        batch.extend(first);
-        while batch.len() < MAX_REPLIES_PER_WRITE {
-            match rx.try_recv() {
-                Ok(r) => batch.extend(r),
-                Err(_) => break,
-            }
-        }
-        scratch.clear();
-        parts.extend(batch.iter().map(|r| enc.encode(r, &mut scratch)));
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() * 3);
-        for p in &parts {
-            slices.push(IoSlice::new(&scratch[p.head.clone()]));
-            if let Some(d) = p.data.as_deref().filter(|d| !d.is_empty()) {
-                slices.push(IoSlice::new(d));
-            }
-            if !p.tail.is_empty() {
-                slices.push(IoSlice::new(&scratch[p.tail.clone()]));
-            }
-        }
-        write_all_vectored(&mut w, &mut slices).await?;
-        drop(slices);
-        parts.clear();
-        batch.clear();
-    }
-    w.shutdown().await
-}
-
+/// Writes every slice; a peer that accepts nothing for [`WRITE_STALL`] is cut off,
+/// so a client that stops reading its replies cannot hold a connection forever.
 pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],

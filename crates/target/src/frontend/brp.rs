@@ -6,10 +6,10 @@
 //!    turns each into an [`IoRequest`] ([`decode`]: wire rules);
 //! 2. **check**: [`Volume::validate`](crate::volume::Volume::validate) (volume rules);
 //! 3. **device**: [`crate::exec::execute`], via the shared [`pipeline`](crate::pipeline);
-//! 4. **reply**: [`crate::pipeline::write_replies`] with this module's [`BrpEncoder`].
+//! 4. **reply**: [`crate::pipeline`]'s batched writes, with this module's [`BrpEncoder`].
 
 use crate::exec::Outcome;
-use crate::pipeline::{write_replies, Dispatcher, Encoded, Encoder, Reply, READ_CHUNK};
+use crate::pipeline::{Dispatcher, Encoded, Encoder, Reply, READ_CHUNK};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::server::{Ctx, Session};
 use crate::stats::Stats;
@@ -25,7 +25,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tracing::{debug, info, warn};
 
@@ -68,8 +68,8 @@ pub async fn serve(mut stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
 
     let (rd, wr) = stream.into_split();
     let limits = Limits { align: volume.block_size, max_io: volume.max_transfer };
-    let (dispatcher, replies) = Dispatcher::new(volume, ctx.clone(), limits);
-    let writer = tokio::spawn(write_replies(wr, replies, BrpEncoder { digests }));
+    let (dispatcher, writer) = Dispatcher::new(volume, ctx.clone(), limits, wr, BrpEncoder { digests });
+    let writer = tokio::spawn(writer.run());
     let end = read_loop(&dispatcher, &ctx, rd, buf, digests).await;
     // Dropping the dispatcher drops its reply sender: the writer finishes the
     // replies still in flight, then stops.
@@ -276,8 +276,10 @@ enum ReadEnd {
 }
 
 /// Decode: one read, every complete frame in it, until the peer leaves.
+type BrpDispatcher = Dispatcher<OwnedWriteHalf, BrpEncoder>;
+
 async fn read_loop(
-    d: &Dispatcher<()>,
+    d: &BrpDispatcher,
     ctx: &Ctx,
     mut rd: OwnedReadHalf,
     mut buf: BytesMut,
@@ -290,8 +292,8 @@ async fn read_loop(
                     let bytes = buf.split_to(frame.frame_len).freeze();
                     let at = frame.payload_at;
                     let payload = bytes.slice(at..at + frame.header.payload_len as usize);
-                    if let Err(e) = on_frame(d, ctx, frame.header, payload, frame.payload_ok).await {
-                        return ReadEnd::Protocol(e);
+                    if let Err(end) = on_frame(d, ctx, frame.header, payload, frame.payload_ok).await {
+                        return end;
                     }
                 }
                 Ok(None) => break frame_need(&buf, digests),
@@ -299,7 +301,9 @@ async fn read_loop(
             }
         };
         // Everything this read brought is dispatched: its replies leave together.
-        d.flush();
+        if let Err(e) = d.flush().await {
+            return ReadEnd::Io(e);
+        }
         if ctx.shutdown.is_cancelled() {
             return ReadEnd::Shutdown;
         }
@@ -318,26 +322,25 @@ async fn read_loop(
 
 /// A frame is one request, or a BATCH of them unpacked here.
 async fn on_frame(
-    d: &Dispatcher<()>,
+    d: &BrpDispatcher,
     ctx: &Ctx,
     h: RequestHeader,
     payload: Bytes,
     ok: bool,
-) -> Result<(), ProtocolError> {
+) -> Result<(), ReadEnd> {
     if h.command != Command::Batch {
-        d.dispatch(h.tag, (), decode(&h, payload, ok)).await;
-        return Ok(());
+        return d.dispatch(h.tag, (), decode(&h, payload, ok)).await.map_err(ReadEnd::Io);
     }
     if !ok {
-        return Err(ProtocolError::BatchDigest);
+        return Err(ReadEnd::Protocol(ProtocolError::BatchDigest));
     }
-    let body = BatchBody::parse(h.count, &payload)?;
+    let body = BatchBody::parse(h.count, &payload).map_err(ReadEnd::Protocol)?;
     Stats::add(&ctx.stats.batches, 1);
     Stats::add(&ctx.stats.batched_requests, body.len() as u64);
     for sub in body.iter() {
         let at = sub.payload_at;
         let p = payload.slice(at..at + sub.header.payload_len as usize);
-        d.dispatch(sub.header.tag, (), decode(&sub.header, p, ok)).await;
+        d.dispatch(sub.header.tag, (), decode(&sub.header, p, ok)).await.map_err(ReadEnd::Io)?;
     }
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! and dropped, so the connection goes on.
 
 use crate::exec::Outcome;
-use crate::pipeline::{read_room, write_replies, Dispatcher, Encoded, Encoder, Reply, READ_CHUNK};
+use crate::pipeline::{read_room, Dispatcher, Encoded, Encoder, Reply, READ_CHUNK};
 use crate::request::{Extent, IoKind, IoRequest, Limits, Refusal};
 use crate::server::Ctx;
 use crate::stats::Stats;
@@ -61,9 +61,9 @@ where
           block_status = neg.allocation_context, "NBD connection open");
     let align = if neg.volume.block_size > 512 { neg.volume.block_size } else { 1 };
     let limits = Limits { align, max_io: MAX_PAYLOAD };
-    let (dispatcher, replies) = Dispatcher::new(neg.volume.clone(), ctx.clone(), limits);
     let encoder = NbdEncoder { structured: neg.structured };
-    let writer = tokio::spawn(write_replies(wr, replies, encoder));
+    let (dispatcher, writer) = Dispatcher::new(neg.volume.clone(), ctx.clone(), limits, wr, encoder);
+    let writer = tokio::spawn(writer.run());
     let end = read_loop(&dispatcher, &ctx, &neg, rd, buf).await;
     drop(dispatcher);
     let written = writer.await.unwrap_or_else(|e| Err(io::Error::other(e)));
@@ -320,8 +320,8 @@ pub struct NbdMeta {
 }
 
 /// Decode: one read, every complete request in it, until DISC or EOF.
-async fn read_loop<R: AsyncRead + Unpin>(
-    d: &Dispatcher<NbdMeta>,
+async fn read_loop<R: AsyncRead + Unpin, W: AsyncWrite + Unpin + Send + 'static>(
+    d: &Dispatcher<W, NbdEncoder>,
     ctx: &Ctx,
     neg: &Negotiated,
     mut rd: R,
@@ -349,7 +349,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 Payload::Inline(_) => decode(&r, frame.slice(nbd::transmission::REQUEST_LEN..), neg),
                 Payload::None => decode(&r, Bytes::new(), neg),
             };
-            d.dispatch(r.cookie, NbdMeta { command: r.command, offset: r.offset }, req).await;
+            let meta = NbdMeta { command: r.command, offset: r.offset };
+            d.dispatch(r.cookie, meta, req).await.map_err(ReadError::Io)?;
             if skip > 0 {
                 let n = skip.min(buf.len() as u64);
                 buf.advance(n as usize);
@@ -357,7 +358,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
             }
         }
         // Everything this read brought is dispatched: its replies leave together.
-        d.flush();
+        d.flush().await.map_err(ReadError::Io)?;
         if ctx.shutdown.is_cancelled() {
             return Ok(End::Shutdown);
         }

@@ -1,0 +1,220 @@
+"""Turns the suite's results into report.md and PNG charts (used by suite.py)."""
+
+import os
+
+
+def fmt(x, unit=""):
+    if x is None:
+        return "n/a"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M{unit}"
+    if x >= 1e4:
+        return f"{x / 1e3:.0f} K{unit}"
+    if x >= 100:
+        return f"{x:.0f}{unit}"
+    return f"{x:.1f}{unit}"
+
+
+def best_peer(points, metric, lower=False):
+    peers = {k: v.get(metric) for k, v in points.items() if k in ("nbdkit", "qemu-nbd") and v.get(metric)}
+    if not peers:
+        return None, None
+    name = (min if lower else max)(peers, key=peers.get)
+    return name, peers[name]
+
+
+def check(rows, what, ours, theirs, target, higher=True):
+    if ours is None or theirs is None or theirs == 0:
+        rows.append((what, "n/a", target, "not measured"))
+        return
+    ratio = ours / theirs
+    ok = ratio >= target if higher else ratio <= target
+    rows.append((what, f"{ratio:.2f}x", f"{'>=' if higher else '<='} {target}x", "met" if ok else "MISSED"))
+
+
+def targets(r):
+    rows = []
+    lat = r["latency"]["randread"]
+    name, peer = best_peer(lat, "lat_mean_us", lower=True)
+    ours = lat.get("fastsan (NBD, fio)", {}).get("lat_mean_us")
+    check(rows, f"NBD QD1 4K read latency vs best peer ({name})", ours, peer, 0.7, higher=False)
+    for rw in ("randread", "randwrite"):
+        q = r["qd32"][rw]
+        name, peer = best_peer(q, "iops")
+        check(rows, f"NBD QD32 4K {rw} IOPS vs best peer ({name})", q.get("fastsan (NBD, fio)", {}).get("iops"), peer, 1.3)
+    c = r["cpu"]["randread"]
+    peers = {k: v.get("server_cpu_us_per_io") for k, v in c.items() if k in ("nbdkit", "qemu-nbd")}
+    peers = {k: v for k, v in peers.items() if v}
+    if peers:
+        name = min(peers, key=peers.get)
+        check(rows, f"NBD server CPU per I/O vs best peer ({name})", c.get("fastsan", {}).get("server_cpu_us_per_io"), peers[name], 0.4, higher=False)
+    q = r["qd32"]["randread"]
+    name, peer = best_peer(q, "iops")
+    check(rows, f"BRP 4K randread, 128 requesters, vs best peer's fio QD32 ({name})",
+          q.get("fastsan (BRP, 128 requesters, 2 conns)", {}).get("iops"), peer, 3.0)
+    iperf = r["floor"].get("iperf3_mib_s")
+    for rw in ("read", "write"):
+        ours = r["matrix"].get(f"1m {rw}", {}).get("fastsan (BRP)", {}).get("mib_s")
+        check(rows, f"BRP 1M sequential {rw} vs iperf3", ours, iperf, 0.85)
+    s = r["scaling"]
+    counts = sorted(s, key=int)
+    curve = [s[c].get("BRP-3 (adaptive merge)", {}).get("iops") for c in counts]
+    if all(curve):
+        falls = [(counts[i], counts[i + 1]) for i in range(len(curve) - 1) if curve[i + 1] < 0.95 * curve[i]]
+        rows.append(("BRP-3 thread scaling never falls (5% noise allowed) up to 512",
+                     "falls at " + ", ".join(f"{a}->{b}" for a, b in falls) if falls else "monotone",
+                     "no fall", "MISSED" if falls else "met"))
+    for c in counts:
+        a = s[c].get("BRP-3 (adaptive merge)", {}).get("iops")
+        o = s[c].get("BRP-2 (merge off)", {}).get("iops")
+        if int(c) >= 128:
+            check(rows, f"adaptive vs merge off at {c} requesters", a, o, 1.3)
+        if int(c) == 4 and a and o:
+            ratio = a / o
+            rows.append((f"adaptive vs merge off at 4 requesters", f"{ratio:.2f}x", "within 5%",
+                         "met" if abs(ratio - 1) <= 0.05 else "MISSED"))
+    wf = r["floor"].get("wirefloor qd128 conns2")
+    if wf:
+        ours = q.get("fastsan (BRP, 128 requesters, 2 conns)", {}).get("iops")
+        check(rows, "aim: BRP 4K read share of the wirefloor (QD128, 2 conns)", ours, wf["iops"], 0.5)
+    return rows
+
+
+def table(headers, rows):
+    out = "| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
+    for row in rows:
+        out += "| " + " | ".join(str(c) for c in row) + " |\n"
+    return out
+
+
+def charts(r, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    systems = list(r["latency"]["randread"].keys())
+    xs = range(len(systems))
+    for i, rw in enumerate(("randread", "randwrite")):
+        vals = [r["latency"][rw].get(s, {}).get("lat_mean_us", 0) for s in systems]
+        ax.bar([x + i * 0.4 for x in xs], vals, 0.4, label=f"4K {rw}")
+    ax.set_xticks([x + 0.2 for x in xs], systems, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("mean latency (us), QD1")
+    ax.set_title("Latency at queue depth 1 (lower is better)")
+    ax.legend()
+    save(fig, "latency.png")
+
+    fig, axes = plt.subplots(2, 4, figsize=(14, 6))
+    for ax, (cell, pts) in zip(axes.flat, r["matrix"].items()):
+        names = list(pts.keys())
+        key = "iops" if cell.startswith("4k") else "mib_s"
+        ax.bar(range(len(names)), [pts[n].get(key, 0) for n in names], color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"{cell}, 16 jobs ({'IOPS' if key == 'iops' else 'MiB/s'})", fontsize=9)
+    save(fig, "matrix.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    counts = sorted(r["scaling"], key=int)
+    variants = sorted({v for c in counts for v in r["scaling"][c]})
+    for v in variants:
+        ax.plot([int(c) for c in counts], [r["scaling"][c].get(v, {}).get("iops") for c in counts], marker="o", label=v)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requesters")
+    ax.set_ylabel("IOPS (4K random write)")
+    ax.set_title("Thread scaling (the paper's Fig. 7)")
+    ax.legend(fontsize=7)
+    save(fig, "scaling.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    local = {rw: r["matrix"].get(f"4k {rw}", {}).get("local tmpfs", {}).get("iops") for rw in ("randread", "randwrite")}
+    names = [n for n in r["matrix"].get("4k randread", {}) if n != "local tmpfs"]
+    for i, rw in enumerate(("randread", "randwrite")):
+        vals = [(r["matrix"].get(f"4k {rw}", {}).get(n, {}).get("iops") or 0) / (local[rw] or 1) for n in names]
+        ax.bar([x + i * 0.4 for x in range(len(names))], vals, 0.4, label=f"4K {rw}")
+    ax.set_xticks([x + 0.2 for x in range(len(names))], names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("IOPS / local tmpfs IOPS")
+    ax.set_title("Normalized throughput, 16 jobs (slide 22)")
+    ax.legend()
+    save(fig, "normalized.png")
+    return made
+
+
+def write(r, out):
+    m = r["machine"]
+    md = f"# fastsan benchmark report\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
+         f"{'QUICK run' if m['quick'] else 'full run'}: {m['repetitions']} repetition(s) of {m['seconds_per_point']} s " \
+         f"per point after {m['ramp_seconds']} s warm-up, systems alternating; medians. Every number is in raw.json " \
+         f"with the command that produced it. Total {r['elapsed_s']:.0f} s.\n\n"
+    md += "## Targets (ratios measured in this run)\n\n"
+    md += table(["target", "measured", "required", "verdict"], targets(r))
+    md += "\n## 1. Latency, 4K, queue depth 1\n\n"
+    rows = []
+    for s in r["latency"]["randread"]:
+        rr, rw = r["latency"]["randread"].get(s, {}), r["latency"]["randwrite"].get(s, {})
+        rows.append((s, fmt(rr.get("lat_mean_us")), fmt(rr.get("lat_p99_us")), fmt(rw.get("lat_mean_us")), fmt(rw.get("lat_p99_us"))))
+    md += table(["system", "read mean us", "read p99 us", "write mean us", "write p99 us"], rows)
+    md += "\n## 2. Throughput matrix, 16 jobs (4K: IOPS, 1M: MiB/s)\n\n"
+    cells = list(r["matrix"].keys())
+    names = []
+    for c in cells:
+        names += [n for n in r["matrix"][c] if n not in names]
+    rows = []
+    for n in names:
+        row = [n]
+        for c in cells:
+            p = r["matrix"][c].get(n)
+            row.append(fmt(p.get("iops") if c.startswith("4k") else p.get("mib_s")) if p else "n/a")
+        rows.append(row)
+    md += table(["system"] + cells, rows)
+    md += "\n## 3. Thread scaling, 4K random write (IOPS)\n\n"
+    counts = sorted(r["scaling"], key=int)
+    variants = []
+    for c in counts:
+        variants += [v for v in r["scaling"][c] if v not in variants]
+    md += table(["requesters"] + variants, [[c] + [fmt(r["scaling"][c].get(v, {}).get("iops")) for v in variants] for c in counts])
+    md += "\nBRP variants: requesters share one session of 2 connections; BRP-1 runs against a target started " \
+          "with `--serial` (one request at a time per connection) and merge off. nbdkit: fio with min(n,16) jobs. " \
+          "tgt: iscsi-perf can only read, so its curve is 4K random *read*.\n"
+    md += "\n## 4. Normalized throughput, 4K random, 16 jobs (system / local tmpfs)\n\n"
+    loc = {rw: r["matrix"].get(f"4k {rw}", {}).get("local tmpfs", {}).get("iops") for rw in ("randread", "randwrite")}
+    rows = []
+    for n in names:
+        if n == "local tmpfs":
+            continue
+        vals = []
+        for rw in ("randread", "randwrite"):
+            p = r["matrix"].get(f"4k {rw}", {}).get(n)
+            vals.append(f"{p['iops'] / loc[rw]:.3f}" if p and loc[rw] else "n/a")
+        rows.append([n] + vals)
+    md += table(["system", "randread / local", "randwrite / local"], rows)
+    md += "\n## 5. Server CPU per I/O at the same offered load (fio, 4K, QD8, rate-limited)\n\n"
+    rows = []
+    for s in r["cpu"]["randread"]:
+        rows.append([s] + [f"{r['cpu'][rw].get(s, {}).get('server_cpu_us_per_io', 0):.2f}" for rw in ("randread", "randwrite")]
+                    + [fmt(r["cpu"]["randread"].get(s, {}).get("iops"))])
+    md += table(["server", "randread us/IO", "randwrite us/IO", "IOPS reached"], rows)
+    md += "\n## 6. Queue depth 32 (NBD, one connection) and BRP at 128 requesters\n\n"
+    rows = []
+    for s in r["qd32"]["randread"]:
+        rows.append([s] + [f"{fmt(r['qd32'][rw].get(s, {}).get('iops'))} ({r['qd32'][rw].get(s, {}).get('server_cpu_us_per_io') or 0:.1f} us CPU/IO)" for rw in ("randread", "randwrite")])
+    md += table(["system", "4K randread IOPS", "4K randwrite IOPS"], rows)
+    md += "\n## 7. The loopback floor\n\n"
+    f = r["floor"]
+    rows = [[k, fmt(v["iops"]), f"{v['lat_mean_us']:.1f}"] for k, v in f.items() if isinstance(v, dict)]
+    md += table(["wirefloor point", "IOPS", "mean us"], rows)
+    if "iperf3_mib_s" in f:
+        md += f"\niperf3, 1 MiB writes: {f['iperf3_mib_s']:.0f} MiB/s (`{f['iperf3_command']}`)\n"
+    for c in charts(r, out):
+        md += f"\n![{c}]({c})\n"
+    with open(os.path.join(out, "report.md"), "w") as fh:
+        fh.write(md)

@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""The paper's experiments against real peers, in one run (see ../shared/BENCHMARKING.md).
+
+Starts fastsan and every peer on loopback, runs the experiments with the
+systems alternating within each repetition, and writes raw JSON (every point
+with the exact command that produced it), a Markdown report with the targets
+checked, and PNG charts.
+
+    bench/run [--quick] [--out DIR]
+
+Systems: fastsan over NBD (measured with fio's nbd engine, the same client as
+the NBD peers), fastsan over BRP (measured with `fastsan bench`), nbdkit
+(memory), qemu-nbd and nbd-server (tmpfs files), tgt (iSCSI, tmpfs file; its
+only client here, iscsi-perf, reads), a local tmpfs file (fio psync), iperf3
+and wirefloor (the loopback floor).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FASTSAN = os.path.join(ROOT, "target", "release", "fastsan")
+SHM = "/dev/shm"
+VOLUME_SIZE = 1 << 30
+TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=10.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def cpu_ticks(pid):
+    """utime + stime (+ reaped children) of a process, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15])
+
+
+def make_file(path, size):
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+class System:
+    """A server under test: how to start it, its pid for CPU accounting, its URL."""
+
+    def __init__(self, name, kind):
+        self.name, self.kind, self.proc, self.files, self.url = name, kind, None, [], None
+
+    def spawn(self, cmd, port):
+        log(f"starting {self.name}: {' '.join(cmd)}")
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_port(port)
+
+    @property
+    def pid(self):
+        return getattr(self, "daemon_pid", None) or (self.proc.pid if self.proc else None)
+
+    def stop(self):
+        if getattr(self, "daemon_pid", None):
+            try:
+                os.kill(self.daemon_pid, signal.SIGTERM)
+            except OSError:
+                pass
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for f in self.files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+
+
+def start_systems(have):
+    systems = {}
+    brp, nbd = free_port(), free_port()
+    s = System("fastsan", "fastsan")
+    s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
+             "--volume", "vol0=memory:1G"], brp)
+    wait_port(nbd)
+    s.brp_url, s.url = f"brp://127.0.0.1:{brp}/vol0", f"nbd://127.0.0.1:{nbd}/vol0"
+    systems["fastsan"] = s
+    brp1 = free_port()
+    s = System("fastsan-serial", "fastsan")
+    s.spawn([FASTSAN, "serve", "--serial", "--brp", f"127.0.0.1:{brp1}", "--no-nbd", "--volume", "vol0=memory:1G"], brp1)
+    s.brp_url = f"brp://127.0.0.1:{brp1}/vol0"
+    systems["fastsan-serial"] = s
+    if have("nbdkit"):
+        p = free_port()
+        s = System("nbdkit", "nbd")
+        s.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "memory", "1G"], p)
+        s.url = f"nbd://127.0.0.1:{p}/"
+        systems["nbdkit"] = s
+    if have("qemu-nbd"):
+        p = free_port()
+        s = System("qemu-nbd", "nbd")
+        f = os.path.join(SHM, "fastsan-bench-qemu.img")
+        make_file(f, VOLUME_SIZE)
+        s.files.append(f)
+        s.spawn(["qemu-nbd", "-f", "raw", "-b", "127.0.0.1", "-p", str(p), "-t", "--shared=64", "-x", "", f], p)
+        s.url = f"nbd://127.0.0.1:{p}/"
+        systems["qemu-nbd"] = s
+    if have("nbd-server"):
+        p = free_port()
+        s = System("nbd-server", "nbd")
+        f = os.path.join(SHM, "fastsan-bench-nbdserver.img")
+        make_file(f, VOLUME_SIZE)
+        conf = os.path.join(tempfile.mkdtemp(), "nbd-server.conf")
+        with open(conf, "w") as c:
+            c.write(f"[generic]\n  listenaddr = 127.0.0.1\n  port = {p}\n  allowlist = true\n"
+                    f"[vol0]\n  exportname = {f}\n")
+        s.files += [f, conf]
+        # It daemonizes and forks a process per client; its CPU is the daemon's
+        # own plus its reaped children's (cutime, cstime).
+        s.spawn(["nbd-server", "-C", conf], p)
+        s.daemon_pid = int(subprocess.run(["pgrep", "-f", "-o", conf], capture_output=True, text=True).stdout.split()[0])
+        s.url = f"nbd://127.0.0.1:{p}/vol0"
+        systems["nbd-server"] = s
+    if have("tgtd") and have("iscsi-perf"):
+        p = free_port()
+        s = System("tgt", "iscsi")
+        f = os.path.join(SHM, "fastsan-bench-tgt.img")
+        make_file(f, VOLUME_SIZE)
+        s.files.append(f)
+        s.spawn(["tgtd", "-f", "--iscsi", f"portal=127.0.0.1:{p}", "--control-port", str(free_port() % 1000 + 1)], p)
+        iqn = "iqn.2026-11.fastsan:bench"
+        cp = s.cmd[-1]
+        for args in (["--op", "new", "--mode", "target", "--tid", "1", "-T", iqn],
+                     ["--op", "new", "--mode", "logicalunit", "--tid", "1", "--lun", "1", "-b", f],
+                     ["--op", "bind", "--mode", "target", "--tid", "1", "-I", "ALL"]):
+            subprocess.run(["tgtadm", "-C", cp, "--lld", "iscsi"] + args, check=True, capture_output=True)
+        s.url = f"iscsi://127.0.0.1:{p}/{iqn}/1"
+        systems["tgt"] = s
+    local = System("local", "local")
+    f = os.path.join(SHM, "fastsan-bench-local.img")
+    with open(f, "wb") as fh:
+        fh.write(b"\0" * VOLUME_SIZE)  # allocated, as a used RAM disk is
+    local.files.append(f)
+    local.path = f
+    systems["local"] = local
+    return systems
+
+
+class Runner:
+    def __init__(self, quick, raw):
+        self.quick, self.raw = quick, raw
+        self.secs = 1.0 if quick else 5.0
+        self.ramp = 0.3 if quick else 1.0
+
+    def record(self, exp, system, params, cmd, result):
+        entry = {"experiment": exp, "system": system, "params": params, "command": " ".join(cmd), **result}
+        self.raw.append(entry)
+        return entry
+
+    def fio(self, uri_or_file, rw, bs, iodepth, jobs, rate=None, engine="nbd"):
+        out = tempfile.mktemp(suffix=".json")
+        cmd = ["fio", "--name=j", f"--ioengine={engine}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}",
+               f"--numjobs={jobs}", "--group_reporting", "--time_based", f"--runtime={self.secs}",
+               f"--ramp_time={self.ramp}", "--output-format=json", f"--output={out}"]
+        region = VOLUME_SIZE // jobs
+        cmd += [f"--size={region}", f"--offset_increment={region}"]
+        if engine == "nbd":
+            cmd.append(f"--uri={uri_or_file}")
+        else:
+            cmd.append(f"--filename={uri_or_file}")
+        if rate:
+            cmd.append(f"--rate_iops={rate // jobs}")
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3)
+        with open(out) as f:
+            j = json.load(f)["jobs"][0]
+        os.unlink(out)
+        d = j["read"] if "read" in rw else j["write"]
+        pct = d["clat_ns"].get("percentile", {})
+        secs = self.secs
+        res = {"iops": d["iops"], "mib_s": d["bw_bytes"] / 2**20, "lat_mean_us": d["lat_ns"]["mean"] / 1000,
+               "lat_p99_us": pct.get("99.000000", 0) / 1000, "ios": d["total_ios"],
+               "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
+        return cmd, res
+
+    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2):
+        cmd = [FASTSAN, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
+               f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
+               f"--connections={connections}", "--json"]
+        p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)
+        r = json.loads(p.stdout)
+        r["ios_total"] = r["ios"] * (self.secs + self.ramp) / self.secs
+        return cmd, r
+
+    def iscsi_perf(self, url, iodepth, blocks):
+        cmd = ["iscsi-perf", "-m", str(iodepth), "-b", str(blocks), "-t", str(max(1, round(self.secs))), "-r", url]
+        p = subprocess.run(cmd, capture_output=True, timeout=60 + self.secs * 3, text=True)
+        m = re.findall(r"iops average (\d+) \((\d+) MB/s\)", p.stdout)
+        if not m:
+            raise RuntimeError(f"iscsi-perf printed no average: {p.stdout[-300:]} {p.stderr[-300:]}")
+        iops = int(m[-1][0])
+        return cmd, {"iops": iops, "mib_s": int(m[-1][1]) * 1e6 / 2**20, "ios": iops * round(self.secs),
+                     "ios_total": iops * round(self.secs)}
+
+
+def median_entry(entries):
+    """The repetition with the median IOPS (so every field stays from one real run)."""
+    entries = sorted(entries, key=lambda e: e["iops"])
+    return entries[len(entries) // 2]
+
+
+def run_point(run, reps, exp, params, systems_fns):
+    """Runs each system's function `reps` times, alternating systems; keeps all, returns medians."""
+    got = {name: [] for name in systems_fns}
+    for rep in range(reps):
+        for name, (fn, pid) in systems_fns.items():
+            try:
+                cmd, res = fn()
+            except Exception as e:  # a peer that fails one point is reported, not fatal
+                log(f"  {exp} {params} {name}: FAILED {e}")
+                continue
+            if "_cpu" in res:
+                res["server_cpu_us_per_io"] = res.pop("_cpu")
+            e = run.record(exp, name, dict(params, rep=rep), cmd, res)
+            got[name].append(e)
+    return {name: median_entry(v) for name, v in got.items() if v}
+
+
+def with_cpu(fn, pid):
+    def go():
+        before = cpu_ticks(pid)
+        cmd, res = fn()
+        time.sleep(0.1)  # let a forking server reap the client's process
+        res["_cpu"] = (cpu_ticks(pid) - before) * TICK_US / max(res["ios_total"], 1)
+        return cmd, res
+    return go, pid
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a reduced run (under 3 minutes)")
+    ap.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
+    args = ap.parse_args()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    out = args.out or os.path.join(ROOT, "bench", "results", stamp)
+    os.makedirs(out, exist_ok=True)
+    have = lambda tool: shutil.which(tool) is not None
+    raw = []
+    run = Runner(args.quick, raw)
+    reps = 1 if args.quick else 3
+    t0 = time.time()
+    machine = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": stamp,
+               "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip(), "quick": args.quick,
+               "seconds_per_point": run.secs, "ramp_seconds": run.ramp, "repetitions": reps}
+    systems = start_systems(have)
+    results = {"machine": machine}
+    try:
+        fs, ser = systems["fastsan"], systems["fastsan-serial"]
+        nbd_peers = [n for n in ("nbdkit", "qemu-nbd", "nbd-server") if n in systems]
+
+        def fio_nbd(name, rw, bs, qd, jobs, rate=None):
+            s = systems[name]
+            return with_cpu(lambda: run.fio(s.url, rw, bs, qd, jobs, rate), s.pid)
+
+        def local(rw, bs, jobs):
+            return (lambda: run.fio(systems["local"].path, rw, bs, 1, jobs, engine="psync")), None
+
+        # 1. Latency table: 4K random read and write at queue depth 1.
+        log("latency table")
+        lat = {}
+        for rw in ("randread", "randwrite"):
+            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", 1, 1),
+                   "fastsan (BRP)": with_cpu(lambda rw=rw: run.fastsan_bench(fs.brp_url, rw, "4k", 1, 1), fs.pid)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, "4k", 1, 1)
+            if "tgt" in systems and rw == "randread":
+                fns["tgt (iscsi-perf)"] = (lambda: run.iscsi_perf(systems["tgt"].url, 1, 8)), None
+            fns["local tmpfs"] = local(rw, "4k", 1)
+            lat[rw] = run_point(run, reps, "latency", {"rw": rw, "bs": "4k", "qd": 1}, fns)
+        results["latency"] = lat
+
+        # 2. Matrix: {4K, 1M} x {seq, rand} x {read, write}, 16 jobs.
+        log("matrix")
+        matrix = {}
+        cells = [(bs, rw) for bs in ("4k", "1m") for rw in ("read", "write", "randread", "randwrite")]
+        for bs, rw in cells:
+            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, bs, 1, 16),
+                   "fastsan (BRP)": with_cpu(lambda bs=bs, rw=rw: run.fastsan_bench(fs.brp_url, rw, bs, 1, 16), fs.pid)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, bs, 1, 16)
+            if "tgt" in systems and rw in ("read", "randread"):
+                blocks = 8 if bs == "4k" else 2048
+                fns["tgt (iscsi-perf)"] = (lambda b=blocks: run.iscsi_perf(systems["tgt"].url, 16, b)), None
+            fns["local tmpfs"] = local(rw, bs, 16)
+            matrix[f"{bs} {rw}"] = run_point(run, reps, "matrix", {"rw": rw, "bs": bs, "jobs": 16}, fns)
+        results["matrix"] = matrix
+
+        # 3. Thread scaling: 4K random write, 4..512 requesters.
+        log("thread scaling")
+        counts = [4, 32, 128, 512] if args.quick else [4, 8, 16, 32, 64, 128, 256, 512]
+        scaling = {}
+        for r in counts:
+            fns = {"BRP-1 (parallelism off)": with_cpu(lambda r=r: run.fastsan_bench(ser.brp_url, "randwrite", "4k", r, 1, "off"), ser.pid),
+                   "BRP-2 (merge off)": with_cpu(lambda r=r: run.fastsan_bench(fs.brp_url, "randwrite", "4k", r, 1, "off"), fs.pid),
+                   "BRP-3 (adaptive merge)": with_cpu(lambda r=r: run.fastsan_bench(fs.brp_url, "randwrite", "4k", r, 1, "adaptive"), fs.pid),
+                   "BRP-3T (always merge)": with_cpu(lambda r=r: run.fastsan_bench(fs.brp_url, "randwrite", "4k", r, 1, "always"), fs.pid)}
+            jobs = min(r, 16)
+            if "nbdkit" in systems:
+                fns["nbdkit (fio)"] = fio_nbd("nbdkit", "randwrite", "4k", r // jobs, jobs)
+            if "tgt" in systems:
+                # iscsi-perf only reads: tgt's curve is 4K random *read* (marked in the report).
+                fns["tgt (iscsi-perf, read)"] = (lambda r=r: run.iscsi_perf(systems["tgt"].url, r, 8)), None
+            scaling[r] = run_point(run, reps, "scaling", {"rw": "randwrite", "bs": "4k", "requesters": r}, fns)
+        results["scaling"] = scaling
+
+        # 4. Server CPU per I/O at the same offered load (NBD servers, same fio client).
+        log("server CPU per I/O")
+        rate = 10000 if args.quick else 20000
+        cpu = {}
+        for rw in ("randread", "randwrite"):
+            fns = {"fastsan": fio_nbd("fastsan", rw, "4k", 8, 1, rate)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, "4k", 8, 1, rate)
+            cpu[rw] = run_point(run, reps, "cpu", {"rw": rw, "bs": "4k", "qd": 8, "rate_iops": rate}, fns)
+        results["cpu"] = cpu
+
+        # 5. Queue depth 32, one connection (the NBD targets) and BRP at high concurrency.
+        log("QD32 and high concurrency")
+        qd = {}
+        for rw in ("randread", "randwrite"):
+            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", 32, 1)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, "4k", 32, 1)
+            fns["fastsan (BRP, 128 requesters, 2 conns)"] = with_cpu(
+                lambda rw=rw: run.fastsan_bench(fs.brp_url, rw, "4k", 128, 1), fs.pid)
+            qd[rw] = run_point(run, reps, "qd32", {"rw": rw, "bs": "4k"}, fns)
+        results["qd32"] = qd
+
+        # 6. The wire: iperf3 and wirefloor, for the 1M and 4K ceilings.
+        log("loopback floor")
+        results["floor"] = floor(run, have)
+    finally:
+        for s in systems.values():
+            s.stop()
+    results["elapsed_s"] = time.time() - t0
+    with open(os.path.join(out, "raw.json"), "w") as f:
+        json.dump({"results": results, "points": raw}, f, indent=1, default=str)
+    import report
+    report.write(results, out)
+    log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
+
+
+def floor(run, have):
+    res = {}
+    if have("iperf3"):
+        p = free_port()
+        srv = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(p)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # no probe connection: iperf3 would take it for a test
+        cmd = ["iperf3", "-c", "127.0.0.1", "-p", str(p), "-t", str(max(1, round(run.secs))), "-l", "1M", "-J"]
+        j = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout)
+        srv.terminate()
+        srv.wait(10)
+        res["iperf3_mib_s"] = j["end"]["sum_received"]["bits_per_second"] / 8 / 2**20
+        res["iperf3_command"] = " ".join(cmd)
+    wf = os.path.join(os.path.dirname(ROOT), "shared", "tools", "wirefloor", "run")
+    if os.path.exists(wf):
+        cmd = [wf, str(max(1, round(run.secs)))]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        for line in p.stdout.splitlines():
+            m = re.match(r"qd=(\d+) conns=(\d+) spin=(\d) iops=(\d+) mean_us=([\d.]+)", line)
+            if m:
+                qd, conns, spin, iops, lat = m.groups()
+                res[f"wirefloor qd{qd} conns{conns}{' spin' if spin == '1' else ''}"] = {"iops": int(iops), "lat_mean_us": float(lat)}
+        res["wirefloor_command"] = " ".join(cmd)
+    return res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
