@@ -32,8 +32,8 @@ pub fn execute(backend: &dyn Backend, op: Op) -> Result<Outcome, Refusal> {
     let done = |r: io::Result<()>| r.map(|()| Outcome::Done);
     let r = match op {
         Op::Read { offset, len } => {
-            let mut buf = vec![0u8; len as usize];
-            backend.read_at(&mut buf, offset).map(|()| Outcome::Data(Bytes::from(buf)))
+            let mut buf = PooledBuf::take(len as usize);
+            backend.read_at(buf.as_mut(), offset).map(|()| Outcome::Data(Bytes::from_owner(buf)))
         }
         Op::Write { offset, data, fua } => done(backend.write_at(&data, offset, fua)),
         Op::Flush => done(backend.flush()),
@@ -105,5 +105,91 @@ impl Drop for IoPool {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// Read buffers, recycled: a reply's buffer returns here when the last
+/// reference to its bytes drops (after the reply is written), so the hot path
+/// neither allocates, nor zeroes, nor faults in fresh pages. Buffers come in
+/// power-of-two size classes from 4 KiB to 32 MiB; each class keeps at most
+/// 32 MiB of idle buffers.
+struct BufPool {
+    classes: [parking_lot::Mutex<Vec<Vec<u8>>>; POOL_CLASSES],
+}
+
+const POOL_MIN_SHIFT: u32 = 12;
+const POOL_CLASSES: usize = 14; // 4 KiB .. 32 MiB
+const POOL_IDLE_BYTES: usize = 32 << 20;
+
+static POOL: BufPool = BufPool { classes: [const { parking_lot::Mutex::new(Vec::new()) }; POOL_CLASSES] };
+
+fn class_of(len: usize) -> Option<usize> {
+    let shift = len.max(1).next_power_of_two().trailing_zeros().max(POOL_MIN_SHIFT);
+    let c = (shift - POOL_MIN_SHIFT) as usize;
+    (c < POOL_CLASSES).then_some(c)
+}
+
+/// A buffer of `len` bytes from the pool. Its contents are stale: the
+/// backend overwrites all of it.
+pub struct PooledBuf {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl PooledBuf {
+    pub fn take(len: usize) -> PooledBuf {
+        let buf = class_of(len)
+            .and_then(|c| POOL.classes[c].lock().pop())
+            .unwrap_or_else(|| vec![0u8; class_of(len).map_or(len, |c| 1 << (c as u32 + POOL_MIN_SHIFT))]);
+        PooledBuf { buf, len }
+    }
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl AsMut<[u8]> for PooledBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        let Some(c) = class_of(self.buf.len()).filter(|&c| self.buf.len() == 1 << (c as u32 + POOL_MIN_SHIFT)) else {
+            return;
+        };
+        let mut idle = POOL.classes[c].lock();
+        if (idle.len() + 1) * self.buf.len() <= POOL_IDLE_BYTES {
+            idle.push(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pooled_buffers_have_the_asked_length_and_come_back() {
+        assert_eq!(class_of(1), Some(0));
+        assert_eq!(class_of(4096), Some(0));
+        assert_eq!(class_of(4097), Some(1));
+        assert_eq!(class_of(32 << 20), Some(13));
+        assert_eq!(class_of((32 << 20) + 1), None);
+        let mut b = PooledBuf::take(5000);
+        assert_eq!(b.as_mut().len(), 5000);
+        b.as_mut().fill(7);
+        let bytes = Bytes::from_owner(b);
+        assert_eq!(bytes.len(), 5000);
+        let ptr = bytes.as_ptr();
+        drop(bytes);
+        let again = PooledBuf::take(6000);
+        assert_eq!(again.as_ref().as_ptr(), ptr, "the 8 KiB buffer was reused");
+        let huge = PooledBuf::take((32 << 20) + 1);
+        assert_eq!(huge.as_ref().len(), (32 << 20) + 1, "beyond the classes: a plain buffer");
     }
 }
