@@ -32,8 +32,32 @@ def check(rows, what, ours, theirs, target, higher=True):
     rows.append((what, f"{ratio:.2f}x", f"{'>=' if higher else '<='} {target}x", "met" if ok else "MISSED"))
 
 
-def targets(r):
+def honesty(r):
     rows = []
+    for point, got in r.get("honesty", {}).items():
+        f, b = got.get("fio --ioengine=nbd", {}).get("iops"), got.get("fastsan bench nbd://", {}).get("iops")
+        if f and b and "no delay" not in point:
+            rows.append((f"honesty: fastsan bench vs fio on nbdkit, 4K {point}", f"{b / f:.2f}x", "within 15%",
+                         "met" if abs(b / f - 1) <= 0.15 else "MISSED"))
+    return rows
+
+
+def honesty_detail(r):
+    rows = []
+    for point, got in r.get("honesty", {}).items():
+        for k, v in got.items():
+            rows.append([point, k, fmt(v.get("iops")), fmt(v.get("lat_mean_us")), f"{v.get('client_cpu_us_per_io') or 0:.1f}"])
+    if not rows:
+        return ""
+    return ("\nThe check holds where nbdkit sets the pace (a 1 ms delay per request). Without the delay the "
+            "clients themselves are the bottleneck and their own CPU per I/O decides the figure:\n\n"
+            + table(["point", "client", "IOPS", "mean latency us", "client CPU us/IO"], rows))
+
+
+def targets(r):
+    rows = honesty(r)
+    if "latency" not in r:
+        return rows
     lat = r["latency"]["randread"]
     name, peer = best_peer(lat, "lat_mean_us", lower=True)
     ours = lat.get("fastsan (NBD, fio)", {}).get("lat_mean_us")
@@ -71,8 +95,8 @@ def targets(r):
             check(rows, f"adaptive vs merge off at {c} requesters", a, o, 1.3)
         if int(c) == 4 and a and o:
             ratio = a / o
-            rows.append((f"adaptive vs merge off at 4 requesters", f"{ratio:.2f}x", "within 5%",
-                         "met" if abs(ratio - 1) <= 0.05 else "MISSED"))
+            rows.append(("adaptive vs merge off at 4 requesters (no penalty)", f"{ratio:.2f}x", ">= 0.95x",
+                         "met" if ratio >= 0.95 else "MISSED"))
     wf = r["floor"].get("wirefloor qd128 conns2")
     if wf:
         ours = q.get("fastsan (BRP, 128 requesters, 2 conns)", {}).get("iops")
@@ -151,12 +175,19 @@ def charts(r, out):
 
 def write(r, out):
     m = r["machine"]
+    if "latency" not in r:  # the honesty check alone
+        md = "# fastsan honesty check\n\n" + table(["check", "measured", "required", "verdict"], honesty(r))
+        md += honesty_detail(r)
+        with open(os.path.join(out, "report.md"), "w") as fh:
+            fh.write(md)
+        return
     md = f"# fastsan benchmark report\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
          f"{'QUICK run' if m['quick'] else 'full run'}: {m['repetitions']} repetition(s) of {m['seconds_per_point']} s " \
          f"per point after {m['ramp_seconds']} s warm-up, systems alternating; medians. Every number is in raw.json " \
          f"with the command that produced it. Total {r['elapsed_s']:.0f} s.\n\n"
     md += "## Targets (ratios measured in this run)\n\n"
     md += table(["target", "measured", "required", "verdict"], targets(r))
+    md += "\n## 0. Honesty check\n" + honesty_detail(r)
     md += "\n## 1. Latency, 4K, queue depth 1\n\n"
     rows = []
     for s in r["latency"]["randread"]:

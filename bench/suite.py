@@ -206,7 +206,9 @@ class Runner:
         d = j["read"] if "read" in rw else j["write"]
         pct = d["clat_ns"].get("percentile", {})
         secs = self.secs
+        cpu_us = (j["usr_cpu"] + j["sys_cpu"]) / 100 * secs * 1e6 / max(d["total_ios"], 1)
         res = {"iops": d["iops"], "mib_s": d["bw_bytes"] / 2**20, "lat_mean_us": d["lat_ns"]["mean"] / 1000,
+               "client_cpu_us_per_io": cpu_us,
                "lat_p99_us": pct.get("99.000000", 0) / 1000, "ios": d["total_ios"],
                "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
         return cmd, res
@@ -268,6 +270,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a reduced run (under 3 minutes)")
     ap.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
+    ap.add_argument("--honesty", action="store_true",
+                    help="only the honesty check: fastsan bench and fio against nbdkit, same settings")
     args = ap.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     out = args.out or os.path.join(ROOT, "bench", "results", stamp)
@@ -293,6 +297,28 @@ def main():
 
         def local(rw, bs, jobs):
             return (lambda: run.fio(systems["local"].path, rw, bs, 1, jobs, engine="psync")), None
+
+        # 0. Honesty check: our NBD client and fio's agree on nbdkit when the
+        # server sets the pace (delay filter, 1 ms per request); without the
+        # delay the clients' own costs show, reported beside it.
+        log("honesty check")
+        honesty = {}
+        if "nbdkit" in systems:
+            p = free_port()
+            slow = System("nbdkit-delay", "nbd")
+            slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
+                        "rdelay=1ms", "wdelay=1ms"], p)
+            slow.url = f"nbd://127.0.0.1:{p}/"
+            systems["nbdkit-delay"] = slow
+            points = [(slow, "delay 1ms", rw, qd) for rw in ("randread", "randwrite") for qd in (1, 32)]
+            points += [(systems["nbdkit"], "no delay", rw, qd) for rw, qd in (("randread", 1), ("randread", 32))]
+            for nk, label, rw, qd in points:
+                fns = {"fio --ioengine=nbd": ((lambda rw=rw, qd=qd: run.fio(nk.url, rw, "4k", qd, 1)), None),
+                       "fastsan bench nbd://": ((lambda rw=rw, qd=qd: run.fastsan_bench(nk.url, rw, "4k", qd, 1)), None)}
+                honesty[f"{rw} QD{qd}, {label}"] = run_point(run, reps, "honesty", {"rw": rw, "bs": "4k", "qd": qd, "server": label}, fns)
+        results["honesty"] = honesty
+        if args.honesty:
+            raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
         log("latency table")
@@ -368,6 +394,8 @@ def main():
         # 6. The wire: iperf3 and wirefloor, for the 1M and 4K ceilings.
         log("loopback floor")
         results["floor"] = floor(run, have)
+    except StopIteration:
+        pass
     finally:
         for s in systems.values():
             s.stop()

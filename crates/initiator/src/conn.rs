@@ -124,8 +124,9 @@ impl Conn {
             let credits_s = credits.clone();
             async move {
                 let r = tokio::select! {
-                    r = send_loop(wr, rx, &inflight, &credits_s, digests, limits, &stats) => r,
+                    biased;
                     _ = dead.cancelled() => Ok(()),
+                    r = send_loop(wr, rx, &inflight, &credits_s, digests, limits, &stats) => r,
                 };
                 die(r.err().map(Error::from));
             }
@@ -134,8 +135,9 @@ impl Conn {
             let (die, dead) = (die.clone(), dead.clone());
             async move {
                 let r = tokio::select! {
-                    r = recv_loop(rd, leftover, &inflight, digests) => Some(r),
+                    biased;
                     _ = dead.cancelled() => None,
+                    r = recv_loop(rd, leftover, &inflight, digests) => Some(r),
                 };
                 die(r);
             }
@@ -185,7 +187,8 @@ async fn send_loop(
             Some(s) => s,
             None => match rx.recv().await {
                 Some(s) => s,
-                None => return wr.shutdown().await,
+                // The session is gone: end quietly, the receiver with us.
+                None => return Ok(()),
             },
         };
         // Heavy load (the paper's condition for merging): many requests are in
