@@ -128,3 +128,47 @@ fn help_explains_each_subcommand() {
         assert!(String::from_utf8_lossy(&out.stdout).contains(needle), "{sub} --help");
     }
 }
+
+#[test]
+fn bench_measures_and_verifies_over_brp_and_nbd() {
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:64M"]);
+    for url in [s.url("v"), s.nbd_url("v")] {
+        let out = fastsan(&[
+            "bench",
+            &url,
+            "--rw",
+            "randrw",
+            "--bs",
+            "8k",
+            "--iodepth",
+            "8",
+            "--jobs",
+            "2",
+            "--runtime",
+            "0.5",
+            "--ramp",
+            "0",
+            "--size",
+            "4M",
+            "--verify",
+            "--json",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{url}: {text} {}", String::from_utf8_lossy(&out.stderr));
+        let get = |k: &str| -> f64 {
+            let at =
+                text.find(&format!("\"{k}\": ")).unwrap_or_else(|| panic!("{k} in {text}")) + k.len() + 4;
+            text[at..].split([',', '\n']).next().unwrap().trim().parse().unwrap()
+        };
+        assert!(get("reads") > 0.0 && get("writes") > 0.0, "{text}");
+        assert_eq!(get("verify_mismatches"), 0.0);
+        assert_eq!(get("errors"), 0.0);
+        assert!(get("lat_p99_us") >= get("lat_p50_us") && get("lat_p50_us") > 0.0, "{text}");
+        assert_eq!(get("requesters"), 16.0);
+    }
+    // A bad URL or size is a clear error.
+    let out = fastsan(&["bench", "http://x", "--runtime", "0.1"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("brp://"));
+    let out = fastsan(&["bench", &s.url("v"), "--bs", "1000"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("multiple of 512"));
+}

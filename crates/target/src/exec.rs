@@ -159,7 +159,9 @@ impl AsMut<[u8]> for PooledBuf {
 
 impl Drop for PooledBuf {
     fn drop(&mut self) {
-        let Some(c) = class_of(self.buf.len()).filter(|&c| self.buf.len() == 1 << (c as u32 + POOL_MIN_SHIFT)) else {
+        let Some(c) =
+            class_of(self.buf.len()).filter(|&c| self.buf.len() == 1 << (c as u32 + POOL_MIN_SHIFT))
+        else {
             return;
         };
         let mut idle = POOL.classes[c].lock();
