@@ -173,6 +173,18 @@ def charts(r, out):
     return made
 
 
+def headline(r):
+    """The few numbers a reader wants first: 4K at QD1 and QD32, and BRP at high concurrency."""
+    rows = []
+    lat, q = r["latency"]["randread"], r["qd32"]
+    for name in q["randread"]:
+        short = "fastsan (NBD)" if name == "fastsan (NBD, fio)" else name
+        l = lat.get("fastsan (BRP)" if name.startswith("fastsan (BRP") else name, {}).get("lat_mean_us")
+        rows.append([short, fmt(l) if l else "", fmt(q["randread"][name].get("iops")), fmt(q["randwrite"].get(name, {}).get("iops")),
+                     f"{q['randread'][name].get('server_cpu_us_per_io') or 0:.1f}"])
+    return table(["system (4K random)", "QD1 read latency us", "QD32 read IOPS", "QD32 write IOPS", "server CPU us/IO (QD32 read)"], rows)
+
+
 def write(r, out):
     m = r["machine"]
     if "latency" not in r:  # the honesty check alone
@@ -187,6 +199,8 @@ def write(r, out):
          f"with the command that produced it. Total {r['elapsed_s']:.0f} s.\n\n"
     md += "## Targets (ratios measured in this run)\n\n"
     md += table(["target", "measured", "required", "verdict"], targets(r))
+    md += "\n## Headline\n\n" + headline(r) + "\nNBD systems measured with fio --ioengine=nbd, one connection; " \
+          "fastsan (BRP) with fastsan bench, 128 requesters over 2 connections, adaptive merge.\n"
     md += "\n## 0. Honesty check\n" + honesty_detail(r)
     md += "\n## 1. Latency, 4K, queue depth 1\n\n"
     rows = []
