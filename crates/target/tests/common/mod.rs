@@ -137,15 +137,7 @@ impl Raw {
 
     /// True when the server closes the connection (EOF or reset) within the time given.
     pub async fn closed_within(&mut self, t: Duration) -> bool {
-        let mut tmp = [0u8; 4096];
-        let deadline = tokio::time::Instant::now() + t;
-        loop {
-            match tokio::time::timeout_at(deadline, self.s.read(&mut tmp)).await {
-                Err(_) => return false,
-                Ok(Ok(0)) | Ok(Err(_)) => return true,
-                Ok(Ok(_)) => continue,
-            }
-        }
+        closed_within(&mut self.s, t).await
     }
 }
 
@@ -278,16 +270,21 @@ impl NbdRaw {
         )
     }
 
-    /// True when the server closes within `t`.
+    /// True when the server closes the connection (EOF or reset) within the time given.
     pub async fn closed_within(&mut self, t: Duration) -> bool {
-        let mut tmp = [0u8; 4096];
-        let deadline = tokio::time::Instant::now() + t;
-        loop {
-            match tokio::time::timeout_at(deadline, self.s.read(&mut tmp)).await {
-                Err(_) => return false,
-                Ok(Ok(0)) | Ok(Err(_)) => return true,
-                Ok(Ok(_)) => continue,
-            }
+        closed_within(&mut self.s, t).await
+    }
+}
+
+/// True when the peer closes `s` (EOF or reset) within `t`; bytes before that are skipped.
+pub async fn closed_within(s: &mut TcpStream, t: Duration) -> bool {
+    let mut tmp = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + t;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut tmp)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
         }
     }
 }
