@@ -246,7 +246,7 @@ def run_point(run, reps, exp, params, systems_fns):
     """Runs each system's function `reps` times, alternating systems; keeps all, returns medians."""
     got = {name: [] for name in systems_fns}
     for rep in range(reps):
-        for name, (fn, pid) in systems_fns.items():
+        for name, fn in systems_fns.items():
             try:
                 cmd, res = fn()
             except Exception as e:  # a peer that fails one point is reported, not fatal
@@ -260,13 +260,14 @@ def run_point(run, reps, exp, params, systems_fns):
 
 
 def with_cpu(fn, pid):
+    """`fn`, also measuring the server's CPU per I/O while it runs."""
     def go():
         before = cpu_ticks(pid)
         cmd, res = fn()
         time.sleep(0.1)  # let a forking server reap the client's process
         res["_cpu"] = (cpu_ticks(pid) - before) * TICK_US / max(res["ios_total"], 1)
         return cmd, res
-    return go, pid
+    return go
 
 
 def main():
@@ -302,7 +303,7 @@ def main():
             return with_cpu(lambda: run.fio(s.url, rw, bs, qd, jobs, rate), s.pid)
 
         def local(rw, bs, jobs):
-            return (lambda: run.fio(systems["local"].path, rw, bs, 1, jobs, engine="psync")), None
+            return lambda: run.fio(systems["local"].path, rw, bs, 1, jobs, engine="psync")
 
         # 0. Honesty check: our NBD client and fio's agree on nbdkit when the
         # server sets the pace (delay filter, 1 ms per request); without the
@@ -320,8 +321,8 @@ def main():
             if not args.quick:
                 points += [(systems["nbdkit"], "no delay", rw, qd) for rw, qd in (("randread", 1), ("randread", 32))]
             for nk, label, rw, qd in points:
-                fns = {"fio --ioengine=nbd": ((lambda rw=rw, qd=qd: run.fio(nk.url, rw, "4k", qd, 1)), None),
-                       "fastsan bench nbd://": ((lambda rw=rw, qd=qd: run.fastsan_bench(nk.url, rw, "4k", qd, 1)), None)}
+                fns = {"fio --ioengine=nbd": lambda nk=nk, rw=rw, qd=qd: run.fio(nk.url, rw, "4k", qd, 1),
+                       "fastsan bench nbd://": lambda nk=nk, rw=rw, qd=qd: run.fastsan_bench(nk.url, rw, "4k", qd, 1)}
                 honesty[f"{rw} QD{qd}, {label}"] = run_point(run, reps, "honesty", {"rw": rw, "bs": "4k", "qd": qd, "server": label}, fns)
         results["honesty"] = honesty
         if args.honesty:
@@ -336,7 +337,7 @@ def main():
             for n in nbd_peers:
                 fns[n] = fio_nbd(n, rw, "4k", 1, 1)
             if "tgt" in systems and rw == "randread":
-                fns["tgt (iscsi-perf)"] = (lambda: run.iscsi_perf(systems["tgt"].url, 1, 8)), None
+                fns["tgt (iscsi-perf)"] = lambda: run.iscsi_perf(systems["tgt"].url, 1, 8)
             fns["local tmpfs"] = local(rw, "4k", 1)
             lat[rw] = run_point(run, reps, "latency", {"rw": rw, "bs": "4k", "qd": 1}, fns)
         results["latency"] = lat
@@ -355,7 +356,7 @@ def main():
             # iscsi-perf hangs on 1 MiB requests against tgt here (timed out at 75 s): 4K only.
             if "tgt" in systems and rw in ("read", "randread") and bs == "4k":
                 blocks = 8
-                fns["tgt (iscsi-perf)"] = (lambda b=blocks: run.iscsi_perf(systems["tgt"].url, 16, b)), None
+                fns["tgt (iscsi-perf)"] = lambda b=blocks: run.iscsi_perf(systems["tgt"].url, 16, b)
             fns["local tmpfs"] = local(rw, bs, 16)
             matrix[f"{bs} {rw}"] = run_point(run, wide_reps, "matrix", {"rw": rw, "bs": bs, "jobs": 16}, fns)
         results["matrix"] = matrix
@@ -374,7 +375,7 @@ def main():
                 fns["nbdkit (fio)"] = fio_nbd("nbdkit", "randwrite", "4k", r // jobs, jobs)
             if "tgt" in systems:
                 # iscsi-perf only reads: tgt's curve is 4K random *read* (marked in the report).
-                fns["tgt (iscsi-perf, read)"] = (lambda r=r: run.iscsi_perf(systems["tgt"].url, r, 8)), None
+                fns["tgt (iscsi-perf, read)"] = lambda r=r: run.iscsi_perf(systems["tgt"].url, r, 8)
             scaling[r] = run_point(run, wide_reps, "scaling", {"rw": "randwrite", "bs": "4k", "requesters": r}, fns)
         results["scaling"] = scaling
 

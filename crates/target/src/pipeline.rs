@@ -151,10 +151,6 @@ where
         (d, Writer { rx, sink })
     }
 
-    pub fn volume(&self) -> &Arc<Volume> {
-        &self.volume
-    }
-
     /// Check, then hand to the device: inline or on the pool. `req` is an
     /// error when decoding already refused the request. Fails only when
     /// writing replies on the way failed (the connection is gone).

@@ -75,10 +75,6 @@ impl ServerHandle {
     pub fn stats(&self) -> StatsSnapshot {
         self.ctx.stats.snapshot()
     }
-
-    pub fn session_count(&self) -> usize {
-        self.ctx.sessions.lock().len()
-    }
 }
 
 impl Server {

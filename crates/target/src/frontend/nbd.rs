@@ -330,12 +330,14 @@ async fn read_loop<R: AsyncRead + Unpin, W: AsyncWrite + Unpin + Send + 'static>
     // Bytes of a refused oversized WRITE still to drop.
     let mut skip: u64 = 0;
     loop {
-        if skip > 0 {
+        loop {
+            // Drop what arrived of a refused write's payload; parse on once it is all gone.
             let n = skip.min(buf.len() as u64);
             buf.advance(n as usize);
             skip -= n;
-        }
-        while skip == 0 {
+            if skip > 0 {
+                break;
+            }
             let Some((r, payload, used)) = parse_request(&buf).map_err(ReadError::Protocol)? else { break };
             let frame = buf.split_to(used).freeze();
             if r.command == CMD_DISC {
@@ -351,11 +353,6 @@ async fn read_loop<R: AsyncRead + Unpin, W: AsyncWrite + Unpin + Send + 'static>
             };
             let meta = NbdMeta { command: r.command, offset: r.offset };
             d.dispatch(r.cookie, meta, req).await.map_err(ReadError::Io)?;
-            if skip > 0 {
-                let n = skip.min(buf.len() as u64);
-                buf.advance(n as usize);
-                skip -= n;
-            }
         }
         // Everything this read brought is dispatched: its replies leave together.
         d.flush().await.map_err(ReadError::Io)?;
