@@ -1,2 +1,2 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| brp::fuzz_checks::reply(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| fastsan_brp::fuzz_checks::reply(data));

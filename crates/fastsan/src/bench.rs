@@ -1,8 +1,8 @@
 //! `fastsan bench`: a fio-like load generator for BRP volumes and NBD servers.
 
 use crate::ClientArgs;
+use fastsan_target::config::parse_size;
 use std::time::Duration;
-use target::config::parse_size;
 
 /// Measure a BRP volume or any NBD server with fio-like jobs.
 ///
@@ -21,7 +21,7 @@ pub struct Args {
     url: String,
     /// read, write, randread, randwrite or randrw.
     #[arg(long, default_value = "randread")]
-    rw: bench::Rw,
+    rw: fastsan_bench::Rw,
     /// Block size.
     #[arg(long, default_value = "4k", value_name = "SIZE")]
     bs: String,
@@ -63,7 +63,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     };
     let bs = parse_size(&a.bs)?;
     anyhow::ensure!(bs <= u32::MAX as u64, "--bs too large");
-    let spec = bench::JobSpec {
+    let spec = fastsan_bench::JobSpec {
         url: a.url,
         rw: a.rw,
         bs: bs as u32,
@@ -79,7 +79,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         secret: a.client.options()?.secret,
         progress: !a.json,
     };
-    let report = bench::run(spec).await?;
+    let report = fastsan_bench::run(spec).await?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

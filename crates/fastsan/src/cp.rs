@@ -4,15 +4,15 @@
 use crate::ClientArgs;
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
+use fastsan_initiator::Volume;
+use fastsan_target::config::parse_size;
 use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
-use initiator::Volume;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use target::config::parse_size;
 
 /// Copy a local file into a volume, a volume into a local file, or a volume
 /// into another volume.
@@ -133,7 +133,7 @@ impl End {
 async fn retry<T, F, Fut>(mut op: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, initiator::Error>>,
+    Fut: std::future::Future<Output = Result<T, fastsan_initiator::Error>>,
 {
     let mut tries = 0;
     loop {

@@ -40,19 +40,19 @@ pub struct ClientArgs {
     pub connections: usize,
     /// Temporal merge: off, adaptive or always.
     #[arg(long, default_value = "adaptive", value_name = "MODE")]
-    pub merge: initiator::MergeMode,
+    pub merge: fastsan_initiator::MergeMode,
     /// Ask for CRC32C digests of headers and data.
     #[arg(long)]
     pub digests: bool,
 }
 
 impl ClientArgs {
-    pub fn options(&self) -> anyhow::Result<initiator::Options> {
+    pub fn options(&self) -> anyhow::Result<fastsan_initiator::Options> {
         let secret = match &self.secret_file {
-            Some(p) => Some(target::config::read_secret(p)?),
+            Some(p) => Some(fastsan_target::config::read_secret(p)?),
             None => None,
         };
-        Ok(initiator::Options {
+        Ok(fastsan_initiator::Options {
             connections: self.connections,
             merge: self.merge,
             secret,

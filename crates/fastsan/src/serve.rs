@@ -1,11 +1,11 @@
 //! `fastsan serve`: run a target.
 
 use anyhow::Context;
+use fastsan_target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSpec};
+use fastsan_target::Server;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSpec};
-use target::Server;
 use tracing::info;
 
 /// Serve volumes over BRP and NBD until SIGINT or SIGTERM.

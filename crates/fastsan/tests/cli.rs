@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use initiator::{BlockingVolume, Options};
+use fastsan_initiator::{BlockingVolume, Options};
 
 #[test]
 fn cp_128_mib_into_a_volume_and_back_is_identical() {

@@ -1,0 +1,447 @@
+//! Load generation for fastsan: fio-like jobs against BRP volumes (through
+//! the initiator library) and any NBD server (through [`nbd_client`]), with
+//! latency histograms, client CPU, and the initiator's BATCH statistics.
+//!
+//! A job is `iodepth` requesters, each with one request in flight at a time;
+//! `jobs` jobs run at once. Over BRP every requester shares one session of
+//! `connections` connections (the paper's "threads"); over NBD each job has
+//! its own connection, as fio's nbd engine does.
+//!
+//! # Layout
+//! - [`JobSpec`], [`Rw`]: what to run; [`run`]: runs it; [`Report`]: what it measured.
+//! - [`nbd_client`]: the NBD client.
+
+pub mod nbd_client;
+
+use bytes::Bytes;
+use fastsan_initiator::{MergeMode, Options, Volume};
+use hdrhistogram::Histogram;
+use nbd_client::NbdClient;
+use parking_lot::Mutex;
+use rand::{Rng, RngCore, SeedableRng};
+use serde::Serialize;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rw {
+    Read,
+    Write,
+    RandRead,
+    RandWrite,
+    RandRw,
+}
+
+impl FromStr for Rw {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "read" => Rw::Read,
+            "write" => Rw::Write,
+            "randread" => Rw::RandRead,
+            "randwrite" => Rw::RandWrite,
+            "randrw" => Rw::RandRw,
+            _ => return Err(format!("--rw {s:?}: expected read, write, randread, randwrite or randrw")),
+        })
+    }
+}
+
+impl Rw {
+    fn random(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// `brp://HOST:PORT/VOLUME` or `nbd://HOST:PORT/EXPORT`.
+    pub url: String,
+    pub rw: Rw,
+    pub bs: u32,
+    pub iodepth: usize,
+    pub jobs: usize,
+    pub runtime: Duration,
+    /// Warm-up before measuring.
+    pub ramp: Duration,
+    /// Bytes of the volume to use (default: all of it).
+    pub size: Option<u64>,
+    /// Percentage of reads in randrw.
+    pub rwmixread: u8,
+    /// Write a pattern that depends on the offset and check every read of a
+    /// block this run has written.
+    pub verify: bool,
+    /// BRP: connections per session.
+    pub connections: usize,
+    /// BRP: temporal merge mode.
+    pub merge: MergeMode,
+    pub secret: Option<Vec<u8>>,
+    /// Show a live progress line on a terminal.
+    pub progress: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot open {url}: {why}")]
+    Open { url: String, why: String },
+    #[error("I/O failed: {0}")]
+    Io(String),
+}
+
+/// What a run measured. Latencies in microseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub url: String,
+    pub rw: Rw,
+    pub bs: u32,
+    pub iodepth: usize,
+    pub jobs: usize,
+    pub requesters: usize,
+    pub connections: usize,
+    pub merge: String,
+    pub runtime_s: f64,
+    pub ios: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub iops: f64,
+    pub mib_s: f64,
+    pub lat_mean_us: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_p999_us: f64,
+    pub lat_max_us: f64,
+    /// Client CPU (user + system) as a share of one core.
+    pub client_cpu_pct: f64,
+    pub client_cpu_us_per_io: f64,
+    pub errors: u64,
+    pub verify_mismatches: u64,
+    /// BRP only: frames sent, BATCH frames among them, requests they carried.
+    pub frames: u64,
+    pub batches: u64,
+    pub batched_requests: u64,
+}
+
+enum Target {
+    Brp(Volume),
+    /// One connection per job.
+    Nbd(Vec<Arc<NbdClient>>),
+}
+
+impl Target {
+    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, String> {
+        match self {
+            Target::Brp(v) => v.read(off, len as u64).await.map_err(|e| e.to_string()),
+            Target::Nbd(c) => c[job].read(off, len).await.map_err(|e| e.to_string()),
+        }
+    }
+    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), String> {
+        match self {
+            Target::Brp(v) => v.write_bytes(data, off, false).await.map_err(|e| e.to_string()),
+            Target::Nbd(c) => c[job].write(off, &data).await.map_err(|e| e.to_string()),
+        }
+    }
+    fn size(&self) -> u64 {
+        match self {
+            Target::Brp(v) => v.size(),
+            Target::Nbd(c) => c[0].size,
+        }
+    }
+}
+
+/// Counters shared by every requester.
+#[derive(Default)]
+struct Shared {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+    mismatches: AtomicU64,
+}
+
+/// The block content `--verify` writes at `offset`.
+fn pattern(offset: u64, len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
+    for (i, c) in v.chunks_mut(8).enumerate() {
+        let x = (offset + i as u64 * 8).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes();
+        c.copy_from_slice(&x[..c.len()]);
+    }
+    Bytes::from(v)
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct we pass; zeroed is a valid initial value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer to a live rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Runs one job description to the end and reports.
+pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
+    if spec.bs == 0 || spec.bs > 32 << 20 || !spec.bs.is_multiple_of(512) {
+        return Err(BenchError::Invalid("--bs must be a multiple of 512 up to 32M".into()));
+    }
+    if spec.iodepth == 0 || spec.jobs == 0 || spec.iodepth * spec.jobs > 65536 {
+        return Err(BenchError::Invalid(
+            "--iodepth and --jobs must be at least 1 (and their product at most 65536)".into(),
+        ));
+    }
+    if spec.rwmixread > 100 {
+        return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
+    }
+    let open_err = |why: String| BenchError::Open { url: spec.url.clone(), why };
+    let target = if spec.url.starts_with("brp://") {
+        let opts = Options {
+            connections: spec.connections,
+            merge: spec.merge,
+            secret: spec.secret.clone(),
+            ..Default::default()
+        };
+        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.to_string()))?)
+    } else if spec.url.starts_with("nbd://") {
+        let mut v = Vec::new();
+        for _ in 0..spec.jobs {
+            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.to_string()))?));
+        }
+        Target::Nbd(v)
+    } else {
+        return Err(BenchError::Invalid(format!("{}: expected brp://... or nbd://...", spec.url)));
+    };
+    let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
+    if span < spec.bs as u64 {
+        return Err(BenchError::Invalid(format!(
+            "the volume ({} bytes) is smaller than one block",
+            target.size()
+        )));
+    }
+    let blocks = span / spec.bs as u64;
+    let target = Arc::new(target);
+    let shared = Arc::new(Shared::default());
+    let written: Arc<Vec<AtomicU64>> =
+        Arc::new((0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+    let hists: Vec<Arc<Mutex<Histogram<u64>>>> = (0..spec.jobs)
+        .map(|_| {
+            Arc::new(Mutex::new(Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds")))
+        })
+        .collect();
+    let cursors: Vec<Arc<AtomicU64>> =
+        (0..spec.jobs).map(|j| Arc::new(AtomicU64::new(j as u64 * blocks / spec.jobs as u64))).collect();
+    let mut fill = vec![0u8; spec.bs as usize];
+    rand::thread_rng().fill_bytes(&mut fill);
+    let fill = Bytes::from(fill);
+
+    let start = Instant::now();
+    let measure_from = start + spec.ramp;
+    let end = measure_from + spec.runtime;
+    let before_stats = brp_stats(&target);
+    let progress = spawn_progress(spec.progress, shared.clone(), spec.bs, measure_from, end);
+    let mut tasks = Vec::new();
+    for job in 0..spec.jobs {
+        for k in 0..spec.iodepth {
+            let (target, shared, written, hist, cursor, fill) = (
+                target.clone(),
+                shared.clone(),
+                written.clone(),
+                hists[job].clone(),
+                cursors[job].clone(),
+                fill.clone(),
+            );
+            let spec = spec.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64((job * 100_003 + k) as u64);
+                loop {
+                    let now = Instant::now();
+                    if now >= end {
+                        break;
+                    }
+                    let block = if spec.rw.random() {
+                        rng.gen_range(0..blocks)
+                    } else {
+                        cursor.fetch_add(1, Relaxed) % blocks
+                    };
+                    let off = block * spec.bs as u64;
+                    let is_read = match spec.rw {
+                        Rw::Read | Rw::RandRead => true,
+                        Rw::Write | Rw::RandWrite => false,
+                        Rw::RandRw => rng.gen_range(0..100) < spec.rwmixread as u32,
+                    };
+                    let (word, bit) = ((block / 64) as usize, 1u64 << (block % 64));
+                    let result = if is_read {
+                        let check = spec.verify && written[word].load(Relaxed) & bit != 0;
+                        match target.read(job, off, spec.bs).await {
+                            Ok(d) if check && d != pattern(off, spec.bs as usize) => {
+                                shared.mismatches.fetch_add(1, Relaxed);
+                                Ok(())
+                            }
+                            Ok(_) => Ok(()),
+                            Err(e) => Err(e),
+                        }
+                    } else {
+                        let data = if spec.verify { pattern(off, spec.bs as usize) } else { fill.clone() };
+                        let r = target.write(job, off, data).await;
+                        if r.is_ok() && spec.verify {
+                            written[word].fetch_or(bit, Relaxed);
+                        }
+                        r
+                    };
+                    let done = Instant::now();
+                    if now < measure_from || done > end {
+                        continue;
+                    }
+                    match result {
+                        Ok(()) => {
+                            let counter = if is_read { &shared.reads } else { &shared.writes };
+                            counter.fetch_add(1, Relaxed);
+                            shared.bytes.fetch_add(spec.bs as u64, Relaxed);
+                            let _ = hist.lock().record((done - now).as_nanos().max(100) as u64);
+                        }
+                        Err(e) => {
+                            if shared.errors.fetch_add(1, Relaxed) == 0 {
+                                eprintln!("fastsan bench: I/O error: {e}");
+                            }
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    // Client CPU is counted over the measured window only.
+    let cpu_probe = {
+        let at = measure_from;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            cpu_seconds()
+        })
+    };
+    for t in tasks {
+        t.await.map_err(|e| BenchError::Io(e.to_string()))?;
+    }
+    let cpu_start = cpu_probe.await.unwrap_or_else(|_| cpu_seconds());
+    let cpu = cpu_seconds() - cpu_start;
+    if let Some(p) = progress {
+        p.abort();
+        eprint!("\r\x1b[2K");
+    }
+    let after_stats = brp_stats(&target);
+    let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
+    for h in &hists {
+        hist.add(&*h.lock()).expect("same bounds");
+    }
+    let secs = spec.runtime.as_secs_f64();
+    let (reads, writes) = (shared.reads.load(Relaxed), shared.writes.load(Relaxed));
+    let ios = reads + writes;
+    let us = |ns: u64| ns as f64 / 1000.0;
+    Ok(Report {
+        url: spec.url.clone(),
+        rw: spec.rw,
+        bs: spec.bs,
+        iodepth: spec.iodepth,
+        jobs: spec.jobs,
+        requesters: spec.iodepth * spec.jobs,
+        connections: if matches!(*target, Target::Brp(_)) { spec.connections } else { spec.jobs },
+        merge: format!("{:?}", spec.merge).to_lowercase(),
+        runtime_s: secs,
+        ios,
+        reads,
+        writes,
+        iops: ios as f64 / secs,
+        mib_s: shared.bytes.load(Relaxed) as f64 / secs / (1 << 20) as f64,
+        lat_mean_us: hist.mean() / 1000.0,
+        lat_p50_us: us(hist.value_at_quantile(0.5)),
+        lat_p99_us: us(hist.value_at_quantile(0.99)),
+        lat_p999_us: us(hist.value_at_quantile(0.999)),
+        lat_max_us: us(hist.max()),
+        client_cpu_pct: cpu / secs * 100.0,
+        client_cpu_us_per_io: if ios > 0 { cpu * 1e6 / ios as f64 } else { 0.0 },
+        errors: shared.errors.load(Relaxed),
+        verify_mismatches: shared.mismatches.load(Relaxed),
+        frames: after_stats.0 - before_stats.0,
+        batches: after_stats.1 - before_stats.1,
+        batched_requests: after_stats.2 - before_stats.2,
+    })
+}
+
+fn brp_stats(t: &Target) -> (u64, u64, u64) {
+    match t {
+        Target::Brp(v) => {
+            let s = v.stats();
+            (s.frames, s.batches, s.batched_requests)
+        }
+        Target::Nbd(_) => (0, 0, 0),
+    }
+}
+
+/// A live line on the terminal: elapsed time, IOPS and MiB/s of the last second.
+fn spawn_progress(
+    on: bool,
+    shared: Arc<Shared>,
+    bs: u32,
+    from: Instant,
+    end: Instant,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if !on || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    Some(tokio::spawn(async move {
+        let mut last = 0u64;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
+            let now = Instant::now();
+            let phase = if now < from { "warm-up" } else { "measuring" };
+            let left = end.saturating_duration_since(now).as_secs();
+            eprint!(
+                "\r\x1b[2K  {phase}: {:>9.0} IOPS {:>9.1} MiB/s  {left}s left",
+                (n - last) as f64,
+                (n - last) as f64 * bs as f64 / (1 << 20) as f64
+            );
+            last = n;
+        }
+    }))
+}
+
+impl Report {
+    /// A human-readable summary, fio-style.
+    pub fn human(&self) -> String {
+        let mut s = format!(
+            "{} {:?} bs={} iodepth={} jobs={} ({} requesters, {} connections{})\n",
+            self.url,
+            self.rw,
+            self.bs,
+            self.iodepth,
+            self.jobs,
+            self.requesters,
+            self.connections,
+            if self.url.starts_with("brp://") { format!(", merge {}", self.merge) } else { String::new() }
+        );
+        s += &format!(
+            "  IOPS {:.0}  bandwidth {:.1} MiB/s  ({} reads, {} writes in {:.1} s)\n",
+            self.iops, self.mib_s, self.reads, self.writes, self.runtime_s
+        );
+        s += &format!(
+            "  latency us: mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}\n",
+            self.lat_mean_us, self.lat_p50_us, self.lat_p99_us, self.lat_p999_us, self.lat_max_us
+        );
+        s += &format!(
+            "  client CPU {:.0}% of a core, {:.2} us per I/O\n",
+            self.client_cpu_pct, self.client_cpu_us_per_io
+        );
+        if self.frames > 0 {
+            let avg = if self.batches > 0 { self.batched_requests as f64 / self.batches as f64 } else { 0.0 };
+            s += &format!(
+                "  frames {}  BATCH frames {} carrying {} requests (avg {:.1} per BATCH)\n",
+                self.frames, self.batches, self.batched_requests, avg
+            );
+        }
+        if self.errors > 0 || self.verify_mismatches > 0 {
+            s += &format!("  ERRORS {}  verify mismatches {}\n", self.errors, self.verify_mismatches);
+        }
+        s
+    }
+}

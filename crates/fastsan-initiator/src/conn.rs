@@ -1,0 +1,321 @@
+//! One connection of a session: a sender task and a receiver task.
+//!
+//! The sender implements temporal merge. It waits for a request; when one
+//! comes it takes it and, in adaptive mode, every other small request already
+//! queued behind it, and sends them in one write: alone as a plain frame, or
+//! together as one BATCH. While that write is in flight new requests queue,
+//! so the heavier the load the bigger the batches, and at low load a request
+//! leaves at once. The receiver matches replies to requests by tag.
+
+use crate::handshake::Handshake;
+use crate::options::MergeMode;
+use crate::session::Stats;
+use crate::Error;
+use bytes::{Bytes, BytesMut};
+use fastsan_brp::batch::BatchBuilder;
+use fastsan_brp::digest::{self, DIGEST_LEN};
+use fastsan_brp::reply::{parse_reply, ReplyHeader, REPLY_HEADER_LEN};
+use fastsan_brp::request::{encode_header, RequestHeader};
+use fastsan_brp::Command;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io::{self, IoSlice};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+pub(crate) type Done = oneshot::Sender<Result<Option<Bytes>, Error>>;
+
+/// A request on its way to the sender.
+pub(crate) struct Submit {
+    pub header: RequestHeader,
+    pub payload: Bytes,
+    pub pending: Pending,
+}
+
+/// What waits for a reply: the caller's channel and the credit it holds.
+pub(crate) struct Pending {
+    pub done: Done,
+    pub _credit: OwnedSemaphorePermit,
+}
+
+/// The requests sent and not yet answered. Once closed, nothing more is
+/// registered: a late request fails at once instead of waiting forever.
+#[derive(Default)]
+struct Inflight {
+    state: Mutex<(bool, HashMap<u64, Pending>)>,
+}
+
+impl Inflight {
+    fn register(&self, tag: u64, p: Pending) {
+        let mut st = self.state.lock();
+        if st.0 {
+            let _ = p.done.send(Err(Error::ConnectionLost));
+        } else {
+            st.1.insert(tag, p);
+        }
+    }
+    fn take(&self, tag: u64) -> Option<Pending> {
+        self.state.lock().1.remove(&tag)
+    }
+    fn fail_all(&self) {
+        let drained: Vec<Pending> = {
+            let mut st = self.state.lock();
+            st.0 = true;
+            st.1.drain().map(|(_, p)| p).collect()
+        };
+        for p in drained {
+            let _ = p.done.send(Err(Error::ConnectionLost));
+        }
+    }
+}
+
+pub(crate) struct Limits {
+    pub mode: MergeMode,
+    pub max_batch: usize,
+    pub merge_max_request: u32,
+    /// Credits granted by the target, to tell how loaded the connection is.
+    pub queue_depth: u32,
+    pub merge_max_bytes: u32,
+}
+
+pub(crate) struct Conn {
+    tx: mpsc::UnboundedSender<Submit>,
+    pub credits: Arc<Semaphore>,
+    dead: CancellationToken,
+}
+
+impl Conn {
+    /// Starts the sender and receiver of an opened connection. `on_dead` runs
+    /// once, when the connection fails (not when it is dropped).
+    pub fn start(
+        hs: Handshake,
+        queue_depth: u32,
+        limits: Limits,
+        stats: Arc<Stats>,
+        on_dead: Box<dyn FnOnce() + Send>,
+    ) -> Conn {
+        let Handshake { stream, buf: leftover, digests } = hs;
+        let (rd, wr) = stream.into_split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
+        let dead = CancellationToken::new();
+        let inflight = Arc::new(Inflight::default());
+        let on_dead = Arc::new(Mutex::new(Some(on_dead)));
+        let die = {
+            let (dead, inflight, credits) = (dead.clone(), inflight.clone(), credits.clone());
+            move |e: Option<Error>| {
+                dead.cancel();
+                credits.close();
+                inflight.fail_all();
+                if let Some(e) = e {
+                    tracing::warn!(error = %e, "connection to the target lost");
+                    if let Some(f) = on_dead.lock().take() {
+                        f();
+                    }
+                }
+            }
+        };
+        let sender = {
+            let (die, dead, inflight, stats) = (die.clone(), dead.clone(), inflight.clone(), stats.clone());
+            let credits_s = credits.clone();
+            async move {
+                let r = tokio::select! {
+                    biased;
+                    _ = dead.cancelled() => Ok(()),
+                    r = send_loop(wr, rx, &inflight, &credits_s, digests, limits, &stats) => r,
+                };
+                die(r.err().map(Error::from));
+            }
+        };
+        let receiver = {
+            let (die, dead) = (die.clone(), dead.clone());
+            async move {
+                let r = tokio::select! {
+                    biased;
+                    _ = dead.cancelled() => None,
+                    r = recv_loop(rd, leftover, &inflight, digests) => Some(r),
+                };
+                die(r);
+            }
+        };
+        tokio::spawn(sender);
+        tokio::spawn(receiver);
+        Conn { tx, credits, dead }
+    }
+
+    pub fn is_alive(&self) -> bool {
+        !self.dead.is_cancelled()
+    }
+
+    /// Queues a request; gives it back if the connection is gone.
+    pub fn submit(&self, s: Submit) -> Result<(), Submit> {
+        self.tx.send(s).map_err(|e| e.0)
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.dead.cancel();
+    }
+}
+
+/// Requests in flight on a connection from which the adaptive sender lingers to merge.
+const MERGE_LOAD: usize = 8;
+
+fn mergeable(s: &Submit, l: &Limits) -> bool {
+    s.header.length <= l.merge_max_request || s.header.command == Command::Flush
+}
+
+async fn send_loop(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Submit>,
+    inflight: &Inflight,
+    credits: &Semaphore,
+    digests: bool,
+    l: Limits,
+    stats: &Stats,
+) -> io::Result<()> {
+    let mut carry: Option<Submit> = None;
+    let mut group: Vec<(RequestHeader, Bytes)> = Vec::new();
+    let mut heads: Vec<u8> = Vec::new();
+    loop {
+        let first = match carry.take() {
+            Some(s) => s,
+            None => match rx.recv().await {
+                Some(s) => s,
+                // The session is gone: end quietly, the receiver with us.
+                None => return Ok(()),
+            },
+        };
+        // Heavy load (the paper's condition for merging): many requests are in
+        // flight, so replies keep arriving and their requesters are about to
+        // send again. Then the adaptive sender lets them run a scheduler turn
+        // or two before it gathers, and the batch holds what they queue
+        // meanwhile. At light load it sends at once: no added latency.
+        let in_flight = (l.queue_depth as usize).saturating_sub(credits.available_permits());
+        let busy = in_flight >= MERGE_LOAD;
+        let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
+        let mut bytes = first.payload.len();
+        push(&mut group, inflight, first);
+        if merge {
+            let mut rounds = match l.mode {
+                MergeMode::Always => 3,
+                MergeMode::Adaptive if busy => 2,
+                _ => 0,
+            };
+            loop {
+                while group.len() < l.max_batch {
+                    let Ok(s) = rx.try_recv() else { break };
+                    if !mergeable(&s, &l) || bytes + s.payload.len() > l.merge_max_bytes as usize {
+                        carry = Some(s);
+                        break;
+                    }
+                    bytes += s.payload.len();
+                    push(&mut group, inflight, s);
+                }
+                if rounds == 0 || carry.is_some() || group.len() >= l.max_batch {
+                    break;
+                }
+                rounds -= 1;
+                tokio::task::yield_now().await;
+            }
+        }
+        let as_batch = group.len() > 1 || l.mode == MergeMode::Always && merge;
+        heads.clear();
+        let mut trailer = [0u8; DIGEST_LEN];
+        if as_batch {
+            let mut b = BatchBuilder::default();
+            for (h, _) in &group {
+                b.push(h);
+            }
+            let (bh, subs) = b.finish();
+            encode_header(&bh, digests, &mut heads);
+            let sub_at = heads.len();
+            heads.extend_from_slice(&subs);
+            if digests {
+                let parts = std::iter::once(&heads[sub_at..]).chain(group.iter().map(|(_, p)| &p[..]));
+                trailer = digest::crc_parts(parts).to_le_bytes();
+            }
+            stats.batches.fetch_add(1, Relaxed);
+            stats.batched_requests.fetch_add(group.len() as u64, Relaxed);
+        } else {
+            encode_header(&group[0].0, digests, &mut heads);
+            if digests && !group[0].1.is_empty() {
+                trailer = digest::crc(&group[0].1).to_le_bytes();
+            }
+        }
+        let has_payload = as_batch || !group[0].1.is_empty();
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() + 2);
+        slices.push(IoSlice::new(&heads));
+        slices.extend(group.iter().filter(|(_, p)| !p.is_empty()).map(|(_, p)| IoSlice::new(p)));
+        if digests && has_payload {
+            slices.push(IoSlice::new(&trailer));
+        }
+        stats.frames.fetch_add(1, Relaxed);
+        write_all_vectored(&mut wr, &mut slices).await?;
+        drop(slices);
+        group.clear();
+    }
+}
+
+/// Registers the request as in flight, keeping what the sender must write.
+fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit) {
+    inflight.register(s.header.tag, s.pending);
+    group.push((s.header, s.payload));
+}
+
+async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight, digests: bool) -> Error {
+    loop {
+        loop {
+            let f = match parse_reply(&buf, digests) {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return e.into(),
+            };
+            let bytes = buf.split_to(f.frame_len).freeze();
+            let Some(p) = inflight.take(f.header.tag) else {
+                return Error::Unexpected(format!("reply for unknown tag {}", f.header.tag));
+            };
+            let n = f.header.payload_len as usize;
+            let result = if !f.header.status.is_ok() {
+                Err(Error::Status(f.header.status))
+            } else if !f.payload_ok {
+                Err(Error::DigestMismatch)
+            } else if n > 0 {
+                Ok(Some(bytes.slice(f.payload_at..f.payload_at + n)))
+            } else {
+                Ok(None)
+            };
+            let _ = p.done.send(result);
+        }
+        let need = match buf.first_chunk::<REPLY_HEADER_LEN>().map(ReplyHeader::decode) {
+            Some(Ok(h)) => ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN,
+            _ => 0,
+        };
+        // Grow toward a large reply a megabyte at a time, as its bytes arrive.
+        buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
+        match rd.read_buf(&mut buf).await {
+            Ok(0) => return Error::ConnectionLost,
+            Ok(_) => {}
+            Err(e) => return e.into(),
+        }
+    }
+}
+
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    while !bufs.is_empty() {
+        let n = w.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}

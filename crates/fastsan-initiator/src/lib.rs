@@ -1,0 +1,41 @@
+//! The fastsan initiator: a client library for BRP volumes.
+//!
+//! It owns sessions over several connections, tags, credits, adaptive
+//! temporal merge and reconnection. It never knows how a target stores data.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), fastsan_initiator::Error> {
+//! use fastsan_initiator::{Options, Volume};
+//! let vol = Volume::connect("brp://127.0.0.1:10810/vol0", Options::default()).await?;
+//! vol.write_at(&[7u8; 4096], 0, false).await?;
+//! assert_eq!(&vol.read(0, 4096).await?[..], &[7u8; 4096][..]);
+//! vol.flush().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//! - [`url`] - `brp://HOST:PORT/VOLUME`.
+//! - [`options`] - [`Options`], [`MergeMode`].
+//! - [`handshake`] - connect, authenticate, LIST and OPEN.
+//! - [`conn`] - one connection: a sender task that merges queued requests
+//!   into BATCH frames, a receiver task that matches replies by tag.
+//! - [`session`] - [`Volume`]: N connections, load balancing, credits,
+//!   splitting of large I/O, reconnection.
+//! - [`blocking`] - [`BlockingVolume`], the same API without async.
+//! - [`error`] - [`Error`] and whether to retry.
+
+pub mod blocking;
+pub mod conn;
+pub mod error;
+pub mod handshake;
+pub mod options;
+pub mod session;
+pub mod url;
+
+pub use blocking::BlockingVolume;
+pub use error::Error;
+pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
+pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
+pub use options::{MergeMode, Options};
+pub use session::{list, InitiatorStats, Volume};
+pub use url::BrpUrl;

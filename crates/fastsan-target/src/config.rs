@@ -1,0 +1,298 @@
+//! Configuration: volume specifications (`NAME=memory:SIZE`, `NAME=file:PATH`,
+//! `NAME=null:SIZE`, with options `,ro` and `,direct`), sizes (`512`, `64K`,
+//! `1G`, `2TiB`), and the TOML config file. Command-line flags and the file
+//! produce the same [`ServerConfig`].
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("volume spec {spec:?}: {why} (expected NAME=memory:SIZE, NAME=file:PATH or NAME=null:SIZE, options ,ro ,direct)")]
+    Volume { spec: String, why: String },
+    #[error("size {0:?}: expected a number with an optional suffix K, M, G, T (powers of 1024), e.g. 512M")]
+    Size(String),
+    #[error("config file {path}: {why}")]
+    File { path: String, why: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// What stores a volume's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendSpec {
+    Memory { size: u64 },
+    File { path: PathBuf, direct: bool },
+    Null { size: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeSpec {
+    pub name: String,
+    pub backend: BackendSpec,
+    pub read_only: bool,
+}
+
+impl VolumeSpec {
+    pub fn parse(spec: &str) -> Result<Self, ConfigError> {
+        let err = |why: &str| ConfigError::Volume { spec: spec.to_owned(), why: why.to_owned() };
+        let (name, rest) = spec.split_once('=').ok_or_else(|| err("missing '='"))?;
+        check_name(name).map_err(|why| err(&why))?;
+        let (kind, rest) = rest.split_once(':').ok_or_else(|| err("missing ':' after the kind"))?;
+        let mut parts = rest.split(',');
+        let arg = parts.next().unwrap_or_default();
+        let (mut read_only, mut direct) = (false, false);
+        for opt in parts {
+            match opt {
+                "ro" => read_only = true,
+                "direct" => direct = true,
+                other => return Err(err(&format!("unknown option {other:?}"))),
+            }
+        }
+        if direct && kind != "file" {
+            return Err(err("option 'direct' applies to file volumes only"));
+        }
+        let size = |s: &str| match parse_size(s) {
+            Ok(0) => Err(err("size must be above zero")),
+            Ok(n) => Ok(n),
+            Err(e) => Err(err(&e.to_string())),
+        };
+        let backend = match kind {
+            "memory" => BackendSpec::Memory { size: size(arg)? },
+            "null" => BackendSpec::Null { size: size(arg)? },
+            "file" if arg.is_empty() => return Err(err("missing path")),
+            "file" => BackendSpec::File { path: PathBuf::from(arg), direct },
+            other => return Err(err(&format!("unknown kind {other:?}"))),
+        };
+        Ok(VolumeSpec { name: name.to_owned(), backend, read_only })
+    }
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > fastsan_brp::limits::MAX_NAME {
+        return Err(format!("a name has 1 to {} bytes", fastsan_brp::limits::MAX_NAME));
+    }
+    if name.chars().any(|c| c.is_control() || c == '/' || c == ',' || c == '=') {
+        return Err("a name has no control characters, '/', ',' or '='".into());
+    }
+    Ok(())
+}
+
+/// Parses `4096`, `64K`, `512M`, `1G`, `1GiB`, `2T` (suffixes are powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
+    let bad = || ConfigError::Size(s.to_owned());
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Everything `fastsan serve` needs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub brp: SocketAddr,
+    /// NBD listener on TCP; `None` disables it.
+    pub nbd: Option<SocketAddr>,
+    /// NBD listener on a unix socket.
+    pub nbd_unix: Option<PathBuf>,
+    /// Allow NBD (which has no authentication here yet) on a non-loopback address.
+    pub nbd_allow_remote: bool,
+    pub volumes: Vec<VolumeSpec>,
+    /// Shared secret; when set, every connection must authenticate.
+    pub secret: Option<Vec<u8>>,
+    pub handshake_timeout: Duration,
+    pub max_connections: usize,
+    /// Requests outstanding per connection (the credits granted).
+    pub queue_depth: u32,
+    /// Largest single transfer.
+    pub max_transfer: u32,
+    /// Threads that run blocking (file) device I/O.
+    pub io_threads: usize,
+    /// Process each connection's requests one at a time, end to end (the
+    /// paper's BRP-1, "parallelism off"), for comparison only.
+    pub serial: bool,
+    /// How long shutdown waits for in-flight requests.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            brp: "127.0.0.1:10810".parse().expect("valid address"),
+            nbd: Some("127.0.0.1:10809".parse().expect("valid address")),
+            nbd_unix: None,
+            nbd_allow_remote: false,
+            volumes: Vec::new(),
+            secret: None,
+            handshake_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            queue_depth: 256,
+            max_transfer: 8 << 20,
+            io_threads: 16,
+            serial: false,
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The default volume when none is configured: 1 GiB of memory named `vol0`.
+    pub fn default_volume() -> VolumeSpec {
+        VolumeSpec { name: "vol0".into(), backend: BackendSpec::Memory { size: 1 << 30 }, read_only: false }
+    }
+
+    /// Checks the whole configuration before anything starts.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut names = std::collections::HashSet::new();
+        for v in &self.volumes {
+            if !names.insert(v.name.as_str()) {
+                return Err(ConfigError::Invalid(format!("volume name {:?} given twice", v.name)));
+            }
+        }
+        if self.secret.is_none() && !self.brp.ip().is_loopback() {
+            return Err(ConfigError::Invalid(format!(
+                "listening on {} (not loopback) requires --secret-file: anyone on the network could use the volumes",
+                self.brp
+            )));
+        }
+        if let Some(a) = self.nbd {
+            if !a.ip().is_loopback() && !self.nbd_allow_remote {
+                return Err(ConfigError::Invalid(format!(
+                    "NBD on {a} (not loopback): NBD has no authentication here yet; \
+                     pass --nbd-allow-remote to serve it anyway"
+                )));
+            }
+        }
+        if matches!(&self.secret, Some(s) if s.is_empty()) {
+            return Err(ConfigError::Invalid("the secret file is empty".into()));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 65536 {
+            return Err(ConfigError::Invalid("queue depth must be 1..=65536".into()));
+        }
+        let max = fastsan_brp::limits::MAX_PAYLOAD - 64 * 1024;
+        if self.max_transfer < 4096 || self.max_transfer > max {
+            return Err(ConfigError::Invalid(format!("max transfer must be 4096..={max}")));
+        }
+        if self.io_threads == 0 || self.io_threads > 1024 {
+            return Err(ConfigError::Invalid("io threads must be 1..=1024".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The TOML config file; every key is optional and mirrors a flag of `fastsan serve`.
+///
+/// ```toml
+/// brp = "127.0.0.1:10810"
+/// nbd = "127.0.0.1:10809"
+/// nbd_unix = "/run/fastsan/nbd.sock"
+/// secret_file = "/etc/fastsan/secret"
+/// volumes = ["vol0=memory:1G", "disk=file:/dev/nvme0n1,direct"]
+/// queue_depth = 256
+/// io_threads = 16
+/// handshake_timeout_ms = 10000
+/// max_connections = 1024
+/// ```
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub brp: Option<SocketAddr>,
+    pub nbd: Option<SocketAddr>,
+    pub nbd_unix: Option<PathBuf>,
+    pub secret_file: Option<PathBuf>,
+    #[serde(default)]
+    pub volumes: Vec<String>,
+    pub queue_depth: Option<u32>,
+    pub max_transfer: Option<String>,
+    pub io_threads: Option<usize>,
+    pub handshake_timeout_ms: Option<u64>,
+    pub max_connections: Option<usize>,
+}
+
+impl ConfigFile {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let err = |why: String| ConfigError::File { path: path.display().to_string(), why };
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        toml::from_str(&text).map_err(|e| err(e.to_string()))
+    }
+}
+
+/// Reads a secret file: its bytes, without a trailing newline.
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    let mut s = std::fs::read(path)
+        .map_err(|e| ConfigError::File { path: path.display().to_string(), why: e.to_string() })?;
+    while matches!(s.last(), Some(b'\n' | b'\r')) {
+        s.pop();
+    }
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("2TiB"), Ok(2 << 40));
+        assert_eq!(parse_size("128mb"), Ok(128 << 20));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn volume_specs() {
+        let v = VolumeSpec::parse("a=memory:128M").unwrap();
+        assert_eq!(v.backend, BackendSpec::Memory { size: 128 << 20 });
+        assert!(!v.read_only);
+        let v = VolumeSpec::parse("disk=file:/tmp/x.img,direct,ro").unwrap();
+        assert_eq!(v.backend, BackendSpec::File { path: "/tmp/x.img".into(), direct: true });
+        assert!(v.read_only);
+        assert_eq!(VolumeSpec::parse("n=null:1G").unwrap().backend, BackendSpec::Null { size: 1 << 30 });
+        for bad in [
+            "memory:1G",
+            "=memory:1G",
+            "a=memory",
+            "a=disk:1G",
+            "a=memory:0",
+            "a=memory:1G,fast",
+            "a=memory:1G,direct",
+            "a=file:",
+            "a/b=memory:1G",
+        ] {
+            assert!(VolumeSpec::parse(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn non_loopback_needs_a_secret() {
+        let mut c = ServerConfig { brp: "0.0.0.0:10810".parse().unwrap(), ..Default::default() };
+        assert!(c.validate().is_err());
+        c.secret = Some(b"k".to_vec());
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn config_file_parses_and_rejects_unknown_keys() {
+        let c: ConfigFile =
+            toml::from_str("brp = \"127.0.0.1:1\"\nvolumes = [\"v=null:1G\"]\nqueue_depth = 8").unwrap();
+        assert_eq!(c.volumes, vec!["v=null:1G".to_string()]);
+        assert_eq!(c.queue_depth, Some(8));
+        assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());
+    }
+}

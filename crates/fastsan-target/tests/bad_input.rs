@@ -1,0 +1,276 @@
+//! Bad input from the network: each gets the right error reply, or a clean
+//! close of that connection alone; the server never falls over and another
+//! client keeps being served throughout.
+
+mod common;
+
+use common::{Raw, TestServer};
+use fastsan_brp::batch::BatchBuilder;
+use fastsan_brp::handshake::Message;
+use fastsan_brp::request::{encode_header, RequestHeader};
+use fastsan_brp::{Command, Status};
+use fastsan_initiator::{Error, Options, Volume};
+use std::time::Duration;
+
+const VOLS: &[&str] = &["v=memory:16M", "ro=memory:16M,ro"];
+
+/// Another client, doing real work, while the bad one misbehaves.
+async fn bystander_works(srv: &TestServer) {
+    let vol = Volume::connect(&srv.url("v"), Options { connections: 1, ..Default::default() }).await.unwrap();
+    let data = common::pattern(99, 8192, 8192);
+    vol.write_at(&data, 8192, false).await.unwrap();
+    assert_eq!(vol.read(8192, 8192).await.unwrap()[..], data[..]);
+}
+
+/// Sends one request, expects `status` for it, then checks the same
+/// connection still serves a good read.
+async fn refused_then_served(raw: &mut Raw, h: RequestHeader, payload: &[u8], status: Status) {
+    raw.request(h, payload).await;
+    raw.request(RequestHeader::new(Command::Read, 0, 777, 0, 512), &[]).await;
+    let (r, data) = raw.reply().await;
+    assert_eq!((r.tag, r.status), (h.tag, status), "{h:?}");
+    assert!(data.is_empty());
+    let (r, data) = raw.reply().await;
+    assert_eq!((r.tag, r.status, data.len()), (777, Status::OK, 512), "the connection goes on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn well_formed_but_invalid_requests_get_error_replies() {
+    let srv = TestServer::start(VOLS, |c| c.max_transfer = 1 << 20).await;
+    let (mut raw, info) = Raw::open(srv.addr, "v").await;
+    let size = info.size;
+    let read = |tag, off, len| RequestHeader::new(Command::Read, 0, tag, off, len);
+    refused_then_served(&mut raw, read(1, size, 512), &[], Status::OUT_OF_RANGE).await;
+    refused_then_served(&mut raw, read(2, u64::MAX - 511, 512), &[], Status::OUT_OF_RANGE).await;
+    refused_then_served(&mut raw, read(3, 100, 512), &[], Status::MISALIGNED).await;
+    refused_then_served(&mut raw, read(4, 0, 1000), &[], Status::MISALIGNED).await;
+    refused_then_served(&mut raw, read(5, 0, 2 << 20), &[], Status::TOO_LARGE).await;
+    refused_then_served(&mut raw, read(6, 0, 0), &[], Status::INVALID).await;
+    refused_then_served(&mut raw, RequestHeader::new(Command::Read, 0x40, 7, 0, 512), &[], Status::INVALID)
+        .await;
+    // Unknown commands, with and without a payload: consumed, refused, the stream stays in sync.
+    refused_then_served(
+        &mut raw,
+        RequestHeader::new(Command::Unknown(0x77), 0, 8, 0, 512),
+        &[],
+        Status::UNSUPPORTED,
+    )
+    .await;
+    let mut h = RequestHeader::new(Command::Unknown(200), 0, 9, 0, 512);
+    h.payload_len = 1000;
+    refused_then_served(&mut raw, h, &[0xEE; 1000], Status::UNSUPPORTED).await;
+    // A write out of range: its payload is consumed too.
+    let w = RequestHeader::new(Command::Write, 0, 10, size - 512, 4096);
+    refused_then_served(&mut raw, w, &[1; 4096], Status::OUT_OF_RANGE).await;
+    let st = srv.handle.stats();
+    assert_eq!((st.errors, st.protocol_errors), (10, 0));
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_volume_refuses_changes_and_consumes_payload() {
+    let srv = TestServer::start(VOLS, |_| {}).await;
+    let (mut raw, info) = Raw::open(srv.addr, "ro").await;
+    assert!(info.read_only());
+    refused_then_served(
+        &mut raw,
+        RequestHeader::new(Command::Write, 0, 1, 0, 65536),
+        &[7; 65536],
+        Status::READ_ONLY,
+    )
+    .await;
+    refused_then_served(&mut raw, RequestHeader::new(Command::Trim, 0, 2, 0, 4096), &[], Status::READ_ONLY)
+        .await;
+    refused_then_served(
+        &mut raw,
+        RequestHeader::new(Command::WriteZeroes, 0, 3, 0, 4096),
+        &[],
+        Status::READ_ONLY,
+    )
+    .await;
+    // The initiator reports the same status as an error.
+    let vol = Volume::connect(&srv.url("ro"), Options::default()).await.unwrap();
+    match vol.write_at(&[1; 512], 0, false).await {
+        Err(Error::Status(s)) => assert_eq!(s, Status::READ_ONLY),
+        other => panic!("expected READ_ONLY, got {other:?}"),
+    }
+    assert!(vol.read(0, 512).await.unwrap().iter().all(|&b| b == 0), "nothing was written");
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
+/// Malformed frames close that connection only.
+async fn closes_connection(srv: &TestServer, bytes: Vec<u8>, after_open: bool) {
+    let mut raw = if after_open { Raw::open(srv.addr, "v").await.0 } else { Raw::connect(srv.addr).await };
+    raw.send(&bytes).await;
+    assert!(raw.closed_within(Duration::from_secs(5)).await, "connection closed");
+    bystander_works(srv).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_close_only_their_connection() {
+    let srv = TestServer::start(VOLS, |_| {}).await;
+    let keep =
+        Volume::connect(&srv.url("v"), Options { connections: 1, ..Default::default() }).await.unwrap();
+    // Garbage instead of HELLO, and garbage instead of a request.
+    closes_connection(&srv, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(), false).await;
+    closes_connection(&srv, vec![0xA5; 64], true).await;
+    // Length fields beyond the limits: refused before any byte of payload arrives.
+    let mut h = RequestHeader::new(Command::Write, 0, 1, 0, 4096);
+    h.payload_len = u32::MAX;
+    closes_connection(&srv, h.encode().to_vec(), true).await;
+    let mut hs = Message::List.to_vec();
+    hs[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    closes_connection(&srv, hs, false).await;
+    // A BATCH whose sizes do not add up, and a BATCH inside a BATCH.
+    let mut b = BatchBuilder::default();
+    b.push(&RequestHeader::new(Command::Write, 0, 1, 0, 512));
+    let (mut bh, subs) = b.finish();
+    bh.payload_len -= 1;
+    let mut frame = Vec::new();
+    encode_header(&bh, false, &mut frame);
+    frame.extend_from_slice(&subs);
+    frame.extend_from_slice(&[0; 511]);
+    closes_connection(&srv, frame, true).await;
+    let mut b = BatchBuilder::default();
+    b.push(&RequestHeader { command: Command::Batch, ..RequestHeader::new(Command::Read, 0, 1, 0, 512) });
+    let (bh, subs) = b.finish();
+    let mut frame = Vec::new();
+    encode_header(&bh, false, &mut frame);
+    frame.extend_from_slice(&subs);
+    closes_connection(&srv, frame, true).await;
+    // A request before the handshake, and an OPEN before HELLO.
+    closes_connection(&srv, RequestHeader::new(Command::Read, 0, 1, 0, 512).encode().to_vec(), false).await;
+    let mut raw = Raw::connect(srv.addr).await;
+    match raw.ask(&Message::Open { session: 0, name: "v".into() }).await {
+        Message::Error { status, .. } => assert_eq!(status, Status::UNEXPECTED),
+        other => panic!("{other:?}"),
+    }
+    assert!(raw.closed_within(Duration::from_secs(5)).await);
+    assert!(srv.handle.stats().protocol_errors >= 7);
+    // The connection opened before all this still works.
+    keep.write_at(&[3; 4096], 0, true).await.unwrap();
+    assert_eq!(keep.read(0, 4096).await.unwrap()[..], [3; 4096][..]);
+    drop(keep);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_volume_and_version_are_refused_politely() {
+    let srv = TestServer::start(VOLS, |_| {}).await;
+    let mut raw = Raw::connect(srv.addr).await;
+    match raw.ask(&Message::Hello { min_version: 2, max_version: 9, features: 0 }).await {
+        Message::Error { status, .. } => assert_eq!(status, Status::BAD_VERSION),
+        other => panic!("{other:?}"),
+    }
+    let mut raw = Raw::connect(srv.addr).await;
+    raw.ask(&Message::Hello { min_version: 1, max_version: 1, features: 0xFFFF_FFFF }).await;
+    match raw.ask(&Message::Open { session: 0, name: "nope".into() }).await {
+        Message::Error { status, .. } => assert_eq!(status, Status::NO_SUCH_VOLUME),
+        other => panic!("{other:?}"),
+    }
+    // The handshake goes on after a refused OPEN.
+    let Message::ListReply { volumes } = raw.ask(&Message::List).await else { panic!() };
+    assert_eq!(volumes.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["v", "ro"]);
+    assert!(matches!(raw.ask(&Message::Open { session: 0, name: "v".into() }).await, Message::OpenReply(_)));
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_clients_time_out_and_floods_are_capped() {
+    let srv = TestServer::start(VOLS, |c| {
+        c.handshake_timeout = Duration::from_millis(300);
+        c.max_connections = 4;
+    })
+    .await;
+    // Connects and says nothing: closed at the handshake timeout.
+    let mut silent = Raw::connect(srv.addr).await;
+    let t = std::time::Instant::now();
+    assert!(silent.closed_within(Duration::from_secs(5)).await);
+    assert!(t.elapsed() >= Duration::from_millis(250), "not before the timeout");
+    // A flood: past the cap, connections are told BUSY and closed.
+    let mut flood = Vec::new();
+    for _ in 0..4 {
+        flood.push(Raw::connect(srv.addr).await);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut extra = Raw::connect(srv.addr).await;
+    match extra.message().await {
+        Some(Message::Error { status, .. }) => assert_eq!(status, Status::BUSY),
+        other => panic!("expected BUSY, got {other:?}"),
+    }
+    // When the flood times out, the slots come back.
+    for mut f in flood {
+        assert!(f.closed_within(Duration::from_secs(5)).await);
+    }
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_digest_mismatch_is_refused_and_the_connection_goes_on() {
+    let srv = TestServer::start(VOLS, |_| {}).await;
+    let (mut raw, _) = Raw::open_with(srv.addr, "v", fastsan_brp::FEATURE_DIGEST).await;
+    assert!(raw.digests);
+    let h = RequestHeader::new(Command::Write, 0, 5, 0, 512);
+    let mut frame = Vec::new();
+    encode_header(&h, true, &mut frame);
+    frame.extend_from_slice(&[9; 512]);
+    frame.extend_from_slice(&[0, 0, 0, 0]); // wrong digest
+    raw.send(&frame).await;
+    let (r, _) = raw.reply().await;
+    assert_eq!((r.tag, r.status), (5, Status::DIGEST_MISMATCH));
+    raw.request(RequestHeader::new(Command::Read, 0, 6, 0, 512), &[]).await;
+    let (r, data) = raw.reply().await;
+    assert_eq!((r.tag, r.status), (6, Status::OK));
+    assert_eq!(data, vec![0; 512], "the corrupted write was not applied");
+    // A corrupted header digest cannot be trusted: the connection closes.
+    let mut frame = Vec::new();
+    encode_header(&RequestHeader::new(Command::Read, 0, 7, 0, 512), true, &mut frame);
+    frame[10] ^= 1;
+    raw.send(&frame).await;
+    assert!(raw.closed_within(Duration::from_secs(5)).await);
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication() {
+    let srv = TestServer::start(VOLS, |c| c.secret = Some(b"s3cret".to_vec())).await;
+    let with = |s: &[u8]| Options { secret: Some(s.to_vec()), ..Default::default() };
+    // The right secret works.
+    let vol = Volume::connect(&srv.url("v"), with(b"s3cret")).await.unwrap();
+    vol.write_at(&[4; 512], 0, false).await.unwrap();
+    // A wrong secret is refused, and so is no secret.
+    match Volume::connect(&srv.url("v"), with(b"guess")).await {
+        Err(Error::Refused { status, .. }) => assert_eq!(status, Status::AUTH_FAILED),
+        other => panic!("expected AUTH_FAILED, got {:?}", other.err()),
+    }
+    assert!(matches!(Volume::connect(&srv.url("v"), Options::default()).await, Err(Error::SecretRequired)));
+    // A raw client that skips AUTH gets AUTH_REQUIRED and is closed.
+    let mut raw = Raw::connect(srv.addr).await;
+    let Message::HelloReply { auth, .. } =
+        raw.ask(&Message::Hello { min_version: 1, max_version: 1, features: 0 }).await
+    else {
+        panic!()
+    };
+    assert_eq!(auth, fastsan_brp::handshake::AUTH_HMAC_SHA256);
+    match raw.ask(&Message::List).await {
+        Message::Error { status, .. } => assert_eq!(status, Status::AUTH_REQUIRED),
+        other => panic!("{other:?}"),
+    }
+    assert!(raw.closed_within(Duration::from_secs(5)).await);
+    assert_eq!(srv.handle.stats().auth_failures, 2);
+    // A client holding a secret refuses a target that asks for none.
+    let open = TestServer::start(VOLS, |_| {}).await;
+    assert!(matches!(
+        Volume::connect(&open.url("v"), with(b"s3cret")).await,
+        Err(Error::TargetNotAuthenticated)
+    ));
+    assert_eq!(vol.read(0, 512).await.unwrap()[..], [4; 512][..], "the authenticated client kept working");
+    drop(vol);
+    srv.stop().await;
+    open.stop().await;
+}
