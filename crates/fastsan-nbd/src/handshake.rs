@@ -41,7 +41,7 @@ pub fn parse_option(buf: &[u8]) -> Result<Option<(OptionRequest, usize)>, Protoc
     let option = be32(buf, 8);
     let len = be32(buf, 12);
     if len > MAX_OPTION {
-        return Err(ProtocolError::OptionTooLarge { len, limit: MAX_OPTION });
+        return Err(ProtocolError::OptionTooLarge { option, len, limit: MAX_OPTION });
     }
     let total = OPTION_HEADER_LEN + len as usize;
     if buf.len() < total {

@@ -21,8 +21,8 @@ pub mod transmission;
 pub enum ProtocolError {
     #[error("bad magic {0:#x}")]
     BadMagic(u64),
-    #[error("option payload of {len} bytes exceeds the limit of {limit}")]
-    OptionTooLarge { len: u32, limit: u32 },
+    #[error("option {option} with a payload of {len} bytes exceeds the limit of {limit}")]
+    OptionTooLarge { option: u32, len: u32, limit: u32 },
     #[error("reply payload of {len} bytes exceeds the limit of {limit}")]
     ReplyTooLarge { len: u32, limit: u32 },
 }

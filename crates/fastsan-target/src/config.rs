@@ -1,8 +1,10 @@
 //! Configuration: volume specifications (`NAME=memory:SIZE`, `NAME=file:PATH`,
-//! `NAME=null:SIZE`, with options `,ro` and `,direct`), sizes (`512`, `64K`,
-//! `1G`, `2TiB`), and the TOML config file. Command-line flags and the file
+//! `NAME=null:SIZE`, with options `,ro`, `,direct`, `,delay=DURATION` and
+//! `,faults=RULE`), sizes (`512`, `64K`, `1G`, `2TiB`), durations (`500us`,
+//! `10ms`, `2s`), and the TOML config file. Command-line flags and the file
 //! produce the same [`ServerConfig`].
 
+use crate::backend::FaultRule;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -10,10 +12,12 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
-    #[error("volume spec {spec:?}: {why} (expected NAME=memory:SIZE, NAME=file:PATH or NAME=null:SIZE, options ,ro ,direct)")]
+    #[error("volume spec {spec:?}: {why} (expected NAME=memory:SIZE, NAME=file:PATH or NAME=null:SIZE, options ,ro ,direct ,delay=DURATION ,faults=RULE)")]
     Volume { spec: String, why: String },
     #[error("size {0:?}: expected a number with an optional suffix K, M, G, T (powers of 1024), e.g. 512M")]
     Size(String),
+    #[error("duration {0:?}: expected a number with a unit us, ms or s, e.g. 10ms")]
+    Duration(String),
     #[error("config file {path}: {why}")]
     File { path: String, why: String },
     #[error("{0}")]
@@ -33,6 +37,10 @@ pub struct VolumeSpec {
     pub name: String,
     pub backend: BackendSpec,
     pub read_only: bool,
+    /// A fixed latency added to every data operation (the delay layer).
+    pub delay: Option<Duration>,
+    /// Fault rules (the faults layer); `Some(empty)`: the layer, no rule yet.
+    pub faults: Option<Vec<FaultRule>>,
 }
 
 impl VolumeSpec {
@@ -43,12 +51,19 @@ impl VolumeSpec {
         let (kind, rest) = rest.split_once(':').ok_or_else(|| err("missing ':' after the kind"))?;
         let mut parts = rest.split(',');
         let arg = parts.next().unwrap_or_default();
-        let (mut read_only, mut direct) = (false, false);
+        let (mut read_only, mut direct, mut delay, mut faults) = (false, false, None, None);
         for opt in parts {
-            match opt {
-                "ro" => read_only = true,
-                "direct" => direct = true,
-                other => return Err(err(&format!("unknown option {other:?}"))),
+            match opt.split_once('=') {
+                None if opt == "ro" => read_only = true,
+                None if opt == "direct" => direct = true,
+                Some(("delay", d)) => delay = Some(parse_duration(d).map_err(|e| err(&e.to_string()))?),
+                Some(("faults", "none")) => {
+                    faults.get_or_insert_with(Vec::new);
+                }
+                Some(("faults", rule)) => {
+                    faults.get_or_insert_with(Vec::new).push(FaultRule::parse(rule).map_err(|e| err(&e))?)
+                }
+                _ => return Err(err(&format!("unknown option {opt:?}"))),
             }
         }
         if direct && kind != "file" {
@@ -66,7 +81,7 @@ impl VolumeSpec {
             "file" => BackendSpec::File { path: PathBuf::from(arg), direct },
             other => return Err(err(&format!("unknown kind {other:?}"))),
         };
-        Ok(VolumeSpec { name: name.to_owned(), backend, read_only })
+        Ok(VolumeSpec { name: name.to_owned(), backend, read_only, delay, faults })
     }
 }
 
@@ -98,10 +113,27 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     n.checked_mul(1u64 << shift).ok_or_else(bad)
 }
 
+/// Parses `250us`, `10ms`, `2s` (a unit is required).
+pub fn parse_duration(s: &str) -> Result<Duration, ConfigError> {
+    let bad = || ConfigError::Duration(s.to_owned());
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    match unit {
+        "us" => Ok(Duration::from_micros(n)),
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" if n <= 86_400 => Ok(Duration::from_secs(n)),
+        _ => Err(bad()),
+    }
+}
+
 /// Everything `fastsan serve` needs.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub brp: SocketAddr,
+    /// BRP listener on a unix socket.
+    pub brp_unix: Option<PathBuf>,
     /// NBD listener on TCP; `None` disables it.
     pub nbd: Option<SocketAddr>,
     /// NBD listener on a unix socket.
@@ -130,6 +162,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             brp: "127.0.0.1:10810".parse().expect("valid address"),
+            brp_unix: None,
             nbd: Some("127.0.0.1:10809".parse().expect("valid address")),
             nbd_unix: None,
             nbd_allow_remote: false,
@@ -149,7 +182,13 @@ impl Default for ServerConfig {
 impl ServerConfig {
     /// The default volume when none is configured: 1 GiB of memory named `vol0`.
     pub fn default_volume() -> VolumeSpec {
-        VolumeSpec { name: "vol0".into(), backend: BackendSpec::Memory { size: 1 << 30 }, read_only: false }
+        VolumeSpec {
+            name: "vol0".into(),
+            backend: BackendSpec::Memory { size: 1 << 30 },
+            read_only: false,
+            delay: None,
+            faults: None,
+        }
     }
 
     /// Checks the whole configuration before anything starts.
@@ -191,33 +230,46 @@ impl ServerConfig {
     }
 }
 
-/// The TOML config file; every key is optional and mirrors a flag of `fastsan serve`.
+/// The TOML config file; every key is optional and is the flag of
+/// `fastsan serve` with the same name, in the same units.
 ///
 /// ```toml
 /// brp = "127.0.0.1:10810"
-/// nbd = "127.0.0.1:10809"
+/// brp_unix = "/run/fastsan/brp.sock"
+/// nbd = "127.0.0.1:10809"          # or no_nbd = true
 /// nbd_unix = "/run/fastsan/nbd.sock"
+/// nbd_allow_remote = false
 /// secret_file = "/etc/fastsan/secret"
 /// volumes = ["vol0=memory:1G", "disk=file:/dev/nvme0n1,direct"]
 /// queue_depth = 256
+/// max_transfer = "8M"
 /// io_threads = 16
-/// handshake_timeout_ms = 10000
+/// handshake_timeout = 10           # seconds
 /// max_connections = 1024
+/// serial = false
 /// ```
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
     pub brp: Option<SocketAddr>,
+    pub brp_unix: Option<PathBuf>,
     pub nbd: Option<SocketAddr>,
+    #[serde(default)]
+    pub no_nbd: bool,
     pub nbd_unix: Option<PathBuf>,
+    #[serde(default)]
+    pub nbd_allow_remote: bool,
     pub secret_file: Option<PathBuf>,
     #[serde(default)]
     pub volumes: Vec<String>,
     pub queue_depth: Option<u32>,
     pub max_transfer: Option<String>,
     pub io_threads: Option<usize>,
-    pub handshake_timeout_ms: Option<u64>,
+    /// Seconds.
+    pub handshake_timeout: Option<f64>,
     pub max_connections: Option<usize>,
+    #[serde(default)]
+    pub serial: bool,
 }
 
 impl ConfigFile {
@@ -264,6 +316,11 @@ mod tests {
         assert_eq!(v.backend, BackendSpec::File { path: "/tmp/x.img".into(), direct: true });
         assert!(v.read_only);
         assert_eq!(VolumeSpec::parse("n=null:1G").unwrap().backend, BackendSpec::Null { size: 1 << 30 });
+        let v = VolumeSpec::parse("f=memory:1G,delay=2ms,faults=write:eio@0-4K,faults=flush:enospc").unwrap();
+        assert_eq!(v.delay, Some(Duration::from_millis(2)));
+        assert_eq!(v.faults.as_ref().map(Vec::len), Some(2));
+        assert_eq!(VolumeSpec::parse("f=memory:1G,faults=none").unwrap().faults, Some(vec![]));
+        assert_eq!(VolumeSpec::parse("f=memory:1G").unwrap().faults, None);
         for bad in [
             "memory:1G",
             "=memory:1G",
@@ -274,8 +331,21 @@ mod tests {
             "a=memory:1G,direct",
             "a=file:",
             "a/b=memory:1G",
+            "a=memory:1G,delay=3",
+            "a=memory:1G,faults=write",
+            "a=memory:1G,ro=1",
         ] {
             assert!(VolumeSpec::parse(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_duration("10ms"), Ok(Duration::from_millis(10)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        for bad in ["", "10", "ms", "1.5s", "3h", "99999999s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }
 

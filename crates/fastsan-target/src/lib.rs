@@ -1,30 +1,48 @@
 //! The fastsan target: serves volumes to initiators over the network.
 //!
-//! It owns listeners, connections, sessions, volumes and their backends,
-//! authentication and counters. It never knows how a client batches: a BATCH
-//! frame is unpacked into ordinary requests at the door.
+//! It owns listeners, connections, sessions, volumes and their backend
+//! stacks, authentication and counters. It never knows how a client batches:
+//! a BATCH frame is unpacked into ordinary requests at the door.
 //!
 //! # Layout
-//! - [`config`] - volume specs, sizes, the TOML file, [`config::ServerConfig`].
+//! The life of a request, in order:
+//! 1. [`driver`] - [`driver::serve_connection`], the one connection driver
+//!    and the only code that touches a socket: runs a front end's handshake,
+//!    then reads, and hands every complete frame to the front end to **decode**;
+//! 2. [`frontend`] - one module per protocol ([`frontend::brp`],
+//!    [`frontend::nbd`]): a sans-IO handshake, `decode` (the wire rules, into
+//!    a protocol-neutral [`request::IoRequest`]), an encoder for replies, and
+//!    the one function mapping a refusal to the protocol's wire code;
+//! 3. [`pipeline`] - [`pipeline::Dispatcher::dispatch`]: credits, then
+//!    **validated** by [`volume::Volume::validate`] (the only place volume
+//!    rules live, the only maker of a [`volume::Op`]), **executed** by
+//!    [`volume::Volume::execute`] (the only place a request touches the
+//!    backend: inline for memory and null, on the [`pool::IoPool`] otherwise),
+//!    **answered** by [`pipeline::Dispatcher::flush`] and [`pipeline::Writer`]
+//!    (every ready reply in one `writev`). Refusals are logged there, once.
+//!
+//! Around it:
 //! - [`server`] - [`Server`]: binds, accepts within a cap, shuts down gracefully.
-//! - [`frontend::brp`] - one BRP connection: handshake, then **decode**
-//!   (`read_loop`, `decode`: wire rules into an [`request::IoRequest`]).
-//! - [`pipeline`] - what every front end shares after decoding: credits,
-//!   **check** ([`volume::Volume::validate`]) → **device** ([`exec::execute`])
-//!   → **reply** ([`pipeline::write_replies`], one `writev` for all ready replies).
-//! - [`request`] - protocol-neutral requests and refusals.
-//! - [`volume`] - a named backend with its limits; the one place requests are checked.
-//! - [`exec`] - the one place a request touches the device, and the I/O thread pool.
-//! - [`backend`] - memory (sparse, chunk-locked), file or block device (O_DIRECT optional), null.
-//! - [`stats`] - counters.
+//! - [`config`] - volume specs, sizes, durations, the TOML file, [`config::ServerConfig`].
+//! - [`catalog`] - the volumes by name; [`sessions`] - BRP sessions.
+//! - [`backend`] - the backend stack: stores (memory, file, null) and layers
+//!   (stats, faults, delay, read-only), with capabilities; built in [`backend::build`].
+//! - [`request`] - protocol-neutral requests and refusals (with their context).
+//! - [`stats`] - server-wide counters.
+//! - [`fuzz_checks`] - what the handshake fuzz targets run.
 
 pub mod backend;
+pub mod catalog;
 pub mod config;
-pub mod exec;
+pub mod driver;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod pipeline;
+pub mod pool;
 pub mod request;
 pub mod server;
+pub mod sessions;
 pub mod stats;
 pub mod volume;
 

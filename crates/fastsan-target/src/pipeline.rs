@@ -1,27 +1,31 @@
-//! The connection pipeline every front end shares: after a request is
-//! decoded, [`Dispatcher::dispatch`] takes a credit, checks it
-//! ([`Volume::validate`]), runs it on the device ([`execute`]: inline for
-//! memory and null volumes, on the I/O pool for files) and queues the
-//! [`Reply`]; replies are written in batches, one `writev` for all that are
-//! ready, encoded by the front end's [`Encoder`], in completion order: by the
-//! reader itself when the socket is free, else by the [`Writer`] task.
+//! The request pipeline every front end shares, driven by
+//! [`crate::driver`]: after a request is decoded, [`Dispatcher::dispatch`]
+//! takes a credit, checks it ([`Volume::validate`]), runs it on the device
+//! ([`Volume::execute`]: inline for memory and null volumes, on the I/O pool
+//! for files and slow layers) and queues the [`Reply`]; replies are written
+//! in batches ([`Dispatcher::flush`], [`Writer::run`]: one `writev` for all
+//! that are ready), encoded by the front end's [`Encoder`], in completion
+//! order: by the reader itself when the socket is free, else by the
+//! [`Writer`] task. A refusal or a device error is logged here, in one place.
 //!
 //! A request holds a credit from dispatch until its reply is written, so a
 //! connection never has more than its queue depth, nor more than its byte
 //! budget, in flight; when credits run out the reader simply stops reading.
 
-use crate::exec::{execute, Op, Outcome};
+use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
-use crate::server::Ctx;
 use crate::stats::Stats;
-use crate::volume::Volume;
+use crate::volume::{Outcome, Volume};
 use bytes::Bytes;
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tracing::debug;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
 /// Bytes of payload one connection may hold in flight.
 const BYTE_BUDGET: u32 = 64 << 20;
@@ -35,6 +39,21 @@ const READ_GROWTH: usize = 1 << 20;
 pub const READ_CHUNK: usize = 256 * 1024;
 /// Most replies gathered into one write.
 const MAX_REPLIES_PER_WRITE: usize = 256;
+/// Refusals logged at `info` per connection; the rest go to `debug`, so a
+/// misbehaving client cannot flood the log.
+const LOGGED_REFUSALS: u32 = 16;
+
+/// What every connection of a server shares, and nothing more.
+pub struct ConnEnv {
+    pub stats: Arc<Stats>,
+    pub pool: IoPool,
+    pub shutdown: CancellationToken,
+    /// Requests in flight per connection (1 when serial).
+    pub queue_depth: u32,
+    /// Process requests one at a time, end to end (the paper's BRP-1).
+    pub serial: bool,
+    pub handshake_timeout: Duration,
+}
 
 /// One finished request on its way to the writer. `M` is what the front end
 /// needs to encode the reply (its command, offset, ...).
@@ -60,7 +79,7 @@ pub struct Encoded {
 
 /// A front end's reply format.
 pub trait Encoder: Send + 'static {
-    type Meta: Send + 'static;
+    type Meta: Send + Sync + 'static;
     /// Appends the reply's framing to `scratch` and says where its parts are.
     fn encode(&mut self, r: &Reply<Self::Meta>, scratch: &mut Vec<u8>) -> Encoded;
 }
@@ -109,8 +128,9 @@ type Batch<E> = Vec<Reply<<E as Encoder>::Meta>>;
 /// Dispatches one connection's requests.
 pub struct Dispatcher<W, E: Encoder> {
     volume: Arc<Volume>,
-    ctx: Arc<Ctx>,
+    env: Arc<ConnEnv>,
     limits: Limits,
+    peer: Arc<str>,
     tx: mpsc::UnboundedSender<Batch<E>>,
     sink: Sink<W, E>,
     credits: Arc<Semaphore>,
@@ -118,6 +138,7 @@ pub struct Dispatcher<W, E: Encoder> {
     /// Replies of requests run inline, held until the reader has dispatched
     /// everything one read brought, then written together in one `writev`.
     pending: parking_lot::Mutex<Batch<E>>,
+    logged: Arc<AtomicU32>,
 }
 
 /// The task that writes what the dispatcher hands over; spawn [`Writer::run`].
@@ -133,20 +154,29 @@ where
 {
     /// A dispatcher writing replies to `w` in `enc`'s format, and the writer
     /// task to spawn beside it.
-    pub fn new(volume: Arc<Volume>, ctx: Arc<Ctx>, limits: Limits, w: W, enc: E) -> (Self, Writer<W, E>) {
+    pub fn new(
+        volume: Arc<Volume>,
+        env: Arc<ConnEnv>,
+        limits: Limits,
+        peer: Arc<str>,
+        w: W,
+        enc: E,
+    ) -> (Self, Writer<W, E>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let depth = if ctx.config.serial { 1 } else { ctx.config.queue_depth as usize };
+        let depth = if env.serial { 1 } else { env.queue_depth as usize };
         let sink =
             Arc::new(tokio::sync::Mutex::new(SinkState { w, enc, scratch: Vec::new(), parts: Vec::new() }));
         let d = Dispatcher {
             volume,
-            ctx,
+            env,
             limits,
+            peer,
             tx,
             sink: sink.clone(),
             credits: Arc::new(Semaphore::new(depth)),
             budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
+            logged: Arc::new(AtomicU32::new(0)),
         };
         (d, Writer { rx, sink })
     }
@@ -163,44 +193,48 @@ where
         // the connection is closing and the initiator will retry elsewhere.
         let credit = tokio::select! {
             c = self.credit(moves) => c?,
-            _ = self.ctx.shutdown.cancelled() => return Ok(()),
+            _ = self.env.shutdown.cancelled() => return Ok(()),
         };
-        let stats = &self.ctx.stats;
+        let stats = &self.env.stats;
         Stats::add(&stats.requests, 1);
-        let op = req.and_then(|r| self.volume.validate(r, &self.limits));
-        let op = match op {
+        let kind = req.as_ref().ok().map(|r| r.kind);
+        let op = match req.and_then(|r| self.volume.validate(r, &self.limits)) {
             Ok(op) => op,
             Err(refusal) => {
-                debug!(tag, ?refusal, "request refused");
                 Stats::add(&stats.errors, 1);
+                let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
+                at.log(&refusal, &self.logged);
                 self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: credit });
                 return Ok(());
             }
         };
-        let (read, written) = match &op {
-            Op::Read { len, .. } => (*len as u64, 0),
-            Op::Write { data, .. } => (0, data.len() as u64),
-            _ => (0, 0),
-        };
-        let count = move |ctx: &Ctx, result: &Result<Outcome, Refusal>| match result {
+        let (read, written) = op.moves();
+        let count = move |stats: &Stats, result: &Result<Outcome, Refusal>| match result {
             Ok(_) => {
-                Stats::add(&ctx.stats.bytes_read, read);
-                Stats::add(&ctx.stats.bytes_written, written);
+                Stats::add(&stats.bytes_read, read);
+                Stats::add(&stats.bytes_written, written);
             }
-            Err(_) => Stats::add(&ctx.stats.errors, 1),
+            Err(_) => Stats::add(&stats.errors, 1),
         };
-        if self.volume.backend.may_block() && !self.ctx.config.serial {
-            let backend = self.volume.backend.clone();
+        if !self.volume.runs_inline() && !self.env.serial {
+            let volume = self.volume.clone();
             let tx = self.tx.clone();
-            let ctx = self.ctx.clone();
-            self.ctx.pool.submit(move || {
-                let result = execute(&*backend, op);
-                count(&ctx, &result);
+            let env = self.env.clone();
+            let (peer, logged) = (self.peer.clone(), self.logged.clone());
+            self.env.pool.submit(move || {
+                let result = volume.execute(op);
+                count(&env.stats, &result);
+                if let Err(e) = &result {
+                    Where { peer: &peer, volume: volume.name(), tag, kind }.log(e, &logged);
+                }
                 let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
             });
         } else {
-            let result = execute(&*self.volume.backend, op);
-            count(&self.ctx, &result);
+            let result = self.volume.execute(op);
+            count(&self.env.stats, &result);
+            if let Err(e) = &result {
+                Where { peer: &self.peer, volume: self.volume.name(), tag, kind }.log(e, &self.logged);
+            }
             self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
         }
         Ok(())
@@ -276,6 +310,31 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
             batch.clear();
         }
         self.sink.lock().await.w.shutdown().await
+    }
+}
+
+/// Which request a log line is about.
+struct Where<'a> {
+    peer: &'a str,
+    volume: &'a str,
+    tag: u64,
+    kind: Option<IoKind>,
+}
+
+impl Where<'_> {
+    /// The one place a refused or failed request is logged: device errors
+    /// at `warn`, a client's bad requests at `info`; past
+    /// [`LOGGED_REFUSALS`] per connection, both at `debug`.
+    fn log(&self, r: &Refusal, logged: &AtomicU32) {
+        let Where { peer, volume, tag, kind } = *self;
+        let command = kind.map_or("(undecoded)", IoKind::name);
+        if logged.fetch_add(1, Relaxed) >= LOGGED_REFUSALS {
+            debug!(%peer, volume, tag, command, "request refused: {r}");
+        } else if matches!(r, Refusal::Device(_)) {
+            warn!(%peer, volume, tag, command, "request failed: {r}");
+        } else {
+            info!(%peer, volume, tag, command, "request refused: {r}");
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! requests into, and why a request can be refused. Each front end maps a
 //! [`Refusal`] to its own wire code in one function (BRP: a status, NBD: an errno).
 
+use crate::backend::BackendError;
 use bytes::Bytes;
 
 /// A block request as decoded from any protocol, not yet checked against the volume.
@@ -37,37 +38,68 @@ pub enum IoKind {
 }
 
 impl IoKind {
+    /// The command's name, for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            IoKind::Read => "READ",
+            IoKind::Write => "WRITE",
+            IoKind::Flush => "FLUSH",
+            IoKind::Trim => "TRIM",
+            IoKind::WriteZeroes { .. } => "WRITE_ZEROES",
+            IoKind::Cache => "CACHE",
+            IoKind::BlockStatus { .. } => "BLOCK_STATUS",
+        }
+    }
+
     /// Whether the request changes the volume.
     pub fn writes(self) -> bool {
         matches!(self, IoKind::Write | IoKind::Trim | IoKind::WriteZeroes { .. })
     }
 }
 
-/// Why a request was refused before reaching the device, or failed there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a request was refused before reaching the device, or failed there,
+/// with what a log line (and an operator) needs to see why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
     /// Malformed but framed: bad flags, inconsistent lengths, zero length.
-    Invalid,
-    /// A command this target does not know.
-    Unsupported,
+    #[error("malformed request: {0}")]
+    Invalid(&'static str),
+    /// A command this front end does not know.
+    #[error("unknown command {0}")]
+    UnknownCommand(u32),
+    /// A command this volume cannot do (its capabilities say no).
+    #[error("{0} is not supported by this volume")]
+    Unsupported(&'static str),
     /// Beyond the end of the volume.
-    OutOfRange,
+    #[error("range {offset}+{length} goes beyond the end of the volume ({size} bytes)")]
+    OutOfRange { offset: u64, length: u64, size: u64 },
     /// Not a multiple of the required alignment.
-    Misaligned,
-    /// Longer than the front end's maximum transfer.
-    TooLarge,
+    #[error("range {offset}+{length} is not aligned to {align} bytes")]
+    Misaligned { offset: u64, length: u64, align: u32 },
+    /// Longer than the front end's or the volume's maximum transfer.
+    #[error("{length} bytes exceed the limit of {limit}")]
+    TooLarge { length: u64, limit: u64 },
     /// A change to a read-only volume.
+    #[error("the volume is read-only")]
     ReadOnly,
-    /// The backend failed.
-    IoError,
-    /// The backend is out of space.
-    NoSpace,
-    /// A fast zero was asked for and the backend cannot zero fast.
+    /// A fast zero was asked for and the volume cannot zero fast.
+    #[error("a fast zero is not possible on this volume")]
     NotFast,
+    /// The device failed.
+    #[error("device error: {0}")]
+    Device(BackendError),
     /// The payload's digest did not match.
+    #[error("the payload's digest does not match")]
     DigestMismatch,
     /// The target is shutting down.
+    #[error("the target is shutting down")]
     ShuttingDown,
+}
+
+impl From<BackendError> for Refusal {
+    fn from(e: BackendError) -> Self {
+        Refusal::Device(e)
+    }
 }
 
 /// The limits a front end imposes on top of the volume's own.

@@ -1,18 +1,27 @@
-//! The server: opens the volumes, listens, accepts connections within a cap,
-//! tracks sessions, and shuts down gracefully (stop accepting, finish what is
-//! in flight, flush every volume).
+//! The server: opens the volumes, listens (BRP and NBD, on TCP and unix
+//! sockets), accepts connections within a cap and hands each to
+//! [`crate::driver::serve_connection`] with its front end; shuts down
+//! gracefully (stop accepting, finish what is in flight, flush every volume).
 
+use crate::backend::{Faults, VolumeStatsSnapshot};
+use crate::catalog::Catalog;
 use crate::config::{ConfigError, ServerConfig};
-use crate::exec::IoPool;
-use crate::frontend;
+use crate::driver::{refuse_busy, serve_connection, Transport};
+use crate::frontend::brp::Brp;
+use crate::frontend::nbd::Nbd;
+use crate::frontend::Frontend;
+use crate::pipeline::ConnEnv;
+use crate::pool::IoPool;
+use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::volume::Volume;
-use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::net::{TcpListener, UnixListener};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,156 +31,180 @@ use tracing::{info, warn};
 pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("volume {name}: {source}")]
-    Volume { name: String, source: std::io::Error },
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
-}
-
-/// A session: the connections an initiator opened to one volume under one id.
-pub struct Session {
-    pub volume: String,
-    pub connections: usize,
-}
-
-/// What every connection shares.
-pub struct Ctx {
-    pub config: ServerConfig,
-    pub volumes: HashMap<String, Arc<Volume>>,
-    /// Volume names in configuration order, for LIST.
-    pub order: Vec<String>,
-    pub stats: Stats,
-    pub sessions: Mutex<HashMap<u64, Session>>,
-    pub pool: IoPool,
-    pub shutdown: CancellationToken,
+    #[error("volume {name}")]
+    Volume {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot listen on {addr}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
 }
 
 pub struct Server {
-    ctx: Arc<Ctx>,
-    listener: TcpListener,
-    nbd: Option<TcpListener>,
-    nbd_unix: Option<(UnixListener, PathBuf)>,
-}
-
-/// Which protocol a TCP listener speaks.
-#[derive(Clone, Copy, Debug)]
-enum Proto {
-    Brp,
-    Nbd,
+    env: Arc<ConnEnv>,
+    catalog: Arc<Catalog>,
+    brp: Brp,
+    nbd: Nbd,
+    brp_tcp: TcpListener,
+    brp_unix: Option<Unix>,
+    nbd_tcp: Option<TcpListener>,
+    nbd_unix: Option<Unix>,
+    max_connections: usize,
+    drain_timeout: Duration,
 }
 
 /// Controls a running server from elsewhere (a signal handler, a test).
 #[derive(Clone)]
 pub struct ServerHandle {
-    ctx: Arc<Ctx>,
+    env: Arc<ConnEnv>,
+    catalog: Arc<Catalog>,
 }
 
 impl ServerHandle {
     /// Starts a graceful shutdown; [`Server::run`] returns when it is done.
     pub fn shutdown(&self) {
-        self.ctx.shutdown.cancel();
+        self.env.shutdown.cancel();
     }
 
     pub fn stats(&self) -> StatsSnapshot {
-        self.ctx.stats.snapshot()
+        self.env.stats.snapshot()
+    }
+
+    /// One volume's counters and latency histogram.
+    pub fn volume_stats(&self, volume: &str) -> Option<VolumeStatsSnapshot> {
+        self.catalog.get(volume).map(|v| v.stats())
+    }
+
+    /// The fault rules of a volume that has a faults layer (`,faults=...`).
+    pub fn faults(&self, volume: &str) -> Option<Faults> {
+        self.catalog.get(volume)?.faults().cloned()
     }
 }
 
 impl Server {
-    /// Checks the configuration, opens every volume and binds the listener.
+    /// Checks the configuration, opens every volume and binds the listeners.
     pub async fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
         if config.volumes.is_empty() {
             config.volumes.push(ServerConfig::default_volume());
         }
         config.validate()?;
-        let mut volumes = HashMap::new();
-        let mut order = Vec::new();
+        let mut catalog = Catalog::default();
         for spec in &config.volumes {
             let v = Volume::open(spec, config.max_transfer)
                 .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
-            info!(volume = %v.name, read_only = v.read_only, "volume ready: {}", v.backend.describe());
-            order.push(v.name.clone());
-            volumes.insert(v.name.clone(), Arc::new(v));
+            info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
+            catalog.add(v);
         }
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServerError::Bind { addr: addr.to_string(), source })
         };
-        let listener = bind(config.brp).await?;
-        let nbd = match config.nbd {
+        let brp_tcp = bind(config.brp).await?;
+        let nbd_tcp = match config.nbd {
             Some(a) => Some(bind(a).await?),
             None => None,
         };
-        let nbd_unix = match &config.nbd_unix {
-            Some(p) => Some((bind_unix(p)?, p.clone())),
-            None => None,
-        };
-        let ctx = Arc::new(Ctx {
+        let brp_unix = config.brp_unix.as_deref().map(Unix::bind).transpose()?;
+        let nbd_unix = config.nbd_unix.as_deref().map(Unix::bind).transpose()?;
+        let stats = Arc::new(Stats::default());
+        let queue_depth = if config.serial { 1 } else { config.queue_depth };
+        let env = Arc::new(ConnEnv {
+            stats: stats.clone(),
             pool: IoPool::new(config.io_threads),
-            config,
-            volumes,
-            order,
-            stats: Stats::default(),
-            sessions: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
+            queue_depth,
+            serial: config.serial,
+            handshake_timeout: config.handshake_timeout,
         });
-        Ok(Server { ctx, listener, nbd, nbd_unix })
+        let catalog = Arc::new(catalog);
+        let brp = Brp {
+            catalog: catalog.clone(),
+            sessions: Arc::new(Sessions::default()),
+            secret: config.secret.as_deref().map(Arc::from),
+            queue_depth,
+            stats,
+        };
+        let nbd = Nbd { catalog: catalog.clone() };
+        Ok(Server {
+            env,
+            catalog,
+            brp,
+            nbd,
+            brp_tcp,
+            brp_unix,
+            nbd_tcp,
+            nbd_unix,
+            max_connections: config.max_connections,
+            drain_timeout: config.drain_timeout,
+        })
     }
 
     /// The BRP listener's address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("a bound listener has an address")
+        self.brp_tcp.local_addr().expect("a bound listener has an address")
     }
 
     /// The NBD TCP listener's address, when there is one.
     pub fn nbd_addr(&self) -> Option<SocketAddr> {
-        self.nbd.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
+        self.nbd_tcp.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
     pub fn handle(&self) -> ServerHandle {
-        ServerHandle { ctx: self.ctx.clone() }
+        ServerHandle { env: self.env.clone(), catalog: self.catalog.clone() }
     }
 
     /// Serves until shutdown is requested, then drains and flushes.
-    pub async fn run(self) -> std::io::Result<()> {
-        let Server { ctx, listener, nbd, nbd_unix } = self;
+    pub async fn run(self) -> io::Result<()> {
+        let Server {
+            env,
+            catalog,
+            brp,
+            nbd,
+            brp_tcp,
+            brp_unix,
+            nbd_tcp,
+            nbd_unix,
+            max_connections,
+            drain_timeout,
+        } = self;
         let tracker = TaskTracker::new();
-        let slots = Arc::new(Semaphore::new(ctx.config.max_connections));
-        info!(addr = %listener.local_addr()?, auth = ctx.config.secret.is_some(),
-              serial = ctx.config.serial, "BRP listener ready");
-        if let Some(l) = &nbd {
+        let slots = Arc::new(Semaphore::new(max_connections));
+        info!(addr = %brp_tcp.local_addr()?, auth = brp.secret.is_some(), serial = env.serial, "BRP listener ready");
+        if let Some(u) = &brp_unix {
+            info!(path = %u.path.display(), "BRP unix socket ready");
+        }
+        if let Some(l) = &nbd_tcp {
             info!(addr = %l.local_addr()?, "NBD listener ready");
         }
-        if let Some((_, p)) = &nbd_unix {
-            info!(path = %p.display(), "NBD unix socket ready");
+        if let Some(u) = &nbd_unix {
+            info!(path = %u.path.display(), "NBD unix socket ready");
         }
-        let brp = accept_tcp(listener, Proto::Brp, &ctx, &tracker, &slots);
-        let nbd = async {
-            if let Some(l) = nbd {
-                accept_tcp(l, Proto::Nbd, &ctx, &tracker, &slots).await;
-            }
-        };
-        let unix = async {
-            if let Some((l, path)) = nbd_unix {
-                accept_unix(l, &ctx, &tracker, &slots).await;
-                let _ = std::fs::remove_file(path);
-            }
-        };
-        tokio::join!(brp, nbd, unix);
+        let (brp, nbd) = (Arc::new(brp), Arc::new(nbd));
+        let accept = Acceptor { env: &env, tracker: &tracker, slots: &slots };
+        tokio::join!(
+            accept.run(brp_tcp, brp.clone()),
+            accept.run_opt(brp_unix, brp),
+            accept.run_opt(nbd_tcp, nbd.clone()),
+            accept.run_opt(nbd_unix, nbd),
+        );
         tracker.close();
         info!(connections = tracker.len(), "shutting down: no new connections; finishing in-flight requests");
-        if tokio::time::timeout(ctx.config.drain_timeout, tracker.wait()).await.is_err() {
-            warn!("some connections did not finish within {:?}", ctx.config.drain_timeout);
+        if tokio::time::timeout(drain_timeout, tracker.wait()).await.is_err() {
+            warn!("some connections did not finish within {drain_timeout:?}");
         }
-        for name in &ctx.order {
-            let v = &ctx.volumes[name];
-            match v.backend.flush() {
-                Ok(()) => info!(volume = %name, "flushed"),
-                Err(e) => warn!(volume = %name, error = %e, "flush at shutdown failed"),
+        for v in catalog.iter() {
+            match v.flush() {
+                Ok(()) => info!(volume = v.name(), "flushed"),
+                Err(e) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
             }
         }
-        let s = ctx.stats.snapshot();
+        let s = env.stats.snapshot();
         info!(
             requests = s.requests,
             batches = s.batches,
@@ -184,98 +217,106 @@ impl Server {
     }
 }
 
-/// Accepts TCP connections until shutdown; each runs as a tracked task
-/// while it holds one of the `max_connections` slots.
-async fn accept_tcp(
-    l: TcpListener,
-    proto: Proto,
-    ctx: &Arc<Ctx>,
-    tracker: &TaskTracker,
-    slots: &Arc<Semaphore>,
-) {
-    loop {
-        let (stream, peer) = tokio::select! {
-            _ = ctx.shutdown.cancelled() => return,
-            r = l.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // EMFILE and friends: log, breathe, keep serving the others.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        tune(&stream);
-        Stats::add(&ctx.stats.connections, 1);
-        let permit = slots.clone().try_acquire_owned().ok();
-        let ctx = ctx.clone();
-        tracker.spawn(async move {
-            let Some(_permit) = permit else {
-                return match proto {
-                    Proto::Brp => frontend::brp::refuse_busy(stream, peer).await,
-                    Proto::Nbd => warn!(%peer, "NBD connection refused: too many connections"),
-                };
-            };
-            match proto {
-                Proto::Brp => frontend::brp::serve(stream, peer, ctx).await,
-                Proto::Nbd => {
-                    let (rd, wr) = stream.into_split();
-                    frontend::nbd::serve(rd, wr, peer.to_string(), ctx).await
-                }
+/// A listening socket of any kind.
+trait Listener: Send + 'static {
+    type Stream: Transport;
+    /// The next connection and a name for its peer.
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, String)>> + Send;
+}
+
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+    async fn accept(&self) -> io::Result<(TcpStream, String)> {
+        let (s, peer) = TcpListener::accept(self).await?;
+        tune(&s);
+        Ok((s, peer.to_string()))
+    }
+}
+
+/// A unix listener, and its path (removed when the listener stops).
+struct Unix {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl Unix {
+    /// Binds a unix socket, replacing a stale socket file (never any other file).
+    fn bind(path: &Path) -> Result<Unix, ServerError> {
+        use std::os::unix::fs::FileTypeExt;
+        let err = |source| ServerError::Bind { addr: path.display().to_string(), source };
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                return Err(err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket")));
             }
-        });
-    }
-}
-
-async fn accept_unix(l: UnixListener, ctx: &Arc<Ctx>, tracker: &TaskTracker, slots: &Arc<Semaphore>) {
-    loop {
-        let stream = tokio::select! {
-            _ = ctx.shutdown.cancelled() => return,
-            r = l.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        Stats::add(&ctx.stats.connections, 1);
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            warn!("NBD unix connection refused: too many connections");
-            continue;
-        };
-        let ctx = ctx.clone();
-        tracker.spawn(async move {
-            let _permit = permit;
-            let (rd, wr) = stream.into_split();
-            frontend::nbd::serve(rd, wr, "unix".into(), ctx).await
-        });
-    }
-}
-
-/// Binds a unix socket, replacing a stale socket file (never any other file).
-fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
-    use std::os::unix::fs::FileTypeExt;
-    let err = |source| ServerError::Bind { addr: path.display().to_string(), source };
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            let e = std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists and is not a socket");
-            return Err(err(e));
+            std::fs::remove_file(path).map_err(err)?;
         }
-        std::fs::remove_file(path).map_err(err)?;
+        Ok(Unix { listener: UnixListener::bind(path).map_err(err)?, path: path.to_owned() })
     }
-    UnixListener::bind(path).map_err(err)
+}
+
+impl Drop for Unix {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Listener for Unix {
+    type Stream = UnixStream;
+    async fn accept(&self) -> io::Result<(UnixStream, String)> {
+        let (s, _) = self.listener.accept().await?;
+        Ok((s, format!("unix:{}", self.path.display())))
+    }
+}
+
+/// Accepts connections until shutdown; each runs as a tracked task while it
+/// holds one of the `max_connections` slots.
+struct Acceptor<'a> {
+    env: &'a Arc<ConnEnv>,
+    tracker: &'a TaskTracker,
+    slots: &'a Arc<Semaphore>,
+}
+
+impl Acceptor<'_> {
+    async fn run_opt<F: Frontend, L: Listener>(&self, l: Option<L>, frontend: Arc<F>) {
+        if let Some(l) = l {
+            self.run(l, frontend).await
+        }
+    }
+
+    async fn run<F: Frontend, L: Listener>(&self, l: L, frontend: Arc<F>) {
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = self.env.shutdown.cancelled() => return,
+                r = l.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // EMFILE and friends: log, breathe, keep serving the others.
+                        warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            Stats::add(&self.env.stats.connections, 1);
+            let permit = self.slots.clone().try_acquire_owned().ok();
+            let (frontend, env) = (frontend.clone(), self.env.clone());
+            self.tracker.spawn(async move {
+                let Some(_permit) = permit else {
+                    return refuse_busy(&*frontend, stream, &peer).await;
+                };
+                serve_connection(frontend, stream, peer.into(), env).await
+            });
+        }
+    }
 }
 
 /// No Nagle delay (replies leave at once), and keepalive probes so that a
 /// vanished peer does not hold a connection slot forever.
-pub(crate) fn tune(stream: &tokio::net::TcpStream) {
+fn tune(stream: &TcpStream) {
     let _ = stream.set_nodelay(true);
     let ka = socket2::TcpKeepalive::new()
-        .with_time(std::time::Duration::from_secs(30))
-        .with_interval(std::time::Duration::from_secs(10))
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
         .with_retries(3);
     let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&ka);
 }

@@ -21,8 +21,11 @@ use tracing::info;
 #[command(verbatim_doc_comment)]
 pub struct Args {
     /// A volume: NAME=memory:SIZE, NAME=file:PATH (file or block device) or
-    /// NAME=null:SIZE, with options ,ro (read-only) and ,direct (O_DIRECT, files).
-    /// Repeat for several volumes.
+    /// NAME=null:SIZE, with options ,ro (read-only), ,direct (O_DIRECT, files),
+    /// ,delay=DURATION (added latency: a slow device) and ,faults=RULE (fault
+    /// injection for tests; RULE is OPS:EFFECT[@START-END], e.g. write:eio@1M-2M,
+    /// read+write:delay=20ms, flush:enospc, any:stall; repeatable).
+    /// Repeat --volume for several volumes.
     #[arg(long = "volume", short = 'v', value_name = "SPEC", value_parser = VolumeSpec::parse)]
     volumes: Vec<VolumeSpec>,
     /// TOML configuration file; flags given here override it.
@@ -31,6 +34,9 @@ pub struct Args {
     /// Address of the BRP listener [default: 127.0.0.1:10810].
     #[arg(long, value_name = "ADDR")]
     brp: Option<SocketAddr>,
+    /// Also serve BRP on this unix socket (clients: brp+unix:///VOLUME?socket=PATH).
+    #[arg(long, value_name = "PATH")]
+    brp_unix: Option<PathBuf>,
     /// Address of the NBD listener [default: 127.0.0.1:10809].
     #[arg(long, value_name = "ADDR", conflicts_with = "no_nbd")]
     nbd: Option<SocketAddr>,
@@ -80,11 +86,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(n) = a.nbd.or(file.nbd) {
         c.nbd = Some(n);
     }
-    if a.no_nbd {
+    if a.no_nbd || (file.no_nbd && a.nbd.is_none()) {
         c.nbd = None;
     }
+    c.brp_unix = a.brp_unix.or(file.brp_unix);
     c.nbd_unix = a.nbd_unix.or(file.nbd_unix);
-    c.nbd_allow_remote = a.nbd_allow_remote;
+    c.nbd_allow_remote = a.nbd_allow_remote || file.nbd_allow_remote;
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
     }
@@ -99,17 +106,16 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(n) = a.io_threads.or(file.io_threads) {
         c.io_threads = n;
     }
-    if let Some(s) = a.handshake_timeout {
+    if let Some(s) = a.handshake_timeout.or(file.handshake_timeout) {
         anyhow::ensure!(s > 0.0 && s < 3600.0, "handshake timeout must be between 0 and 3600 seconds");
         c.handshake_timeout = Duration::from_secs_f64(s);
-    } else if let Some(ms) = file.handshake_timeout_ms {
-        c.handshake_timeout = Duration::from_millis(ms);
     }
     if let Some(n) = a.max_connections.or(file.max_connections) {
         c.max_connections = n;
     }
-    c.serial = a.serial;
+    c.serial = a.serial || file.serial;
 
+    let brp_unix = c.brp_unix.clone();
     let server = Server::bind(c).await?;
     let handle = server.handle();
     tokio::spawn(async move {
@@ -122,6 +128,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         handle.shutdown();
     });
     println!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
+    if let Some(p) = &brp_unix {
+        println!("fastsan: serving BRP on unix socket {}", p.display());
+    }
     if let Some(a) = server.nbd_addr() {
         println!("fastsan: serving NBD on {a}");
     }

@@ -120,6 +120,49 @@ fn nbdinfo_list_map_and_flags() {
     assert_eq!(size.trim(), "4194304");
 }
 
+/// A loop device over a file, detached on every exit path.
+struct LoopDev(String);
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).output();
+    }
+}
+
+#[test]
+fn capabilities_pass_through_the_stack() {
+    // The same layers (faults, delay) over three stores: what NBD advertises
+    // is what the store at the bottom can do.
+    let dir = temp_dir("caps");
+    let img = dir.join("blk.img");
+    std::fs::File::create(&img).unwrap().set_len(8 << 20).unwrap();
+    let dev = LoopDev(ok("losetup", &["-f", "--show", img.to_str().unwrap()]).trim().to_owned());
+    let file = dir.join("ro.img");
+    std::fs::File::create(&file).unwrap().set_len(4 << 20).unwrap();
+    let s = serve(&[
+        "mem=memory:8M,faults=none,delay=1ms",
+        &format!("blk=file:{},faults=none,delay=1ms", dev.0),
+        &format!("ro=file:{},ro,faults=none,delay=1ms", file.display()),
+    ]);
+    let can = |export: &str, what: &str| tool("nbdinfo", &["--can", what, &s.nbd_url(export)]).0;
+    for what in ["trim", "zero", "fast-zero", "flush", "fua"] {
+        assert!(can("mem", what), "memory can {what}");
+    }
+    assert!(can("blk", "zero") && can("blk", "trim"));
+    assert!(!can("blk", "fast-zero"), "a block device cannot promise a fast zero (BLKZEROOUT may write)");
+    assert!(tool("nbdinfo", &["--is", "read-only", &s.nbd_url("ro")]).0);
+    for what in ["trim", "zero", "fast-zero"] {
+        assert!(!can("ro", what), "read-only cannot {what}");
+    }
+    // And the data path works through the layers on the loop device.
+    let url = s.nbd_url("blk");
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 0x5a 1M 64k", &url]);
+    ok("qemu-io", &["-f", "raw", "-c", "read -P 0x5a 1M 64k", &url]);
+    drop(s);
+    drop(dev);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn nbdcopy_round_trip() {
     let dir = temp_dir("nbdcopy");

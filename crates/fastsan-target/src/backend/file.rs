@@ -2,7 +2,7 @@
 //! (`pread`/`pwrite`) from any number of threads at once, and optionally
 //! O_DIRECT (then through a 4 KiB-aligned bounce buffer, with a 4 KiB block size).
 
-use super::{Backend, ZeroFlags};
+use super::{Backend, BackendError, BlockSizes, Result, ZeroFlags};
 use crate::request::Extent;
 use std::alloc::{self, Layout};
 use std::fs::{File, OpenOptions};
@@ -24,6 +24,7 @@ pub struct FileBackend {
     size: u64,
     direct: bool,
     block_device: bool,
+    read_only: bool,
 }
 
 impl FileBackend {
@@ -40,7 +41,7 @@ impl FileBackend {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file or a block device"));
         }
         let size = file.seek(SeekFrom::End(0))?;
-        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device })
+        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device, read_only })
     }
 
     fn fd(&self) -> libc::c_int {
@@ -103,24 +104,48 @@ impl Backend for FileBackend {
     fn size(&self) -> u64 {
         self.size
     }
-    fn block_size(&self) -> u32 {
-        if self.direct {
-            DIRECT_ALIGN as u32
-        } else {
-            512
-        }
+    fn block_sizes(&self) -> BlockSizes {
+        // pread/pwrite take any byte range; O_DIRECT wants whole aligned blocks.
+        let minimum = if self.direct { DIRECT_ALIGN as u32 } else { 1 };
+        BlockSizes { minimum, preferred: DIRECT_ALIGN as u32, maximum: u32::MAX }
     }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    fn can_write(&self) -> bool {
+        !self.read_only
+    }
+    fn can_flush(&self) -> bool {
+        true
+    }
+    fn can_fua(&self) -> bool {
+        true
+    }
+    fn can_trim(&self) -> bool {
+        !self.read_only
+    }
+    fn can_zero(&self) -> bool {
+        !self.read_only
+    }
+    fn can_fast_zero(&self) -> bool {
+        // A file zeroes fast with fallocate (or fails at once); BLKZEROOUT
+        // may fall back to writing zeroes inside the kernel, slowly.
+        !self.read_only && !self.block_device
+    }
+    fn can_extents(&self) -> bool {
+        !self.block_device
+    }
+    fn can_cache(&self) -> bool {
+        true
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.direct {
             let mut bounce = AlignedBuf::new(buf.len());
             self.file.read_exact_at(bounce.as_mut_slice(), offset)?;
             buf.copy_from_slice(bounce.as_slice());
-            Ok(())
         } else {
-            self.file.read_exact_at(buf, offset)
+            self.file.read_exact_at(buf, offset)?;
         }
+        Ok(())
     }
-    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         if self.direct {
             let mut bounce = AlignedBuf::new(buf.len());
             bounce.as_mut_slice().copy_from_slice(buf);
@@ -133,10 +158,10 @@ impl Backend for FileBackend {
         }
         Ok(())
     }
-    fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+    fn flush(&self) -> Result<()> {
+        Ok(self.file.sync_data()?)
     }
-    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+    fn trim(&self, offset: u64, len: u64) -> Result<()> {
         let r = if self.block_device {
             self.blk_ioctl(BLKDISCARD, offset, len)
         } else {
@@ -145,20 +170,28 @@ impl Backend for FileBackend {
         match r {
             // Trim is advisory: a device that cannot discard keeps its data.
             Err(e) if unsupported(&e) => Ok(()),
-            r => r,
+            r => Ok(r?),
         }
     }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()> {
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         // ZERO_RANGE keeps the blocks allocated, so it also honours no_hole.
         let r = if self.block_device {
+            if flags.fast_only {
+                return Err(BackendError::Unsupported);
+            }
             self.blk_ioctl(BLKZEROOUT, offset, len)
         } else {
             self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
         };
-        match r {
-            Err(e) if unsupported(&e) && flags.fast_only => {
-                return Err(io::Error::new(io::ErrorKind::Unsupported, "no fast zeroing here"));
+        let r = match r {
+            // tmpfs and others have no ZERO_RANGE, but punch holes, which read as zeros.
+            Err(e) if unsupported(&e) && !self.block_device && !flags.no_hole => {
+                self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
             }
+            r => r,
+        };
+        match r {
+            Err(e) if unsupported(&e) && flags.fast_only => return Err(BackendError::Unsupported),
             Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len)?,
             r => r?,
         }
@@ -167,7 +200,7 @@ impl Backend for FileBackend {
         }
         Ok(())
     }
-    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         if self.block_device {
             return Ok(vec![Extent { len, hole: false }]);
         }
@@ -187,6 +220,20 @@ impl Backend for FileBackend {
             at = hole;
         }
         Ok(out)
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        // SAFETY: posix_fadvise only reads its integer arguments; the fd is ours and open.
+        let r = unsafe {
+            libc::posix_fadvise(
+                self.fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        // A hint: failing to prefetch is not an error of the request.
+        let _ = r;
+        Ok(())
     }
     fn may_block(&self) -> bool {
         true

@@ -3,10 +3,9 @@
 //! so a large volume costs nothing until used, readers of different chunks
 //! never contend, and trimmed or zeroed whole chunks are freed again.
 
-use super::{Backend, ZeroFlags};
+use super::{Backend, BlockSizes, Result, ZeroFlags};
 use crate::request::Extent;
 use parking_lot::RwLock;
-use std::io;
 
 const CHUNK: u64 = 256 * 1024;
 
@@ -56,7 +55,35 @@ impl Backend for MemoryBackend {
     fn size(&self) -> u64 {
         self.size
     }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes { minimum: 1, preferred: 4096, maximum: u32::MAX }
+    }
+    fn can_write(&self) -> bool {
+        true
+    }
+    fn can_flush(&self) -> bool {
+        // Nothing to make durable, and nothing to do: a flush succeeds at once.
+        true
+    }
+    fn can_fua(&self) -> bool {
+        true
+    }
+    fn can_trim(&self) -> bool {
+        true
+    }
+    fn can_zero(&self) -> bool {
+        true
+    }
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+    fn can_extents(&self) -> bool {
+        true
+    }
+    fn can_cache(&self) -> bool {
+        true
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Self::pieces(offset, buf.len() as u64, |i, at, r| {
             let n = r.len();
             match self.chunks[i].read().as_ref() {
@@ -66,7 +93,7 @@ impl Backend for MemoryBackend {
         });
         Ok(())
     }
-    fn write_at(&self, buf: &[u8], offset: u64, _fua: bool) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         Self::pieces(offset, buf.len() as u64, |i, at, r| {
             let n = r.len();
             let mut chunk = self.chunks[i].write();
@@ -75,18 +102,18 @@ impl Backend for MemoryBackend {
         });
         Ok(())
     }
-    fn flush(&self) -> io::Result<()> {
+    fn flush(&self) -> Result<()> {
         Ok(())
     }
-    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+    fn trim(&self, offset: u64, len: u64) -> Result<()> {
         self.zero_range(offset, len, false);
         Ok(())
     }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()> {
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.zero_range(offset, len, flags.no_hole);
         Ok(())
     }
-    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let mut out: Vec<Extent> = Vec::new();
         Self::pieces(offset, len, |i, _, r| {
             let hole = self.chunks[i].read().is_none();
@@ -96,6 +123,9 @@ impl Backend for MemoryBackend {
             }
         });
         Ok(out)
+    }
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
     }
     fn may_block(&self) -> bool {
         false

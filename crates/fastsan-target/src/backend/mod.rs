@@ -1,19 +1,74 @@
-//! Backends: where a volume's bytes live. A backend is a synchronous,
-//! thread-safe store with positional I/O; the connection decides where to run
-//! it (inline for memory and null, on the I/O pool for files). Wrappers
-//! (mirror, fault injection, rate limits) will implement the same trait and
-//! call the next layer, as nbdkit's filters do.
+//! Backends: where a volume's bytes live, as a stack (nbdkit's plugins and
+//! filters).
+//!
+//! A **store** (memory, file, null) implements [`Backend`] whole: every
+//! method, capabilities included, has no default, so a new store states what
+//! it can do. A **layer** (stats, faults, delay, read-only) implements
+//! [`Layer`]: every method there forwards to [`Layer::next`] unless the layer
+//! overrides it, so a layer changes only what it means to change and can
+//! never forget to pass a call or a capability through. [`build`] makes the
+//! whole chain of a volume from its spec, in one place.
+//!
+//! Calls are synchronous and thread-safe; the connection decides where to run
+//! them ([`Backend::may_block`]: inline, or on the I/O pool). Requests were
+//! checked against the size, the block sizes and the capabilities before any
+//! call reaches a backend.
 
+mod delay;
+mod faults;
 mod file;
 mod memory;
 mod null;
+mod readonly;
+mod stats;
 
+pub use delay::DelayLayer;
+pub use faults::{Effect, FaultLayer, FaultOps, FaultRule, Faults};
 pub use file::FileBackend;
 pub use memory::MemoryBackend;
 pub use null::NullBackend;
+pub use readonly::ReadOnlyLayer;
+pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot};
 
+use crate::config::{BackendSpec, VolumeSpec};
 use crate::request::Extent;
 use std::io;
+use std::sync::Arc;
+
+/// Why a backend call failed. Each front end maps it to its wire code in its
+/// one mapping function, looking at the command and its flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The operation (or this form of it, such as a fast zero) is not possible here.
+    #[error("not supported here")]
+    Unsupported,
+    /// Out of space (ENOSPC, EDQUOT).
+    #[error("no space left on the device")]
+    NoSpace,
+    /// The store refuses changes (EROFS).
+    #[error("the store is read-only")]
+    ReadOnly,
+    /// Any other failure of the device, with its errno.
+    #[error("{}", io::Error::from_raw_os_error(*.0))]
+    Io(i32),
+}
+
+impl From<io::Error> for BackendError {
+    fn from(e: io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => BackendError::NoSpace,
+            Some(libc::EROFS) => BackendError::ReadOnly,
+            Some(libc::EOPNOTSUPP) => BackendError::Unsupported,
+            Some(errno) => BackendError::Io(errno),
+            None if e.kind() == io::ErrorKind::Unsupported => BackendError::Unsupported,
+            // A short read of a file that shrank under us, and other errors without errno.
+            None => BackendError::Io(libc::EIO),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
 
 /// How to write zeroes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -22,36 +77,329 @@ pub struct ZeroFlags {
     pub fua: bool,
     /// Keep the range allocated (do not punch a hole).
     pub no_hole: bool,
-    /// Fail with `ErrorKind::Unsupported` rather than write zeroes slowly.
+    /// Fail with [`BackendError::Unsupported`] rather than write zeroes slowly.
     pub fast_only: bool,
 }
 
+/// The block sizes a backend works with (NBD's INFO_BLOCK_SIZE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// Offsets and lengths must be multiples of this (a power of two).
+    pub minimum: u32,
+    /// Requests of this size and alignment are efficient.
+    pub preferred: u32,
+    /// The largest READ or WRITE it takes.
+    pub maximum: u32,
+}
+
+/// A store or a layer of a volume's stack. Stores implement it directly;
+/// layers implement [`Layer`] and get it from the pass-through.
 pub trait Backend: Send + Sync + 'static {
-    /// Size in bytes; requests have been checked against it before any call.
+    /// Size in bytes.
     fn size(&self) -> u64;
-    /// Smallest unit of I/O this backend accepts (offsets and lengths are multiples).
-    fn block_size(&self) -> u32 {
-        512
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
-    /// With `fua`, the data is durable when this returns.
-    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
-    /// Makes every completed write durable.
-    fn flush(&self) -> io::Result<()>;
-    /// The range's contents become unspecified (here: zeros) and may free space.
-    fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
-    /// The range reads as zeros afterwards.
-    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> io::Result<()>;
-    /// The allocation map of a range, in order, covering exactly `len` bytes.
-    /// Backends that cannot tell report one allocated extent.
-    fn extents(&self, _offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        Ok(vec![Extent { len, hole: false }])
-    }
-    /// True when a call can sleep on a device (run it on the I/O pool);
-    /// false when it only copies memory (run it inline).
+    fn block_sizes(&self) -> BlockSizes;
+    /// Whether WRITE, TRIM and WRITE_ZEROES may change the volume.
+    fn can_write(&self) -> bool;
+    /// Whether FLUSH does something (makes completed writes durable).
+    fn can_flush(&self) -> bool;
+    /// Whether `fua` is honoured natively (else it is emulated with a flush).
+    fn can_fua(&self) -> bool;
+    fn can_trim(&self) -> bool;
+    fn can_zero(&self) -> bool;
+    /// Whether a fast zero (one that never falls back to writing zeroes) may succeed.
+    fn can_fast_zero(&self) -> bool;
+    /// Whether [`Backend::extents`] knows the allocation map.
+    fn can_extents(&self) -> bool;
+    fn can_cache(&self) -> bool;
+    /// True when a call can sleep (run it on the I/O pool); false when it
+    /// only touches memory (run it inline).
     fn may_block(&self) -> bool;
     /// True when the data does not survive the target process.
     fn volatile(&self) -> bool;
     /// A one-line description for logs.
     fn describe(&self) -> String;
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// With `fua`, the data is durable when this returns.
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> Result<()>;
+    /// The range's contents become unspecified (here: zeros) and may free space.
+    fn trim(&self, offset: u64, len: u64) -> Result<()>;
+    /// The range reads as zeros afterwards.
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()>;
+    /// The allocation map of a range, in order, covering exactly `len` bytes.
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>>;
+    /// Prefetches a range (a hint).
+    fn cache(&self, offset: u64, len: u64) -> Result<()>;
+}
+
+/// A layer of the stack: every method forwards to [`Layer::next`] unless
+/// overridden (nbdkit's `next->pread(...)`).
+pub trait Layer: Send + Sync + 'static {
+    /// The backend below this layer.
+    fn next(&self) -> &dyn Backend;
+
+    fn size(&self) -> u64 {
+        self.next().size()
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        self.next().block_sizes()
+    }
+    fn can_write(&self) -> bool {
+        self.next().can_write()
+    }
+    fn can_flush(&self) -> bool {
+        self.next().can_flush()
+    }
+    fn can_fua(&self) -> bool {
+        self.next().can_fua()
+    }
+    fn can_trim(&self) -> bool {
+        self.next().can_trim()
+    }
+    fn can_zero(&self) -> bool {
+        self.next().can_zero()
+    }
+    fn can_fast_zero(&self) -> bool {
+        self.next().can_fast_zero()
+    }
+    fn can_extents(&self) -> bool {
+        self.next().can_extents()
+    }
+    fn can_cache(&self) -> bool {
+        self.next().can_cache()
+    }
+    fn may_block(&self) -> bool {
+        self.next().may_block()
+    }
+    fn volatile(&self) -> bool {
+        self.next().volatile()
+    }
+    fn describe(&self) -> String {
+        self.next().describe()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.next().read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.next().write_at(buf, offset, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        self.next().flush()
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.next().trim(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.next().write_zeroes(offset, len, flags)
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.next().extents(offset, len)
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.next().cache(offset, len)
+    }
+}
+
+/// The pass-through: a layer is a backend.
+impl<L: Layer> Backend for L {
+    fn size(&self) -> u64 {
+        Layer::size(self)
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        Layer::block_sizes(self)
+    }
+    fn can_write(&self) -> bool {
+        Layer::can_write(self)
+    }
+    fn can_flush(&self) -> bool {
+        Layer::can_flush(self)
+    }
+    fn can_fua(&self) -> bool {
+        Layer::can_fua(self)
+    }
+    fn can_trim(&self) -> bool {
+        Layer::can_trim(self)
+    }
+    fn can_zero(&self) -> bool {
+        Layer::can_zero(self)
+    }
+    fn can_fast_zero(&self) -> bool {
+        Layer::can_fast_zero(self)
+    }
+    fn can_extents(&self) -> bool {
+        Layer::can_extents(self)
+    }
+    fn can_cache(&self) -> bool {
+        Layer::can_cache(self)
+    }
+    fn may_block(&self) -> bool {
+        Layer::may_block(self)
+    }
+    fn volatile(&self) -> bool {
+        Layer::volatile(self)
+    }
+    fn describe(&self) -> String {
+        Layer::describe(self)
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        Layer::read_at(self, buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        Layer::write_at(self, buf, offset, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        Layer::flush(self)
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        Layer::trim(self, offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        Layer::write_zeroes(self, offset, len, flags)
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Layer::extents(self, offset, len)
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        Layer::cache(self, offset, len)
+    }
+}
+
+/// A volume's stack, built, with handles on the layers tests and metrics use.
+pub struct Stack {
+    /// The top of the stack: what requests run on.
+    pub top: Arc<dyn Backend>,
+    /// The counters of the stats layer (always at the top).
+    pub stats: Arc<VolumeStats>,
+    /// The fault rules, when the spec asked for a faults layer.
+    pub faults: Option<Faults>,
+}
+
+/// Builds a volume's stack from its spec, bottom up: the store, then
+/// `read-only` (`,ro`), `faults` (`,faults=...`), `delay` (`,delay=...`),
+/// and `stats` on top (it sees what the client sees, delays included).
+pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
+    let mut b: Arc<dyn Backend> = match &spec.backend {
+        BackendSpec::Memory { size } => {
+            check_memory(*size)?;
+            Arc::new(MemoryBackend::new(*size))
+        }
+        BackendSpec::Null { size } => Arc::new(NullBackend::new(*size)),
+        BackendSpec::File { path, direct } => {
+            let f = FileBackend::open(path, spec.read_only, *direct)
+                .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
+            Arc::new(f)
+        }
+    };
+    if spec.read_only {
+        b = Arc::new(ReadOnlyLayer::new(b));
+    }
+    let mut faults = None;
+    if let Some(rules) = &spec.faults {
+        let set = Faults::new(rules.clone());
+        faults = Some(set.clone());
+        b = Arc::new(FaultLayer::new(b, set));
+    }
+    if let Some(d) = spec.delay {
+        b = Arc::new(DelayLayer::new(b, d));
+    }
+    let stats = Arc::new(VolumeStats::default());
+    let top: Arc<dyn Backend> = Arc::new(StatsLayer::new(b, stats.clone()));
+    Ok(Stack { top, stats, faults })
+}
+
+/// Refuses a memory volume larger than the machine's RAM: it could never be filled.
+fn check_memory(size: u64) -> io::Result<()> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    match total {
+        Some(ram) if size > ram => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a memory volume of {size} bytes exceeds this machine's RAM ({ram} bytes)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A layer that overrides nothing.
+    struct Nothing(Arc<dyn Backend>);
+    impl Layer for Nothing {
+        fn next(&self) -> &dyn Backend {
+            &*self.0
+        }
+    }
+
+    fn caps(b: &dyn Backend) -> [bool; 11] {
+        [
+            b.can_write(),
+            b.can_flush(),
+            b.can_fua(),
+            b.can_trim(),
+            b.can_zero(),
+            b.can_fast_zero(),
+            b.can_extents(),
+            b.can_cache(),
+            b.may_block(),
+            b.volatile(),
+            b.block_sizes() == b.block_sizes(),
+        ]
+    }
+
+    #[test]
+    fn a_layer_that_overrides_nothing_changes_nothing() {
+        let bottoms: Vec<Arc<dyn Backend>> =
+            vec![Arc::new(MemoryBackend::new(1 << 20)), Arc::new(NullBackend::new(1 << 20))];
+        for b in bottoms {
+            let l: Arc<dyn Backend> = Arc::new(Nothing(b.clone()));
+            assert_eq!(caps(&*l), caps(&*b));
+            assert_eq!(l.block_sizes(), b.block_sizes());
+            assert_eq!(l.size(), b.size());
+            assert_eq!(l.describe(), b.describe());
+            l.write_at(&[9; 512], 512, false).unwrap();
+            let mut back = [0u8; 512];
+            l.read_at(&mut back, 512).unwrap();
+            let mut direct = [0u8; 512];
+            b.read_at(&mut direct, 512).unwrap();
+            assert_eq!(back, direct);
+        }
+    }
+
+    #[test]
+    fn the_built_stack_reports_the_stores_capabilities() {
+        let spec = VolumeSpec::parse("v=memory:1M,faults=none,delay=0ms").unwrap();
+        let s = build(&spec).unwrap();
+        let m = MemoryBackend::new(1 << 20);
+        let mut want = caps(&m);
+        want[8] = true; // delay and faults may sleep: they run on the pool
+        assert_eq!(caps(&*s.top), want);
+        assert!(s.faults.is_some());
+        let ro = build(&VolumeSpec::parse("v=null:1M,ro").unwrap()).unwrap();
+        assert!(!ro.top.can_write() && !ro.top.can_trim() && !ro.top.can_zero() && !ro.top.can_fast_zero());
+        assert_eq!(ro.top.write_at(&[0; 512], 0, false), Err(BackendError::ReadOnly));
+    }
+
+    #[test]
+    fn errnos_map_to_their_kind() {
+        let e = |n| BackendError::from(io::Error::from_raw_os_error(n));
+        assert_eq!(e(libc::ENOSPC), BackendError::NoSpace);
+        assert_eq!(e(libc::EDQUOT), BackendError::NoSpace);
+        assert_eq!(e(libc::EROFS), BackendError::ReadOnly);
+        assert_eq!(e(libc::EOPNOTSUPP), BackendError::Unsupported);
+        assert_eq!(e(libc::EIO), BackendError::Io(libc::EIO));
+        assert_eq!(BackendError::from(io::Error::other("x")), BackendError::Io(libc::EIO));
+        assert!(BackendError::Io(libc::EIO).to_string().contains("Input/output error"));
+    }
+
+    #[test]
+    fn huge_memory_volume_is_refused() {
+        assert!(check_memory(1 << 60).is_err());
+        assert!(check_memory(1 << 20).is_ok());
+    }
 }

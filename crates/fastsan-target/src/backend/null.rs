@@ -1,9 +1,8 @@
 //! The null backend: reads zeros, discards writes. It measures the network
 //! path alone.
 
-use super::{Backend, ZeroFlags};
+use super::{Backend, BlockSizes, Result, ZeroFlags};
 use crate::request::Extent;
-use std::io;
 
 pub struct NullBackend {
     size: u64,
@@ -19,23 +18,53 @@ impl Backend for NullBackend {
     fn size(&self) -> u64 {
         self.size
     }
-    fn read_at(&self, buf: &mut [u8], _offset: u64) -> io::Result<()> {
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes { minimum: 1, preferred: 4096, maximum: u32::MAX }
+    }
+    fn can_write(&self) -> bool {
+        true
+    }
+    fn can_flush(&self) -> bool {
+        true
+    }
+    fn can_fua(&self) -> bool {
+        true
+    }
+    fn can_trim(&self) -> bool {
+        true
+    }
+    fn can_zero(&self) -> bool {
+        true
+    }
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+    fn can_extents(&self) -> bool {
+        true
+    }
+    fn can_cache(&self) -> bool {
+        true
+    }
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+    fn read_at(&self, buf: &mut [u8], _offset: u64) -> Result<()> {
         buf.fill(0);
         Ok(())
     }
-    fn write_at(&self, _buf: &[u8], _offset: u64, _fua: bool) -> io::Result<()> {
+    fn write_at(&self, _buf: &[u8], _offset: u64, _fua: bool) -> Result<()> {
         Ok(())
     }
-    fn flush(&self) -> io::Result<()> {
+    fn flush(&self) -> Result<()> {
         Ok(())
     }
-    fn trim(&self, _offset: u64, _len: u64) -> io::Result<()> {
+    fn trim(&self, _offset: u64, _len: u64) -> Result<()> {
         Ok(())
     }
-    fn write_zeroes(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> io::Result<()> {
+    fn write_zeroes(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> Result<()> {
         Ok(())
     }
-    fn extents(&self, _offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+    fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
         Ok(vec![Extent { len, hole: true }])
     }
     fn may_block(&self) -> bool {

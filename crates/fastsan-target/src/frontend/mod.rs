@@ -1,5 +1,86 @@
-//! Front ends: one module per wire protocol, each turning its frames into
-//! validated operations on the same volumes.
+//! Front ends: one module per wire protocol. A front end is three things,
+//! and nothing else (the connection itself is [`crate::driver`]'s):
+//! - a **handshake**, a sans-IO state machine ([`Handshake`]): bytes in,
+//!   bytes out, no awaits, so it is unit-tested and fuzzed without sockets;
+//! - **decode** ([`Transmission::decode`]): the protocol's wire rules, from
+//!   a frame to a protocol-neutral [`IoRequest`] (not yet checked against the
+//!   volume: [`Volume::validate`](crate::volume::Volume::validate) does that);
+//! - an **encoder** ([`Encoder`]) for its replies, and the one function that
+//!   maps a [`Refusal`] to its wire code.
 
 pub mod brp;
 pub mod nbd;
+
+use crate::pipeline::Encoder;
+use crate::request::{IoRequest, Limits, Refusal};
+use crate::volume::Volume;
+use bytes::BytesMut;
+use std::sync::Arc;
+
+/// A protocol error: the peer broke the protocol and the connection closes.
+pub type WireError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A protocol the target serves.
+pub trait Frontend: Send + Sync + 'static {
+    type Handshake: Handshake<Conn = Self::Conn>;
+    type Conn: Transmission;
+    /// For logs: `BRP`, `NBD`.
+    const NAME: &'static str;
+    /// A new connection's handshake.
+    fn handshake(&self) -> Self::Handshake;
+    /// What to send a client refused for being over the connection cap, if
+    /// the protocol has a way to say it.
+    fn busy(&self) -> Option<Vec<u8>>;
+}
+
+/// What a handshake step decided.
+#[derive(Debug)]
+pub enum Step<C> {
+    /// Send what is in `out` (if anything) and feed more bytes.
+    Continue,
+    /// Send what is in `out`; the transmission phase starts with `C`.
+    Done(C),
+    /// Send what is in `out`, then close: the client left politely (NBD's ABORT).
+    Abort,
+    /// Send what is in `out`, then close: the request was refused, for this reason.
+    Refused(String),
+}
+
+/// A handshake as a state machine. The driver calls [`Handshake::start`]
+/// once, then [`Handshake::advance`] whenever bytes arrive.
+pub trait Handshake: Send {
+    type Conn;
+    /// What the target says first, before reading anything (NBD's greeting).
+    fn start(&mut self, out: &mut Vec<u8>);
+    /// Consumes every complete message at the front of `input`, appending
+    /// replies to `out`. An error closes the connection (after `out` is sent).
+    fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<Self::Conn>, WireError>;
+}
+
+/// What [`Transmission::decode`] found at the front of the buffer.
+#[derive(Debug)]
+pub enum Decoded<M> {
+    /// A request (refused already when its wire form is wrong).
+    Request { tag: u64, meta: M, req: Result<IoRequest, Refusal> },
+    /// The next frame is not all there: it needs `need` bytes in all (0 if unknown).
+    Incomplete { need: usize },
+    /// The client said goodbye (NBD's DISC).
+    Disconnect,
+}
+
+/// A connection in its transmission phase, as a front end sees it.
+pub trait Transmission: Send + 'static {
+    type Encoder: Encoder;
+    fn volume(&self) -> &Arc<Volume>;
+    /// The front end's limits on top of the volume's.
+    fn limits(&self) -> Limits;
+    fn encoder(&self) -> Self::Encoder;
+    /// The settings negotiated, for the "connection open" log line.
+    fn describe(&self) -> String;
+    /// Takes the next request off the front of `buf`.
+    fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<<Self::Encoder as Encoder>::Meta>, WireError>;
+    /// Whether the stream ending now would cut a frame in half.
+    fn mid_frame(&self, buf: &BytesMut) -> bool {
+        !buf.is_empty()
+    }
+}

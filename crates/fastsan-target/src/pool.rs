@@ -1,67 +1,6 @@
-//! The one place where a request touches the device: [`execute`] runs a
-//! validated [`Op`] on a backend and maps its errors to [`Refusal`]s. The
-//! [`IoPool`] runs blocking (file) I/O on threads, many requests in flight.
-
-use crate::backend::{Backend, ZeroFlags};
-use crate::request::{Extent, Refusal};
-use bytes::Bytes;
-use std::io;
-
-/// A validated operation, ready for the backend.
-#[derive(Debug)]
-pub enum Op {
-    Read { offset: u64, len: u32 },
-    Write { offset: u64, data: Bytes, fua: bool },
-    Flush,
-    Trim { offset: u64, len: u64 },
-    WriteZeroes { offset: u64, len: u64, flags: ZeroFlags },
-    Cache,
-    BlockStatus { offset: u64, len: u64, one: bool },
-}
-
-/// What a successful operation gives back.
-#[derive(Debug)]
-pub enum Outcome {
-    Done,
-    Data(Bytes),
-    Extents(Vec<Extent>),
-}
-
-/// Runs `op` on the backend.
-pub fn execute(backend: &dyn Backend, op: Op) -> Result<Outcome, Refusal> {
-    let done = |r: io::Result<()>| r.map(|()| Outcome::Done);
-    let r = match op {
-        Op::Read { offset, len } => {
-            let mut buf = PooledBuf::take(len as usize);
-            backend.read_at(buf.as_mut(), offset).map(|()| Outcome::Data(Bytes::from_owner(buf)))
-        }
-        Op::Write { offset, data, fua } => done(backend.write_at(&data, offset, fua)),
-        Op::Flush => done(backend.flush()),
-        Op::Trim { offset, len } => done(backend.trim(offset, len)),
-        Op::WriteZeroes { offset, len, flags } => done(backend.write_zeroes(offset, len, flags)),
-        Op::Cache => Ok(Outcome::Done),
-        Op::BlockStatus { offset, len, one } => backend.extents(offset, len).map(|mut e| {
-            if one {
-                e.truncate(1);
-            }
-            Outcome::Extents(e)
-        }),
-    };
-    r.map_err(|e| io_refusal(&e))
-}
-
-/// The one mapping from a backend's error to a refusal.
-fn io_refusal(e: &io::Error) -> Refusal {
-    if e.kind() == io::ErrorKind::Unsupported {
-        return Refusal::NotFast;
-    }
-    tracing::warn!(error = %e, "backend I/O failed");
-    match e.raw_os_error() {
-        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Refusal::NoSpace,
-        Some(libc::EROFS) => Refusal::ReadOnly,
-        _ => Refusal::IoError,
-    }
-}
+//! Pools: the [`IoPool`] of threads that run blocking (file) device I/O, so
+//! a connection's reader never waits for the device and many I/Os are in
+//! flight; and [`PooledBuf`], recycled read buffers.
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -174,6 +113,7 @@ impl Drop for PooledBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     #[test]
     fn pooled_buffers_have_the_asked_length_and_come_back() {

@@ -1,0 +1,323 @@
+//! Volumes, and the one place where a request is checked against a volume:
+//! [`Volume::validate`] turns a decoded [`IoRequest`] into an [`Op`] or a
+//! [`Refusal`], before any I/O. An [`Op`] can be made nowhere else, and
+//! [`Volume::execute`] (in `exec.rs`, the one place a request touches the
+//! device) takes nothing but an [`Op`]: validation cannot be bypassed.
+
+mod exec;
+
+pub use exec::Outcome;
+
+use crate::backend::{self, Backend, BlockSizes, Faults, VolumeStats, VolumeStatsSnapshot, ZeroFlags};
+use crate::config::VolumeSpec;
+use crate::request::{IoKind, IoRequest, Limits, Refusal};
+use bytes::Bytes;
+use std::io;
+use std::sync::Arc;
+
+/// What a volume can do, read once from its stack when it opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    pub write: bool,
+    pub flush: bool,
+    pub fua: bool,
+    pub trim: bool,
+    pub zero: bool,
+    pub fast_zero: bool,
+    pub extents: bool,
+    pub cache: bool,
+}
+
+pub struct Volume {
+    name: String,
+    backend: Arc<dyn Backend>,
+    size: u64,
+    granule: u32,
+    max_transfer: u32,
+    blocks: BlockSizes,
+    caps: Caps,
+    inline: bool,
+    volatile: bool,
+    description: String,
+    stats: Arc<VolumeStats>,
+    faults: Option<Faults>,
+}
+
+/// A request that passed [`Volume::validate`], ready for the device.
+pub struct Op {
+    kind: OpKind,
+}
+
+enum OpKind {
+    Read { offset: u64, len: u32 },
+    Write { offset: u64, data: Bytes, fua: bool },
+    Flush,
+    Trim { offset: u64, len: u64 },
+    WriteZeroes { offset: u64, len: u64, flags: ZeroFlags },
+    Cache { offset: u64, len: u64 },
+    BlockStatus { offset: u64, len: u64, one: bool },
+}
+
+impl Op {
+    /// Bytes read and written by this op, for counters.
+    pub fn moves(&self) -> (u64, u64) {
+        match &self.kind {
+            OpKind::Read { len, .. } => (*len as u64, 0),
+            OpKind::Write { data, .. } => (0, data.len() as u64),
+            _ => (0, 0),
+        }
+    }
+}
+
+impl Volume {
+    /// Builds the volume's backend stack from its spec and opens it.
+    pub fn open(spec: &VolumeSpec, max_transfer: u32) -> io::Result<Volume> {
+        let stack = backend::build(spec)?;
+        Ok(Volume::from_stack(spec.name.clone(), stack.top, stack.stats, stack.faults, max_transfer))
+    }
+
+    /// A volume over a ready backend (tests and embedders), with a stats layer on top.
+    pub fn with_backend(name: String, b: Arc<dyn Backend>, max_transfer: u32) -> Volume {
+        let stats = Arc::new(VolumeStats::default());
+        let top = Arc::new(backend::StatsLayer::new(b, stats.clone()));
+        Volume::from_stack(name, top, stats, None, max_transfer)
+    }
+
+    fn from_stack(
+        name: String,
+        b: Arc<dyn Backend>,
+        stats: Arc<VolumeStats>,
+        faults: Option<Faults>,
+        max_transfer: u32,
+    ) -> Volume {
+        let blocks = b.block_sizes();
+        // The unit every front end can address: BRP's 512-byte sectors, or
+        // more when the store needs more (O_DIRECT).
+        let granule = blocks.minimum.max(512);
+        let size = b.size() / granule as u64 * granule as u64;
+        let max_transfer = max_transfer.min(blocks.maximum) / granule * granule;
+        let caps = Caps {
+            write: b.can_write(),
+            flush: b.can_flush(),
+            fua: b.can_fua(),
+            trim: b.can_write() && b.can_trim(),
+            zero: b.can_write() && b.can_zero(),
+            fast_zero: b.can_write() && b.can_zero() && b.can_fast_zero(),
+            extents: b.can_extents(),
+            cache: b.can_cache(),
+        };
+        Volume {
+            name,
+            inline: !b.may_block(),
+            volatile: b.volatile(),
+            description: b.describe(),
+            backend: b,
+            size,
+            granule,
+            max_transfer,
+            blocks,
+            caps,
+            stats,
+            faults,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Usable size in bytes (a whole number of [`Volume::granule`]s).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    /// Smallest unit every front end can address: at least 512 bytes.
+    pub fn granule(&self) -> u32 {
+        self.granule
+    }
+    /// The store's own block sizes (its minimum may be 1: byte-granular).
+    pub fn block_sizes(&self) -> BlockSizes {
+        self.blocks
+    }
+    /// Largest READ or WRITE of the target's configuration and the store.
+    pub fn max_transfer(&self) -> u32 {
+        self.max_transfer
+    }
+    pub fn caps(&self) -> Caps {
+        self.caps
+    }
+    pub fn read_only(&self) -> bool {
+        !self.caps.write
+    }
+    pub fn volatile(&self) -> bool {
+        self.volatile
+    }
+    /// Whether requests run on the connection's task (memory, null) rather
+    /// than on the I/O pool.
+    pub fn runs_inline(&self) -> bool {
+        self.inline
+    }
+    pub fn describe(&self) -> &str {
+        &self.description
+    }
+    pub fn stats(&self) -> VolumeStatsSnapshot {
+        self.stats.snapshot()
+    }
+    /// The fault rules, when the volume has a faults layer.
+    pub fn faults(&self) -> Option<&Faults> {
+        self.faults.as_ref()
+    }
+
+    /// Makes every completed write durable (at shutdown).
+    pub fn flush(&self) -> Result<(), backend::BackendError> {
+        self.backend.flush()
+    }
+
+    /// Checks a decoded request against the volume (size, capabilities,
+    /// read-only) and the front end's limits (alignment, largest transfer).
+    /// A refused request has no effect.
+    pub fn validate(&self, r: IoRequest, limits: &Limits) -> Result<Op, Refusal> {
+        let IoRequest { kind, offset, length, fua, payload } = r;
+        let caps = &self.caps;
+        if kind.writes() && !caps.write {
+            return Err(Refusal::ReadOnly);
+        }
+        match kind {
+            IoKind::Flush if !caps.flush => return Err(Refusal::Unsupported("FLUSH")),
+            IoKind::Flush => return Ok(Op { kind: OpKind::Flush }),
+            IoKind::Trim if !caps.trim => return Err(Refusal::Unsupported("TRIM")),
+            IoKind::WriteZeroes { .. } if !caps.zero => return Err(Refusal::Unsupported("WRITE_ZEROES")),
+            IoKind::WriteZeroes { fast_only: true, .. } if !caps.fast_zero => return Err(Refusal::NotFast),
+            IoKind::Cache if !caps.cache => return Err(Refusal::Unsupported("CACHE")),
+            _ => {}
+        }
+        if length == 0 {
+            return Err(Refusal::Invalid("zero length"));
+        }
+        // READ and WRITE move data through memory: bound them; the others may span the volume.
+        let moves_data = matches!(kind, IoKind::Read | IoKind::Write);
+        let limit = if moves_data { limits.max_io.min(self.blocks.maximum) as u64 } else { u32::MAX as u64 };
+        if length > limit {
+            return Err(Refusal::TooLarge { length, limit });
+        }
+        let align = limits.align.max(self.blocks.minimum).max(1);
+        if !offset.is_multiple_of(align as u64) || !length.is_multiple_of(align as u64) {
+            return Err(Refusal::Misaligned { offset, length, align });
+        }
+        match offset.checked_add(length) {
+            Some(end) if end <= self.size => {}
+            _ => return Err(Refusal::OutOfRange { offset, length, size: self.size }),
+        }
+        let kind = match kind {
+            IoKind::Read => OpKind::Read { offset, len: length as u32 },
+            IoKind::Write if payload.len() as u64 != length => {
+                return Err(Refusal::Invalid("payload length differs from the request's"))
+            }
+            IoKind::Write => OpKind::Write { offset, data: payload, fua },
+            IoKind::Trim => OpKind::Trim { offset, len: length },
+            IoKind::WriteZeroes { no_hole, fast_only } => {
+                OpKind::WriteZeroes { offset, len: length, flags: ZeroFlags { fua, no_hole, fast_only } }
+            }
+            IoKind::Cache => OpKind::Cache { offset, len: length },
+            IoKind::BlockStatus { one } => OpKind::BlockStatus { offset, len: length, one },
+            IoKind::Flush => OpKind::Flush,
+        };
+        Ok(Op { kind })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{BackendError, MemoryBackend, ReadOnlyLayer};
+
+    fn vol(read_only: bool) -> Volume {
+        let mut b: Arc<dyn Backend> = Arc::new(MemoryBackend::new(1 << 20));
+        if read_only {
+            b = Arc::new(ReadOnlyLayer::new(b));
+        }
+        Volume::with_backend("v".into(), b, 65536)
+    }
+
+    const BRP: Limits = Limits { align: 512, max_io: 65536 };
+
+    fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
+        let payload =
+            if kind == IoKind::Write { Bytes::from(vec![0u8; length as usize]) } else { Bytes::new() };
+        v.validate(IoRequest { kind, offset, length, fua: false, payload }, &BRP)
+    }
+
+    #[test]
+    fn each_bad_request_gets_its_refusal_with_its_context() {
+        let v = vol(false);
+        assert!(check(&v, IoKind::Read, 0, 4096).is_ok());
+        assert!(check(&v, IoKind::Write, 512, 512).is_ok());
+        assert_eq!(check(&v, IoKind::Read, 0, 0).err(), Some(Refusal::Invalid("zero length")));
+        assert_eq!(
+            check(&v, IoKind::Read, 1, 512).err(),
+            Some(Refusal::Misaligned { offset: 1, length: 512, align: 512 })
+        );
+        assert!(matches!(check(&v, IoKind::Read, 0, 100), Err(Refusal::Misaligned { length: 100, .. })));
+        assert_eq!(
+            check(&v, IoKind::Read, 1 << 20, 512).err(),
+            Some(Refusal::OutOfRange { offset: 1 << 20, length: 512, size: 1 << 20 })
+        );
+        assert!(matches!(check(&v, IoKind::Read, u64::MAX - 511, 512), Err(Refusal::OutOfRange { .. })));
+        assert_eq!(
+            check(&v, IoKind::Read, 0, 1 << 17).err(),
+            Some(Refusal::TooLarge { length: 1 << 17, limit: 65536 })
+        );
+        let text = check(&v, IoKind::Read, 1 << 20, 512).err().unwrap().to_string();
+        assert!(text.contains("1048576+512") && text.contains("(1048576 bytes)"), "{text}");
+        assert!(check(&v, IoKind::Trim, 0, 1 << 20).is_ok(), "trim is not bound by max transfer");
+        assert!(check(&v, IoKind::BlockStatus { one: false }, 0, 1 << 20).is_ok());
+        let short = IoRequest {
+            kind: IoKind::Write,
+            offset: 0,
+            length: 1024,
+            fua: false,
+            payload: Bytes::from(vec![0; 512]),
+        };
+        assert!(matches!(v.validate(short, &BRP), Err(Refusal::Invalid(_))));
+        let bytes = Limits { align: 1, max_io: 1 << 20 };
+        let odd = IoRequest { kind: IoKind::Read, offset: 3, length: 5, fua: false, payload: Bytes::new() };
+        assert!(v.validate(odd, &bytes).is_ok(), "byte-granular front ends may read any range");
+    }
+
+    #[test]
+    fn read_only_refuses_every_change() {
+        let v = vol(true);
+        assert!(v.read_only());
+        assert!(check(&v, IoKind::Read, 0, 512).is_ok());
+        assert!(check(&v, IoKind::Flush, 0, 0).is_ok());
+        assert!(check(&v, IoKind::Cache, 0, 512).is_ok());
+        let zero = IoKind::WriteZeroes { no_hole: false, fast_only: false };
+        for k in [IoKind::Write, IoKind::Trim, zero] {
+            assert_eq!(check(&v, k, 0, 512).err(), Some(Refusal::ReadOnly), "{k:?}");
+        }
+    }
+
+    #[test]
+    fn executes_what_was_validated() {
+        let v = vol(false);
+        let w = IoRequest {
+            kind: IoKind::Write,
+            offset: 512,
+            length: 512,
+            fua: true,
+            payload: Bytes::from(vec![3u8; 512]),
+        };
+        assert!(matches!(v.execute(v.validate(w, &BRP).unwrap()), Ok(Outcome::Done)));
+        let Ok(Outcome::Data(d)) = v.execute(check(&v, IoKind::Read, 0, 1024).unwrap()) else { panic!() };
+        assert_eq!(&d[..512], &[0u8; 512][..]);
+        assert_eq!(&d[512..], &[3u8; 512][..]);
+        let s = v.stats();
+        assert_eq!((s.reads, s.writes, s.bytes_written), (1, 1, 512));
+    }
+
+    #[test]
+    fn the_hot_path_result_stays_small() {
+        // Every request's outcome crosses a channel; keep it within a cache line.
+        assert!(std::mem::size_of::<Result<Outcome, Refusal>>() <= 48);
+        assert!(std::mem::size_of::<Refusal>() <= 32);
+        let _ = BackendError::NoSpace;
+    }
+}

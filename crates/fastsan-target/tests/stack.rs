@@ -1,0 +1,161 @@
+//! The backend stack seen from the wire: a fault injected in a volume's
+//! stack reaches BRP and NBD clients as each protocol's own error, the
+//! connection goes on, and other clients (of the same volume, outside the
+//! fault, and of other volumes) are not affected. Also: BRP on a unix socket.
+
+mod common;
+
+use common::{pattern, NbdRaw, Raw, TestServer};
+use fastsan_brp::request::RequestHeader;
+use fastsan_brp::{Command, Status};
+use fastsan_initiator::{Options, Volume};
+use fastsan_nbd::consts::*;
+use fastsan_target::backend::{BackendError, Effect, FaultOps, FaultRule};
+
+const MIB: u64 = 1 << 20;
+
+/// Writes and reads back a pattern through the initiator, `rounds` times.
+async fn bystander(url: String, at: u64, rounds: u64) {
+    let vol = Volume::connect(&url, Options { connections: 1, ..Default::default() }).await.unwrap();
+    for i in 0..rounds {
+        let data = pattern(i, at, 64 << 10);
+        vol.write_at(&data, at, false).await.unwrap();
+        assert_eq!(vol.read(at, 64 << 10).await.unwrap()[..], data[..]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_injected_eio_reaches_brp_and_nbd_as_their_error_and_others_go_on() {
+    let srv = TestServer::start(&["f=memory:16M,faults=read+write:eio@1M-2M", "g=memory:16M"], |_| {}).await;
+    let others = tokio::spawn(futures::future::join(
+        bystander(srv.url("f"), 8 * MIB, 50),
+        bystander(srv.url("g"), MIB, 50),
+    ));
+
+    // BRP: the faulty range answers IO_ERROR, the rest OK, on one connection.
+    let (mut b, _) = Raw::open(srv.addr, "f").await;
+    b.request(RequestHeader::new(Command::Write, 0, 1, MIB, 4096), &[7; 4096]).await;
+    assert_eq!(b.reply().await.0.status, Status::IO_ERROR);
+    b.request(RequestHeader::new(Command::Read, 0, 2, MIB + 4096, 512), &[]).await;
+    assert_eq!(b.reply().await.0.status, Status::IO_ERROR);
+    b.request(RequestHeader::new(Command::Write, 0, 3, 4 * MIB, 4096), &[7; 4096]).await;
+    assert_eq!(b.reply().await.0.status, Status::OK);
+    b.request(RequestHeader::new(Command::Read, 0, 4, 4 * MIB, 4096), &[]).await;
+    let (h, data) = b.reply().await;
+    assert_eq!((h.status, data), (Status::OK, vec![7; 4096]));
+
+    // NBD, simple and structured replies: EIO, and the connection goes on.
+    let nbd = srv.nbd.unwrap();
+    let mut n = NbdRaw::connect(nbd).await;
+    n.go("f", false, false).await;
+    n.request(CMD_READ, 0, 10, MIB, 4096, &[]).await;
+    assert_eq!(n.simple(4096).await, (EIO, 10, vec![]));
+    n.request(CMD_WRITE, 0, 11, 2 * MIB - 512, 1024, &[1; 1024]).await;
+    assert_eq!(n.simple(0).await.0, EIO, "a write overlapping the range fails whole");
+    n.request(CMD_READ, 0, 12, 4 * MIB, 4096, &[]).await;
+    assert_eq!(n.simple(4096).await, (0, 12, vec![7; 4096]));
+    let mut s = NbdRaw::connect(nbd).await;
+    s.go("f", true, false).await;
+    s.request(CMD_READ, 0, 13, MIB, 512, &[]).await;
+    let (flags, kind, cookie, p) = s.chunk().await;
+    assert_eq!((flags & REPLY_FLAG_DONE, kind, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 13));
+    assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EIO);
+
+    // The failed write changed nothing; clearing the rule heals the range.
+    let faults = srv.handle.faults("f").expect("f has a faults layer");
+    assert!(faults.injected() >= 5);
+    faults.clear();
+    n.request(CMD_READ, 0, 14, MIB, 4096, &[]).await;
+    assert_eq!(n.simple(4096).await, (0, 14, vec![0; 4096]));
+    // A rule added at run time: an ENOSPC on flush reaches NBD as ENOSPC and BRP as NO_SPACE.
+    faults.add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::NoSpace)).times(2));
+    n.request(CMD_FLUSH, 0, 15, 0, 0, &[]).await;
+    assert_eq!(n.simple(0).await.0, ENOSPC);
+    b.request(RequestHeader::new(Command::Flush, 0, 5, 0, 0), &[]).await;
+    assert_eq!(b.reply().await.0.status, Status::NO_SPACE);
+    b.request(RequestHeader::new(Command::Flush, 0, 6, 0, 0), &[]).await;
+    assert_eq!(b.reply().await.0.status, Status::OK, "the rule fired twice and expired");
+
+    tokio::time::timeout(std::time::Duration::from_secs(60), others).await.unwrap().unwrap();
+    let st = srv.handle.volume_stats("f").unwrap();
+    assert!(st.errors >= 5 && st.writes >= 50, "{st:?}");
+    assert_eq!(srv.handle.volume_stats("g").unwrap().errors, 0);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_zero_follows_the_capabilities_of_the_stack() {
+    // A read-only store under faults and delay: NBD advertises no writes, and
+    // a fast zero the volume cannot do fails with ENOTSUP before any device call.
+    let srv =
+        TestServer::start(&["ro=memory:4M,ro,faults=none,delay=1ms", "w=memory:4M,faults=none"], |_| {})
+            .await;
+    let mut c = NbdRaw::connect(srv.nbd.unwrap()).await;
+    let (_, flags) = c.go("ro", false, false).await;
+    assert_ne!(flags & TFLAG_READ_ONLY, 0);
+    assert_eq!(flags & (TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FAST_ZERO), 0);
+    let mut c = NbdRaw::connect(srv.nbd.unwrap()).await;
+    let (_, flags) = c.go("w", false, false).await;
+    assert_eq!(flags & TFLAG_READ_ONLY, 0);
+    assert_ne!(flags & TFLAG_SEND_FAST_ZERO, 0);
+    // A device that cannot zero fast: ENOTSUP for FAST_ZERO only (nbdkit's rule), data intact.
+    c.request(CMD_WRITE, 0, 1, 0, 4096, &[5; 4096]).await;
+    assert_eq!(c.simple(0).await.0, 0);
+    let faults = srv.handle.faults("w").unwrap();
+    faults.add(FaultRule::new(FaultOps::ZERO, Effect::Fail(BackendError::Unsupported)));
+    c.request(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 2, 0, 4096, &[]).await;
+    assert_eq!(c.simple(0).await.0, ENOTSUP);
+    c.request(CMD_WRITE_ZEROES, 0, 3, 0, 4096, &[]).await;
+    assert_eq!(c.simple(0).await.0, EINVAL, "without FAST_ZERO, never ENOTSUP");
+    c.request(CMD_READ, 0, 4, 0, 4096, &[]).await;
+    assert_eq!(c.simple(4096).await.2, vec![5; 4096]);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brp_over_a_unix_socket() {
+    use fastsan_brp::handshake::{parse_message, Message};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let path = std::env::temp_dir().join(format!("fastsan-brp-{}.sock", std::process::id()));
+    let p2 = path.clone();
+    let srv = TestServer::start(&["v=memory:4M"], move |c| c.brp_unix = Some(p2)).await;
+    let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+    let mut out = Message::Hello { min_version: 1, max_version: 1, features: 0 }.to_vec();
+    out.extend(Message::Open { session: 0, name: "v".into() }.to_vec());
+    let data = pattern(1, 4096, 8192);
+    let mut w = Vec::new();
+    fastsan_brp::request::encode_header(&RequestHeader::new(Command::Write, 0, 1, 4096, 8192), false, &mut w);
+    w.extend_from_slice(&data);
+    fastsan_brp::request::encode_header(&RequestHeader::new(Command::Read, 0, 2, 4096, 8192), false, &mut w);
+    out.extend(w);
+    s.write_all(&out).await.unwrap();
+    // HELLO_REPLY, OPEN_REPLY, then the two replies (24-byte headers), the read's data last.
+    let mut buf = Vec::new();
+    let want = 2 * 24 + 8192;
+    let mut msgs = 0;
+    loop {
+        let mut tmp = [0u8; 65536];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut tmp))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "the target closed");
+        buf.extend_from_slice(&tmp[..n]);
+        while msgs < 2 {
+            let Some((m, used)) = parse_message(&buf).unwrap() else { break };
+            assert!(matches!(m, Message::HelloReply { .. } | Message::OpenReply(_)), "{m:?}");
+            buf.drain(..used);
+            msgs += 1;
+        }
+        if msgs == 2 && buf.len() >= want {
+            break;
+        }
+    }
+    let f = fastsan_brp::reply::parse_reply(&buf, false).unwrap().unwrap();
+    assert_eq!((f.header.tag, f.header.status), (1, Status::OK));
+    let r = fastsan_brp::reply::parse_reply(&buf[f.frame_len..], false).unwrap().unwrap();
+    assert_eq!((r.header.tag, r.header.status), (2, Status::OK));
+    assert_eq!(&buf[f.frame_len + r.payload_at..][..8192], &data[..]);
+    srv.stop().await;
+    assert!(!path.exists(), "the socket file is removed at shutdown");
+}
