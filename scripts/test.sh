@@ -38,10 +38,24 @@ cargo fmt --all -- --check
 say "lints"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
+say "docs"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --lib --quiet
+
+# No test may write into the source tree: compare the tree before and after.
+tree_state() { git status --porcelain --untracked-files=all 2>/dev/null || true; }
+before=$(tree_state)
+
 say "tests"
 if command -v cargo-nextest >/dev/null; then
   cargo nextest run --workspace --no-fail-fast
   cargo test --workspace --doc --quiet
 else
   cargo test --workspace --no-fail-fast
+fi
+
+after=$(tree_state)
+if [ "$before" != "$after" ]; then
+  echo "the tests changed the source tree:" >&2
+  diff <(echo "$before") <(echo "$after") >&2 || true
+  exit 1
 fi

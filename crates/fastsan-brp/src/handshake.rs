@@ -71,18 +71,47 @@ pub enum Message {
     Error { status: Status, message: String },
 }
 
+/// The message kinds on the wire, written once: [`Message::kind`] encodes
+/// with them and [`parse_message`] decodes with them.
+pub mod kind {
+    pub const HELLO: u16 = 1;
+    pub const HELLO_REPLY: u16 = 2;
+    pub const AUTH: u16 = 3;
+    pub const AUTH_OK: u16 = 4;
+    pub const LIST: u16 = 5;
+    pub const LIST_REPLY: u16 = 6;
+    pub const OPEN: u16 = 7;
+    pub const OPEN_REPLY: u16 = 8;
+    pub const ERROR: u16 = 9;
+}
+
 impl Message {
-    fn kind(&self) -> u16 {
+    pub fn kind(&self) -> u16 {
         match self {
-            Message::Hello { .. } => 1,
-            Message::HelloReply { .. } => 2,
-            Message::Auth { .. } => 3,
-            Message::AuthOk { .. } => 4,
-            Message::List => 5,
-            Message::ListReply { .. } => 6,
-            Message::Open { .. } => 7,
-            Message::OpenReply(_) => 8,
-            Message::Error { .. } => 9,
+            Message::Hello { .. } => kind::HELLO,
+            Message::HelloReply { .. } => kind::HELLO_REPLY,
+            Message::Auth { .. } => kind::AUTH,
+            Message::AuthOk { .. } => kind::AUTH_OK,
+            Message::List => kind::LIST,
+            Message::ListReply { .. } => kind::LIST_REPLY,
+            Message::Open { .. } => kind::OPEN,
+            Message::OpenReply(_) => kind::OPEN_REPLY,
+            Message::Error { .. } => kind::ERROR,
+        }
+    }
+
+    /// The message's name, for logs and errors (never its contents: an AUTH carries a proof).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "HELLO",
+            Message::HelloReply { .. } => "HELLO_REPLY",
+            Message::Auth { .. } => "AUTH",
+            Message::AuthOk { .. } => "AUTH_OK",
+            Message::List => "LIST",
+            Message::ListReply { .. } => "LIST_REPLY",
+            Message::Open { .. } => "OPEN",
+            Message::OpenReply(_) => "OPEN_REPLY",
+            Message::Error { .. } => "ERROR",
         }
     }
 
@@ -236,7 +265,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
     if magic != HANDSHAKE_MAGIC {
         return Err(ProtocolError::BadMagic(magic));
     }
-    let kind = u16_at(h, 4);
+    let k = u16_at(h, 4);
     if u16_at(h, 6) != 0 {
         return Err(ProtocolError::Handshake("reserved field is not zero"));
     }
@@ -249,18 +278,18 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
         return Ok(None);
     }
     let mut r = Reader { b: &buf[HANDSHAKE_HEADER_LEN..total], at: 0 };
-    let msg = match kind {
-        1 => Message::Hello { min_version: r.u16()?, max_version: r.u16()?, features: r.u32()? },
-        2 => {
+    let msg = match k {
+        kind::HELLO => Message::Hello { min_version: r.u16()?, max_version: r.u16()?, features: r.u32()? },
+        kind::HELLO_REPLY => {
             let version = r.u16()?;
             let auth = r.u8()?;
             r.zero(1)?;
             Message::HelloReply { version, auth, features: r.u32()?, challenge: r.arr32()? }
         }
-        3 => Message::Auth { client_nonce: r.arr32()?, proof: r.arr32()? },
-        4 => Message::AuthOk { proof: r.arr32()? },
-        5 => Message::List,
-        6 => {
+        kind::AUTH => Message::Auth { client_nonce: r.arr32()?, proof: r.arr32()? },
+        kind::AUTH_OK => Message::AuthOk { proof: r.arr32()? },
+        kind::LIST => Message::List,
+        kind::LIST_REPLY => {
             let n = r.u32()?;
             if n > MAX_VOLUMES {
                 return Err(ProtocolError::Handshake("too many volumes"));
@@ -275,8 +304,8 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
             }
             Message::ListReply { volumes }
         }
-        7 => Message::Open { session: r.u64()?, name: r.str8()? },
-        8 => {
+        kind::OPEN => Message::Open { session: r.u64()?, name: r.str8()? },
+        kind::OPEN_REPLY => {
             let session = r.u64()?;
             let size = r.u64()?;
             let block_size = r.u32()?;
@@ -295,7 +324,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
                 flags,
             })
         }
-        9 => {
+        kind::ERROR => {
             let status = Status(r.u32()?);
             let n = r.u16()? as usize;
             if n > MAX_MESSAGE {

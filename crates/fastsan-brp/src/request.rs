@@ -27,43 +27,44 @@ pub const FLAG_FUA: u8 = 0x01;
 /// Every flag bit this version defines.
 pub const FLAGS_KNOWN: u8 = FLAG_FUA;
 
-/// A command, as decoded from its opcode. Unknown opcodes are kept, so the
-/// target can answer them with `UNSUPPORTED` and go on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
-    Read,
-    Write,
-    Flush,
-    Trim,
-    WriteZeroes,
-    Batch,
-    Unknown(u8),
+/// Declares the commands once: each variant with its opcode, decoded and
+/// encoded from the same table.
+macro_rules! commands {
+    ($($(#[$doc:meta])* $name:ident = $op:literal,)+) => {
+        /// A command, as decoded from its opcode. Unknown opcodes are kept, so the
+        /// target can answer them with `UNSUPPORTED` and go on.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum Command {
+            $($(#[$doc])* $name,)+
+            Unknown(u8),
+        }
+
+        impl Command {
+            pub fn from_opcode(op: u8) -> Command {
+                match op {
+                    $($op => Command::$name,)+
+                    other => Command::Unknown(other),
+                }
+            }
+
+            pub fn opcode(self) -> u8 {
+                match self {
+                    $(Command::$name => $op,)+
+                    Command::Unknown(op) => op,
+                }
+            }
+        }
+    };
 }
 
-impl Command {
-    pub fn from_opcode(op: u8) -> Command {
-        match op {
-            1 => Command::Read,
-            2 => Command::Write,
-            3 => Command::Flush,
-            4 => Command::Trim,
-            5 => Command::WriteZeroes,
-            6 => Command::Batch,
-            other => Command::Unknown(other),
-        }
-    }
-
-    pub fn opcode(self) -> u8 {
-        match self {
-            Command::Read => 1,
-            Command::Write => 2,
-            Command::Flush => 3,
-            Command::Trim => 4,
-            Command::WriteZeroes => 5,
-            Command::Batch => 6,
-            Command::Unknown(op) => op,
-        }
-    }
+commands! {
+    Read = 1,
+    Write = 2,
+    Flush = 3,
+    Trim = 4,
+    WriteZeroes = 5,
+    /// N sub-requests in one frame (see [`crate::batch`]).
+    Batch = 6,
 }
 
 /// A decoded request header.

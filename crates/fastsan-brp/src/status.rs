@@ -7,68 +7,63 @@ use std::fmt;
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Status(pub u32);
 
-impl Status {
-    pub const OK: Status = Status(0);
+/// Declares every status once: its constant, its code, what it means, and
+/// its name in messages.
+macro_rules! statuses {
+    ($($(#[$doc:meta])* $name:ident = $code:literal => $text:literal,)+) => {
+        impl Status {
+            $($(#[$doc])* pub const $name: Status = Status($code);)+
+
+            /// The status's name in messages ("unknown status" for codes from a newer peer).
+            pub fn name(self) -> &'static str {
+                match self.0 {
+                    $($code => $text,)+
+                    _ => "unknown status",
+                }
+            }
+        }
+    };
+}
+
+statuses! {
+    OK = 0 => "ok",
     /// Malformed but framed request: bad flags, WRITE length not equal to its payload, zero length.
-    pub const INVALID: Status = Status(1);
-    /// Unknown command.
-    pub const UNSUPPORTED: Status = Status(2);
+    INVALID = 1 => "invalid request",
+    /// Unknown command, or one the volume cannot do.
+    UNSUPPORTED = 2 => "unsupported command",
     /// Offset + length beyond the end of the volume.
-    pub const OUT_OF_RANGE: Status = Status(3);
+    OUT_OF_RANGE = 3 => "out of range",
     /// Offset or length not a multiple of the volume's block size.
-    pub const MISALIGNED: Status = Status(4);
+    MISALIGNED = 4 => "misaligned",
     /// Length above the volume's maximum transfer.
-    pub const TOO_LARGE: Status = Status(5);
+    TOO_LARGE = 5 => "too large",
     /// Write, trim or write-zeroes on a read-only volume.
-    pub const READ_ONLY: Status = Status(6);
+    READ_ONLY = 6 => "read-only volume",
     /// The backend failed.
-    pub const IO_ERROR: Status = Status(7);
+    IO_ERROR = 7 => "I/O error",
     /// The backend is out of space.
-    pub const NO_SPACE: Status = Status(8);
+    NO_SPACE = 8 => "no space",
     /// The payload's data digest did not match.
-    pub const DIGEST_MISMATCH: Status = Status(9);
+    DIGEST_MISMATCH = 9 => "data digest mismatch",
     /// The target is shutting down and takes no new work.
-    pub const SHUTTING_DOWN: Status = Status(10);
-
+    SHUTTING_DOWN = 10 => "target shutting down",
     /// Handshake: wrong credentials.
-    pub const AUTH_FAILED: Status = Status(20);
+    AUTH_FAILED = 20 => "authentication failed",
     /// Handshake: the target requires authentication first.
-    pub const AUTH_REQUIRED: Status = Status(21);
+    AUTH_REQUIRED = 21 => "authentication required",
     /// Handshake: no volume of that name.
-    pub const NO_SUCH_VOLUME: Status = Status(22);
+    NO_SUCH_VOLUME = 22 => "no such volume",
     /// Handshake: no common protocol version.
-    pub const BAD_VERSION: Status = Status(23);
+    BAD_VERSION = 23 => "no common protocol version",
     /// Handshake: message not allowed at this point.
-    pub const UNEXPECTED: Status = Status(24);
+    UNEXPECTED = 24 => "unexpected message",
     /// Handshake: the target has no room for another connection.
-    pub const BUSY: Status = Status(25);
+    BUSY = 25 => "target busy",
+}
 
+impl Status {
     pub fn is_ok(self) -> bool {
         self == Status::OK
-    }
-
-    /// A short name, for logs and error messages.
-    pub fn name(self) -> &'static str {
-        match self.0 {
-            0 => "ok",
-            1 => "invalid request",
-            2 => "unsupported command",
-            3 => "out of range",
-            4 => "misaligned",
-            5 => "too large",
-            6 => "read-only volume",
-            7 => "I/O error",
-            8 => "no space",
-            9 => "data digest mismatch",
-            10 => "target shutting down",
-            20 => "authentication failed",
-            21 => "authentication required",
-            22 => "no such volume",
-            23 => "no common protocol version",
-            24 => "unexpected message",
-            25 => "target busy",
-            _ => "unknown status",
-        }
     }
 }
 

@@ -107,25 +107,10 @@ impl BrpHandshake {
                 Step::Done(BrpConn::new(volume.clone(), session, digests, brp.stats.clone()))
             }
             (state, other) => {
-                let why = format!("unexpected {} in the {state:?} phase", kind(&other));
+                let why = format!("unexpected {} in the {state:?} phase", other.name());
                 Self::refuse(out, Status::UNEXPECTED, why)
             }
         }
-    }
-}
-
-/// A message's name, for errors (never its contents: an AUTH carries a proof).
-fn kind(m: &Message) -> &'static str {
-    match m {
-        Message::Hello { .. } => "HELLO",
-        Message::HelloReply { .. } => "HELLO_REPLY",
-        Message::Auth { .. } => "AUTH",
-        Message::AuthOk { .. } => "AUTH_OK",
-        Message::List => "LIST",
-        Message::ListReply { .. } => "LIST_REPLY",
-        Message::Open { .. } => "OPEN",
-        Message::OpenReply(_) => "OPEN_REPLY",
-        Message::Error { .. } => "ERROR",
     }
 }
 
