@@ -112,7 +112,7 @@ impl Conn {
                 credits.close();
                 inflight.fail_all();
                 if let Some(e) = e {
-                    tracing::warn!(error = %e, "connection to the target lost");
+                    tracing::warn!(error = &e as &dyn std::error::Error, "connection to the target lost");
                     if let Some(f) = on_dead.lock().take() {
                         f();
                     }
@@ -278,7 +278,7 @@ async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight
             };
             let bytes = buf.split_to(f.frame_len).freeze();
             let Some(p) = inflight.take(f.header.tag) else {
-                return Error::Unexpected(format!("reply for unknown tag {}", f.header.tag));
+                return Error::UnknownTag(f.header.tag);
             };
             let n = f.header.payload_len as usize;
             let result = if !f.header.status.is_ok() {

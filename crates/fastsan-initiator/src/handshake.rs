@@ -35,16 +35,14 @@ impl Handshake {
         let (auth, challenge, features) = match reply.map_err(|_| Error::Timeout("handshake"))?? {
             Message::HelloReply { version, auth, features, challenge } => {
                 if version != fastsan_brp::VERSION {
-                    return Err(Error::Unexpected(format!("target chose protocol version {version}")));
+                    return Err(Error::BadVersion(version));
                 }
                 if features & !hello_features(opts) != 0 {
-                    return Err(Error::Unexpected(format!(
-                        "target enabled features {features:#x} never asked for"
-                    )));
+                    return Err(Error::UnrequestedFeatures(features & !hello_features(opts)));
                 }
                 (auth, challenge, features)
             }
-            other => return Err(unexpected(other)),
+            other => return Err(unexpected("HELLO_REPLY", other)),
         };
         hs.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
         match (auth, &opts.secret) {
@@ -59,10 +57,10 @@ impl Handshake {
                     Message::AuthOk { proof }
                         if fastsan_brp::auth::verify_server(secret, &challenge, &nonce, &proof) => {}
                     Message::AuthOk { .. } => return Err(Error::TargetNotAuthenticated),
-                    other => return Err(unexpected(other)),
+                    other => return Err(unexpected("AUTH_OK", other)),
                 }
             }
-            (other, _) => return Err(Error::Unexpected(format!("unknown authentication method {other}"))),
+            (other, _) => return Err(Error::UnknownAuth(other)),
         }
         Ok(hs)
     }
@@ -70,7 +68,7 @@ impl Handshake {
     pub async fn list(&mut self) -> Result<Vec<VolumeInfo>, Error> {
         match self.ask(&Message::List).await? {
             Message::ListReply { volumes } => Ok(volumes),
-            other => Err(unexpected(other)),
+            other => Err(unexpected("LIST_REPLY", other)),
         }
     }
 
@@ -78,7 +76,7 @@ impl Handshake {
     pub async fn open(&mut self, name: &str, session: u64) -> Result<OpenInfo, Error> {
         let info = match self.ask(&Message::Open { session, name: name.to_owned() }).await? {
             Message::OpenReply(info) => info,
-            other => return Err(unexpected(other)),
+            other => return Err(unexpected("OPEN_REPLY", other)),
         };
         let bs = info.block_size;
         let sane = bs.is_power_of_two()
@@ -88,7 +86,7 @@ impl Handshake {
             && info.queue_depth >= 1
             && info.max_batch >= 1;
         if !sane {
-            return Err(Error::Unexpected(format!("target announced impossible limits: {info:?}")));
+            return Err(Error::ImpossibleLimits(info));
         }
         Ok(info)
     }
@@ -116,9 +114,26 @@ fn hello_features(opts: &Options) -> u32 {
     }
 }
 
-fn unexpected(m: Message) -> Error {
+/// The error for message `m` arriving where `expected` should have: the
+/// target's own refusal when it sent ERROR.
+fn unexpected(expected: &'static str, m: Message) -> Error {
     match m {
         Message::Error { status, message } => Error::Refused { status, message },
-        other => Error::Unexpected(format!("{other:?}")),
+        other => Error::UnexpectedMessage { expected, got: kind_name(&other) },
+    }
+}
+
+/// The name `docs/protocol.md` gives a message kind.
+fn kind_name(m: &Message) -> &'static str {
+    match m {
+        Message::Hello { .. } => "HELLO",
+        Message::HelloReply { .. } => "HELLO_REPLY",
+        Message::Auth { .. } => "AUTH",
+        Message::AuthOk { .. } => "AUTH_OK",
+        Message::List => "LIST",
+        Message::ListReply { .. } => "LIST_REPLY",
+        Message::Open { .. } => "OPEN",
+        Message::OpenReply(_) => "OPEN_REPLY",
+        Message::Error { .. } => "ERROR",
     }
 }

@@ -122,7 +122,7 @@ impl Volume {
             let h = RequestHeader::new(Command::Read, 0, 0, offset, to_u32(len)?);
             let data = self.call(h, Bytes::new()).await?.unwrap_or_default();
             if data.len() as u64 != len {
-                return Err(Error::Unexpected(format!("read of {len} bytes returned {}", data.len())));
+                return Err(Error::ShortRead { asked: len, got: data.len() as u64 });
             }
             return Ok(data);
         }
@@ -272,10 +272,12 @@ fn start_conn(
 async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
     let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session).await?;
     if info.size != sh.info.size || info.block_size != sh.info.block_size {
-        return Err(Error::Unexpected(format!(
-            "volume changed: size {} -> {}, block size {} -> {}",
-            sh.info.size, info.size, sh.info.block_size, info.block_size
-        )));
+        return Err(Error::VolumeChanged {
+            old_size: sh.info.size,
+            new_size: info.size,
+            old_block_size: sh.info.block_size,
+            new_block_size: info.block_size,
+        });
     }
     Ok(start_conn(&Arc::downgrade(sh), slot, hs, &info, &sh.opts, &sh.stats))
 }
@@ -305,7 +307,7 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                 return;
             }
             Err(e) => {
-                warn!(url = %sh.url, slot, error = %e, "reconnect failed; will retry");
+                warn!(url = %sh.url, slot, error = &e as &dyn std::error::Error, "reconnect failed; will retry");
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
