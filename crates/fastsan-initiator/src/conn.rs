@@ -9,7 +9,7 @@
 
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
-use crate::session::Stats;
+use crate::stats::Stats;
 use crate::Error;
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::batch::BatchBuilder;

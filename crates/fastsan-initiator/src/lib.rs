@@ -20,7 +20,8 @@
 //! - [`conn`] - one connection: a sender task that merges queued requests
 //!   into BATCH frames, a receiver task that matches replies by tag.
 //! - [`session`] - [`Volume`]: N connections, load balancing, credits,
-//!   splitting of large I/O, reconnection.
+//!   splitting of large I/O, reconnection; [`list`].
+//! - [`stats`] - [`InitiatorStats`], what the connections sent.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
 //! - [`error`] - [`Error`] and whether to retry.
 
@@ -30,6 +31,7 @@ pub mod error;
 pub mod handshake;
 pub mod options;
 pub mod session;
+pub mod stats;
 pub mod url;
 
 pub use blocking::BlockingVolume;
@@ -37,5 +39,6 @@ pub use error::Error;
 pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
 pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
 pub use options::{MergeMode, Options};
-pub use session::{list, InitiatorStats, Volume};
+pub use session::{list, Volume};
+pub use stats::InitiatorStats;
 pub use url::BrpUrl;

@@ -9,6 +9,7 @@
 
 use crate::conn::{Conn, Limits, Pending, Submit};
 use crate::handshake::Handshake;
+use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::request::{RequestHeader, FLAG_FUA};
@@ -19,27 +20,6 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
 use tracing::{info, warn};
-
-/// Counters of what the initiator sent.
-#[derive(Debug, Default)]
-pub(crate) struct Stats {
-    pub requests: AtomicU64,
-    /// Frames written (a BATCH counts once).
-    pub frames: AtomicU64,
-    pub batches: AtomicU64,
-    pub batched_requests: AtomicU64,
-    pub reconnects: AtomicU64,
-}
-
-/// A copy of the initiator's counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct InitiatorStats {
-    pub requests: u64,
-    pub frames: u64,
-    pub batches: u64,
-    pub batched_requests: u64,
-    pub reconnects: u64,
-}
 
 struct Shared {
     url: BrpUrl,
@@ -105,14 +85,7 @@ impl Volume {
     }
 
     pub fn stats(&self) -> InitiatorStats {
-        let s = &self.shared.stats;
-        InitiatorStats {
-            requests: s.requests.load(Relaxed),
-            frames: s.frames.load(Relaxed),
-            batches: s.batches.load(Relaxed),
-            batched_requests: s.batched_requests.load(Relaxed),
-            reconnects: s.reconnects.load(Relaxed),
-        }
+        self.shared.stats.snapshot()
     }
 
     /// Reads `len` bytes at `offset`.
