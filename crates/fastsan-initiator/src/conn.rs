@@ -98,7 +98,7 @@ impl Conn {
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
     ) -> Conn {
-        let Handshake { stream, buf: leftover, digests } = hs;
+        let (stream, leftover, digests) = hs.into_parts();
         let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));

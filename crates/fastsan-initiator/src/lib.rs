@@ -16,7 +16,9 @@
 //! # Layout
 //! - [`url`] - `brp://HOST:PORT/VOLUME`.
 //! - [`options`] - [`Options`], [`MergeMode`].
-//! - [`handshake`] - connect, authenticate, LIST and OPEN.
+//! - [`handshake`] - [`handshake::ClientHandshake`], the handshake as a
+//!   state machine without I/O (HELLO, AUTH, LIST, OPEN), and
+//!   [`handshake::Handshake`], which drives it over a socket.
 //! - [`conn`] - one connection: a sender task that merges queued requests
 //!   into BATCH frames, a receiver task that matches replies by tag.
 //! - [`session`] - [`Volume`]: N connections, load balancing, credits,
