@@ -26,10 +26,13 @@
 //! - [`stats`] - [`InitiatorStats`], what the connections sent.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
 //! - [`error`] - [`Error`] and whether to retry.
+//! - `fuzz_checks` (hidden) - what the `initiator_handshake` fuzz target checks.
 
 pub mod blocking;
 pub mod conn;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod handshake;
 pub mod options;
 pub mod session;
