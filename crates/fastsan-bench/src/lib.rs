@@ -14,7 +14,7 @@
 pub mod nbd_client;
 
 use bytes::Bytes;
-use fastsan_initiator::{MergeMode, Options, Volume};
+use fastsan_initiator::{BrpUrl, MergeMode, Options, Volume};
 use hdrhistogram::Histogram;
 use nbd_client::NbdClient;
 use parking_lot::Mutex;
@@ -57,7 +57,7 @@ impl Rw {
 
 #[derive(Debug, Clone)]
 pub struct JobSpec {
-    /// `brp://HOST:PORT/VOLUME` or `nbd://HOST:PORT/EXPORT`.
+    /// `brp://HOST:PORT/VOLUME`, `brp+unix:///VOLUME?socket=PATH` or `nbd://HOST:PORT/EXPORT`.
     pub url: String,
     pub rw: Rw,
     pub bs: u32,
@@ -195,7 +195,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
     }
     let open_err = |why: String| BenchError::Open { url: spec.url.clone(), why };
-    let target = if spec.url.starts_with("brp://") {
+    let target = if BrpUrl::has_scheme(&spec.url) {
         let opts = Options {
             connections: spec.connections,
             merge: spec.merge,
@@ -210,7 +210,10 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         }
         Target::Nbd(v)
     } else {
-        return Err(BenchError::Invalid(format!("{}: expected brp://... or nbd://...", spec.url)));
+        return Err(BenchError::Invalid(format!(
+            "{}: expected brp://..., brp+unix://... or nbd://...",
+            spec.url
+        )));
     };
     let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
     if span < spec.bs as u64 {
@@ -418,7 +421,7 @@ impl Report {
             self.jobs,
             self.requesters,
             self.connections,
-            if self.url.starts_with("brp://") { format!(", merge {}", self.merge) } else { String::new() }
+            if BrpUrl::has_scheme(&self.url) { format!(", merge {}", self.merge) } else { String::new() }
         );
         s += &format!(
             "  IOPS {:.0}  bandwidth {:.1} MiB/s  ({} reads, {} writes in {:.1} s)\n",

@@ -10,6 +10,7 @@
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
 use crate::stats::Stats;
+use crate::transport::Stream;
 use crate::Error;
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::batch::BatchBuilder;
@@ -22,8 +23,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -88,6 +88,15 @@ pub(crate) struct Conn {
     dead: CancellationToken,
 }
 
+/// What an opened connection's loops run on: the socket's owned halves,
+/// the bytes the handshake read past OPEN_REPLY, and whether digests are on.
+struct Io<R, W> {
+    rd: R,
+    wr: W,
+    leftover: BytesMut,
+    digests: bool,
+}
+
 impl Conn {
     /// Starts the sender and receiver of an opened connection. `on_dead` runs
     /// once, when the connection fails (not when it is dropped).
@@ -99,7 +108,31 @@ impl Conn {
         on_dead: Box<dyn FnOnce() + Send>,
     ) -> Conn {
         let (stream, leftover, digests) = hs.into_parts();
-        let (rd, wr) = stream.into_split();
+        // One copy of the loops per kind of socket: no dispatch per read or write.
+        match stream {
+            Stream::Tcp(s) => {
+                let (rd, wr) = s.into_split();
+                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+            }
+            Stream::Unix(s) => {
+                let (rd, wr) = s.into_split();
+                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+            }
+        }
+    }
+
+    fn start_on<R, W>(
+        io: Io<R, W>,
+        queue_depth: u32,
+        limits: Limits,
+        stats: Arc<Stats>,
+        on_dead: Box<dyn FnOnce() + Send>,
+    ) -> Conn
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let Io { rd, wr, leftover, digests } = io;
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
@@ -170,8 +203,8 @@ fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
 }
 
-async fn send_loop(
-    mut wr: OwnedWriteHalf,
+async fn send_loop<W: AsyncWrite + Unpin>(
+    mut wr: W,
     mut rx: mpsc::UnboundedReceiver<Submit>,
     inflight: &Inflight,
     credits: &Semaphore,
@@ -268,7 +301,12 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
-async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight, digests: bool) -> Error {
+async fn recv_loop<R: AsyncRead + Unpin>(
+    mut rd: R,
+    mut buf: BytesMut,
+    inflight: &Inflight,
+    digests: bool,
+) -> Error {
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {

@@ -6,13 +6,13 @@
 //! the timeouts of [`Options`]. Tests feed the machine fabricated target
 //! messages; the `initiator_handshake` fuzz target feeds it anything.
 
+use crate::transport::Stream;
+use crate::url::Endpoint;
 use crate::{Error, Options};
 use bytes::BytesMut;
 use fastsan_brp::auth;
 use fastsan_brp::handshake::{parse_message, Message, OpenInfo, VolumeInfo, AUTH_HMAC_SHA256, AUTH_NONE};
 use rand::RngCore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// What the caller of [`ClientHandshake::receive`] does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -245,21 +245,20 @@ fn kind_name(m: &Message) -> &'static str {
 
 /// A connection in the handshake phase: a [`ClientHandshake`] driven over a socket.
 pub struct Handshake {
-    stream: TcpStream,
+    stream: Stream,
     machine: ClientHandshake,
 }
 
 impl Handshake {
     /// Connects, agrees on version and features, and authenticates, each
     /// of connecting and the exchange within `opts.connect_timeout`.
-    pub async fn start(addr: &str, opts: &Options) -> Result<Handshake, Error> {
-        let connect = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr));
+    pub async fn start(endpoint: &Endpoint, opts: &Options) -> Result<Handshake, Error> {
+        let connect = tokio::time::timeout(opts.connect_timeout, Stream::connect(endpoint));
         let stream = match connect.await {
             Err(_) => return Err(Error::Timeout("connect")),
-            Ok(Err(source)) => return Err(Error::Connect { addr: addr.to_owned(), source }),
+            Ok(Err(source)) => return Err(Error::Connect { addr: endpoint.to_string(), source }),
             Ok(Ok(s)) => s,
         };
-        stream.set_nodelay(true)?;
         let mut nonce = [0u8; 32];
         rand::thread_rng().fill_bytes(&mut nonce);
         let mut hs = Handshake { stream, machine: ClientHandshake::new(opts, nonce) };
@@ -311,7 +310,7 @@ impl Handshake {
 
     /// The socket, the bytes read past OPEN_REPLY (none from a well-behaved
     /// target), and whether digests are on.
-    pub(crate) fn into_parts(self) -> (TcpStream, BytesMut, bool) {
+    pub(crate) fn into_parts(self) -> (Stream, BytesMut, bool) {
         let digests = self.machine.digests();
         (self.stream, self.machine.into_leftover(), digests)
     }
@@ -527,6 +526,48 @@ mod tests {
         truncated[8] -= 1; // the payload is a byte shorter than HELLO_REPLY's
         truncated.pop();
         assert!(matches!(machine(None).receive(&truncated), Err(Error::Protocol(_))));
+    }
+
+    /// The next whole message a fake target receives.
+    async fn next_message(s: &mut tokio::net::UnixStream, buf: &mut Vec<u8>) -> Message {
+        use tokio::io::AsyncReadExt;
+        loop {
+            if let Some((m, n)) = parse_message(buf).unwrap() {
+                buf.drain(..n);
+                return m;
+            }
+            let mut chunk = [0u8; 64];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "the initiator hung up");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// The driver over a unix socket, against a fake target built from the codec.
+    #[tokio::test]
+    async fn driver_opens_a_volume_over_a_unix_socket() {
+        use tokio::io::AsyncWriteExt;
+        let dir = std::env::temp_dir().join(format!("fastsan-handshake-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let target = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            assert!(matches!(next_message(&mut s, &mut buf).await, Message::Hello { .. }));
+            s.write_all(&hello_reply(AUTH_NONE, 0)).await.unwrap();
+            let open = next_message(&mut s, &mut buf).await;
+            assert_eq!(open, Message::Open { session: 0, name: "v".into() });
+            s.write_all(&Message::OpenReply(info()).to_vec()).await.unwrap();
+            s
+        });
+        let mut hs = Handshake::start(&Endpoint::Unix(path), &Options::default()).await.unwrap();
+        assert_eq!(hs.open("v", 0).await.unwrap(), info());
+        let (stream, leftover, digests) = hs.into_parts();
+        assert!(matches!(stream, Stream::Unix(_)) && leftover.is_empty() && !digests);
+        drop(target.await.unwrap());
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! ```
 //!
 //! # Layout
-//! - [`url`] - `brp://HOST:PORT/VOLUME`.
+//! - [`url`] - [`BrpUrl`]: `brp://HOST:PORT/VOLUME` and
+//!   `brp+unix:///VOLUME?socket=PATH`.
+//! - `transport` (private) - the stream under a connection, TCP or unix.
 //! - [`options`] - [`Options`], [`MergeMode`].
 //! - [`handshake`] - [`handshake::ClientHandshake`], the handshake as a
 //!   state machine without I/O (HELLO, AUTH, LIST, OPEN), and
@@ -37,6 +39,7 @@ pub mod handshake;
 pub mod options;
 pub mod session;
 pub mod stats;
+mod transport;
 pub mod url;
 
 pub use blocking::BlockingVolume;
@@ -46,4 +49,4 @@ pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
 pub use options::{MergeMode, Options};
 pub use session::{list, Volume};
 pub use stats::InitiatorStats;
-pub use url::BrpUrl;
+pub use url::{BrpUrl, Endpoint};

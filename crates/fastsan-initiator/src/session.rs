@@ -41,11 +41,12 @@ pub struct Volume {
 /// Lists the volumes of the target at `url` (its volume part is ignored).
 pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
     let url = BrpUrl::parse(url)?;
-    Handshake::start(&url.authority(), opts).await?.list().await
+    Handshake::start(&url.endpoint, opts).await?.list().await
 }
 
 impl Volume {
-    /// Opens `brp://HOST:PORT/VOLUME` with `opts.connections` connections.
+    /// Opens `brp://HOST:PORT/VOLUME` or `brp+unix:///VOLUME?socket=PATH`
+    /// with `opts.connections` connections.
     pub async fn connect(url: &str, opts: Options) -> Result<Volume, Error> {
         let url = BrpUrl::parse(url)?;
         if url.volume.is_empty() {
@@ -258,7 +259,7 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
 /// Connects and opens the URL's volume, all within the connect timeout.
 async fn open_handshake(url: &BrpUrl, opts: &Options, session: u64) -> Result<(Handshake, OpenInfo), Error> {
     let work = async {
-        let mut hs = Handshake::start(&url.authority(), opts).await?;
+        let mut hs = Handshake::start(&url.endpoint, opts).await?;
         let info = hs.open(&url.volume, session).await?;
         Ok((hs, info))
     };

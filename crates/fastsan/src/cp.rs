@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
 ///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
+///   fastsan cp disk.img 'brp+unix:///vol0?socket=/run/fastsan.sock'
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Source: a local path or brp://HOST:PORT/VOLUME
+    /// Source: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
     src: String,
-    /// Destination: a local path or brp://HOST:PORT/VOLUME
+    /// Destination: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
     dst: String,
     /// Size of each request.
     #[arg(long, default_value = "1M", value_name = "SIZE")]
@@ -44,7 +45,7 @@ enum End {
 
 impl End {
     async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
-        if s.starts_with("brp://") {
+        if fastsan_initiator::BrpUrl::has_scheme(s) {
             let v = Volume::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
                 bail!("{s} is read-only");

@@ -4,11 +4,13 @@ use crate::ClientArgs;
 
 /// List the volumes of a target, with their sizes.
 ///
-/// Example: fastsan ls brp://127.0.0.1:10810
+/// Examples:
+///   fastsan ls brp://127.0.0.1:10810
+///   fastsan ls 'brp+unix://?socket=/run/fastsan.sock'
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The target: brp://HOST[:PORT]
+    /// The target: brp://HOST[:PORT] or brp+unix://?socket=PATH
     url: String,
     #[command(flatten)]
     client: ClientArgs,
