@@ -9,6 +9,7 @@
 //!
 //! # Layout
 //! - [`JobSpec`], [`Rw`]: what to run; [`run`]: runs it; [`Report`]: what it measured.
+//! - [`BenchError`], [`ClientError`]: why a run or a request failed.
 //! - [`nbd_client`]: the NBD client.
 
 pub mod nbd_client;
@@ -20,6 +21,8 @@ use nbd_client::NbdClient;
 use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
+use std::fmt;
+use std::io;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -82,14 +85,47 @@ pub struct JobSpec {
     pub progress: bool,
 }
 
+/// Why a run could not start or finish. Causes stay typed: print the
+/// chain (anyhow's `{:#}`) to see them.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BenchError {
     #[error("{0}")]
     Invalid(String),
-    #[error("cannot open {url}: {why}")]
-    Open { url: String, why: String },
-    #[error("I/O failed: {0}")]
-    Io(String),
+    #[error("cannot open {url}")]
+    Open {
+        url: String,
+        #[source]
+        source: ClientError,
+    },
+    /// A requester panicked: a bug in the bench.
+    #[error("a requester task failed")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why a request failed, as the client that sent it tells.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    #[error(transparent)]
+    Brp(#[from] fastsan_initiator::Error),
+    #[error(transparent)]
+    Nbd(#[from] io::Error),
+}
+
+/// An error and its causes, `: `-separated, as anyhow's `{:#}` prints them.
+struct Chain<'a>(&'a dyn std::error::Error);
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
 }
 
 /// What a run measured. Latencies in microseconds.
@@ -132,16 +168,16 @@ enum Target {
 }
 
 impl Target {
-    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, String> {
-        match self {
-            Target::Brp(v) => v.read(off, len as u64).await.map_err(|e| e.to_string()),
-            Target::Nbd(c) => c[job].read(off, len).await.map_err(|e| e.to_string()),
-        }
+    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, ClientError> {
+        Ok(match self {
+            Target::Brp(v) => v.read(off, len as u64).await?,
+            Target::Nbd(c) => c[job].read(off, len).await?,
+        })
     }
-    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), String> {
+    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), ClientError> {
         match self {
-            Target::Brp(v) => v.write_bytes(data, off, false).await.map_err(|e| e.to_string()),
-            Target::Nbd(c) => c[job].write(off, &data).await.map_err(|e| e.to_string()),
+            Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
+            Target::Nbd(c) => Ok(c[job].write(off, &data).await?),
         }
     }
     fn size(&self) -> u64 {
@@ -194,7 +230,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     if spec.rwmixread > 100 {
         return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
     }
-    let open_err = |why: String| BenchError::Open { url: spec.url.clone(), why };
+    let open_err = |e: ClientError| BenchError::Open { url: spec.url.clone(), source: e };
     let target = if BrpUrl::has_scheme(&spec.url) {
         let opts = Options {
             connections: spec.connections,
@@ -202,11 +238,11 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
             secret: spec.secret.clone(),
             ..Default::default()
         };
-        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.to_string()))?)
+        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.into()))?)
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
         for _ in 0..spec.jobs {
-            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.to_string()))?));
+            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
     } else {
@@ -305,7 +341,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                         }
                         Err(e) => {
                             if shared.errors.fetch_add(1, Relaxed) == 0 {
-                                eprintln!("fastsan bench: I/O error: {e}");
+                                eprintln!("fastsan bench: I/O error: {}", Chain(&e));
                             }
                             tokio::time::sleep(Duration::from_millis(10)).await;
                         }
@@ -323,7 +359,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         })
     };
     for t in tasks {
-        t.await.map_err(|e| BenchError::Io(e.to_string()))?;
+        t.await?;
     }
     let cpu_start = cpu_probe.await.unwrap_or_else(|_| cpu_seconds());
     let cpu = cpu_seconds() - cpu_start;
@@ -446,5 +482,50 @@ impl Report {
             s += &format!("  ERRORS {}  verify mismatches {}\n", self.errors, self.verify_mismatches);
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(url: &str) -> JobSpec {
+        JobSpec {
+            url: url.into(),
+            rw: Rw::RandRead,
+            bs: 4096,
+            iodepth: 1,
+            jobs: 1,
+            runtime: Duration::from_millis(100),
+            ramp: Duration::ZERO,
+            size: None,
+            rwmixread: 50,
+            verify: false,
+            connections: 1,
+            merge: MergeMode::Adaptive,
+            secret: None,
+            progress: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_keeps_its_cause() {
+        // Port 1 on loopback: nothing listens, the kernel refuses at once.
+        let e = run(spec("brp://127.0.0.1:1/v")).await.unwrap_err();
+        let BenchError::Open { source: ClientError::Brp(fastsan_initiator::Error::Connect { .. }), .. } = &e
+        else {
+            panic!("{e:?}")
+        };
+        let text = Chain(&e).to_string();
+        assert!(
+            text.starts_with("cannot open brp://127.0.0.1:1/v: cannot connect to 127.0.0.1:1: "),
+            "{text}"
+        );
+        let e = run(spec("nbd://127.0.0.1:1/v")).await.unwrap_err();
+        assert!(
+            matches!(&e, BenchError::Open { source: ClientError::Nbd(io), .. }
+            if io.kind() == io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
     }
 }
