@@ -17,39 +17,27 @@ pub mod nbd_client;
 use bytes::Bytes;
 use fastsan_initiator::{BrpUrl, MergeMode, Options, Volume};
 use hdrhistogram::Histogram;
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use nbd_client::NbdClient;
 use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
 use std::fmt;
 use std::io;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The access pattern, named as fio names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum), value(rename_all = "lower"))]
 pub enum Rw {
     Read,
     Write,
     RandRead,
     RandWrite,
     RandRw,
-}
-
-impl FromStr for Rw {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "read" => Rw::Read,
-            "write" => Rw::Write,
-            "randread" => Rw::RandRead,
-            "randwrite" => Rw::RandWrite,
-            "randrw" => Rw::RandRw,
-            _ => return Err(format!("--rw {s:?}: expected read, write, randread, randwrite or randrw")),
-        })
-    }
 }
 
 impl Rw {
@@ -363,9 +351,9 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     }
     let cpu_start = cpu_probe.await.unwrap_or_else(|_| cpu_seconds());
     let cpu = cpu_seconds() - cpu_start;
-    if let Some(p) = progress {
-        p.abort();
-        eprint!("\r\x1b[2K");
+    if let Some((line, task)) = progress {
+        task.abort();
+        line.finish_and_clear();
     }
     let after_stats = brp_stats(&target);
     let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
@@ -416,33 +404,42 @@ fn brp_stats(t: &Target) -> (u64, u64, u64) {
     }
 }
 
-/// A live line on the terminal: elapsed time, IOPS and MiB/s of the last second.
+/// A live line on stderr, once a second: the phase, IOPS and bandwidth of
+/// the last second, and the time left. indicatif draws it, and draws
+/// nothing when stderr is not a terminal.
 fn spawn_progress(
     on: bool,
     shared: Arc<Shared>,
     bs: u32,
     from: Instant,
     end: Instant,
-) -> Option<tokio::task::JoinHandle<()>> {
-    if !on || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+) -> Option<(ProgressBar, tokio::task::JoinHandle<()>)> {
+    let line = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+        .with_style(ProgressStyle::with_template("  {msg}").expect("valid template"));
+    if !on || line.is_hidden() {
         return None;
     }
-    Some(tokio::spawn(async move {
-        let mut last = 0u64;
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
-            let now = Instant::now();
-            let phase = if now < from { "warm-up" } else { "measuring" };
-            let left = end.saturating_duration_since(now).as_secs();
-            eprint!(
-                "\r\x1b[2K  {phase}: {:>9.0} IOPS {:>9.1} MiB/s  {left}s left",
-                (n - last) as f64,
-                (n - last) as f64 * bs as f64 / (1 << 20) as f64
-            );
-            last = n;
+    let task = tokio::spawn({
+        let line = line.clone();
+        async move {
+            let mut last = 0u64;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
+                let now = Instant::now();
+                let phase = if now < from { "warm-up" } else { "measuring" };
+                let left = end.saturating_duration_since(now).as_secs();
+                let rate = HumanBytes((n - last) * bs as u64);
+                line.set_message(format!(
+                    "{phase}: {:>9} IOPS {:>12}/s  {left}s left",
+                    n - last,
+                    rate.to_string()
+                ));
+                last = n;
+            }
         }
-    }))
+    });
+    Some((line, task))
 }
 
 impl Report {

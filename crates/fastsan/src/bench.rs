@@ -19,8 +19,8 @@ use std::time::Duration;
 pub struct Args {
     /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH or nbd://HOST:PORT/EXPORT
     url: String,
-    /// read, write, randread, randwrite or randrw.
-    #[arg(long, default_value = "randread")]
+    /// Access pattern, as fio names it.
+    #[arg(long, default_value = "randread", value_name = "PATTERN")]
     rw: fastsan_bench::Rw,
     /// Block size.
     #[arg(long, default_value = "4k", value_name = "SIZE")]

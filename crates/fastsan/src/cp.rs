@@ -192,7 +192,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let secs = start.elapsed().as_secs_f64();
     println!(
         "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",
-        crate::ls::human(len),
+        indicatif::HumanBytes(len),
         src.name(),
         dst.name(),
         len as f64 / (1 << 20) as f64 / secs.max(1e-9)

@@ -38,7 +38,7 @@ pub struct ClientArgs {
     /// Connections per session.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub connections: usize,
-    /// Temporal merge: off, adaptive or always.
+    /// How small requests are merged into BATCH frames.
     #[arg(long, default_value = "adaptive", value_name = "MODE")]
     pub merge: fastsan_initiator::MergeMode,
     /// Ask for CRC32C digests of headers and data.
