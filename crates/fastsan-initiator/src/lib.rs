@@ -27,11 +27,14 @@
 //!   splitting of large I/O, reconnection; [`list`].
 //! - [`stats`] - [`InitiatorStats`], what the connections sent.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
+//! - [`copy`] - chunks of a whole-volume copy: retried, a partial last
+//!   block padded with zeros.
 //! - [`error`] - [`Error`] and whether to retry.
 //! - `fuzz_checks` (hidden) - what the `initiator_handshake` fuzz target checks.
 
 pub mod blocking;
 pub mod conn;
+pub mod copy;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzz_checks;

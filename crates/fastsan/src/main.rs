@@ -1,6 +1,7 @@
-//! `fastsan`: the command line. Each subcommand lives in its own module and
-//! only parses arguments and calls the `target` or `initiator` crates: no
-//! protocol or storage logic lives here.
+//! `fastsan`: the command line. Each subcommand lives in its own module; it
+//! parses arguments, opens local files, shows progress and calls the
+//! `target`, `initiator` or `bench` crates. No protocol or storage logic
+//! lives here: not the wire format, not retries, not block alignment.
 
 mod bench;
 mod cp;
@@ -70,6 +71,8 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: not in log files and pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(async {
