@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every fuzz target (the BRP and NBD codecs, the target's handshakes) for SECONDS each (default 60).
+# Runs every fuzz target (the BRP and NBD codecs, the target's and the
+# initiator's handshakes) for SECONDS each (default 60).
 #   fuzz/run.sh [SECONDS]
 # Needs cargo-fuzz (installed here when missing). cargo-fuzz wants a nightly
 # compiler; RUSTC_BOOTSTRAP=1 lets the stable one build the instrumented code.
@@ -10,7 +11,8 @@ cd "$(dirname "$0")"
 secs=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
-for t in request reply batch handshake nbd_request nbd_option target_brp_handshake target_nbd_handshake; do
+for t in request reply batch handshake nbd_request nbd_option target_brp_handshake target_nbd_handshake \
+         initiator_handshake; do
   mkdir -p "target/corpus/$t"
   echo "== fuzzing $t for ${secs}s"
   cargo fuzz run "$t" "target/corpus/$t" "corpus/$t" -- -max_total_time="$secs" -print_final_stats=1 2>&1 \

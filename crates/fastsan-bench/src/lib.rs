@@ -9,44 +9,35 @@
 //!
 //! # Layout
 //! - [`JobSpec`], [`Rw`]: what to run; [`run`]: runs it; [`Report`]: what it measured.
+//! - [`BenchError`], [`ClientError`]: why a run or a request failed.
 //! - [`nbd_client`]: the NBD client.
 
 pub mod nbd_client;
 
 use bytes::Bytes;
-use fastsan_initiator::{MergeMode, Options, Volume};
+use fastsan_initiator::{BrpUrl, MergeMode, Options, Volume};
 use hdrhistogram::Histogram;
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use nbd_client::NbdClient;
 use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
-use std::str::FromStr;
+use std::fmt;
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The access pattern, named as fio names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum), value(rename_all = "lower"))]
 pub enum Rw {
     Read,
     Write,
     RandRead,
     RandWrite,
     RandRw,
-}
-
-impl FromStr for Rw {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "read" => Rw::Read,
-            "write" => Rw::Write,
-            "randread" => Rw::RandRead,
-            "randwrite" => Rw::RandWrite,
-            "randrw" => Rw::RandRw,
-            _ => return Err(format!("--rw {s:?}: expected read, write, randread, randwrite or randrw")),
-        })
-    }
 }
 
 impl Rw {
@@ -57,7 +48,7 @@ impl Rw {
 
 #[derive(Debug, Clone)]
 pub struct JobSpec {
-    /// `brp://HOST:PORT/VOLUME` or `nbd://HOST:PORT/EXPORT`.
+    /// `brp://HOST:PORT/VOLUME`, `brp+unix:///VOLUME?socket=PATH` or `nbd://HOST:PORT/EXPORT`.
     pub url: String,
     pub rw: Rw,
     pub bs: u32,
@@ -82,14 +73,47 @@ pub struct JobSpec {
     pub progress: bool,
 }
 
+/// Why a run could not start or finish. Causes stay typed: print the
+/// chain (anyhow's `{:#}`) to see them.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BenchError {
     #[error("{0}")]
     Invalid(String),
-    #[error("cannot open {url}: {why}")]
-    Open { url: String, why: String },
-    #[error("I/O failed: {0}")]
-    Io(String),
+    #[error("cannot open {url}")]
+    Open {
+        url: String,
+        #[source]
+        source: ClientError,
+    },
+    /// A requester panicked: a bug in the bench.
+    #[error("a requester task failed")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why a request failed, as the client that sent it tells.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    #[error(transparent)]
+    Brp(#[from] fastsan_initiator::Error),
+    #[error(transparent)]
+    Nbd(#[from] io::Error),
+}
+
+/// An error and its causes, `: `-separated, as anyhow's `{:#}` prints them.
+struct Chain<'a>(&'a dyn std::error::Error);
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
 }
 
 /// What a run measured. Latencies in microseconds.
@@ -132,16 +156,16 @@ enum Target {
 }
 
 impl Target {
-    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, String> {
-        match self {
-            Target::Brp(v) => v.read(off, len as u64).await.map_err(|e| e.to_string()),
-            Target::Nbd(c) => c[job].read(off, len).await.map_err(|e| e.to_string()),
-        }
+    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, ClientError> {
+        Ok(match self {
+            Target::Brp(v) => v.read(off, len as u64).await?,
+            Target::Nbd(c) => c[job].read(off, len).await?,
+        })
     }
-    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), String> {
+    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), ClientError> {
         match self {
-            Target::Brp(v) => v.write_bytes(data, off, false).await.map_err(|e| e.to_string()),
-            Target::Nbd(c) => c[job].write(off, &data).await.map_err(|e| e.to_string()),
+            Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
+            Target::Nbd(c) => Ok(c[job].write(off, &data).await?),
         }
     }
     fn size(&self) -> u64 {
@@ -194,23 +218,26 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     if spec.rwmixread > 100 {
         return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
     }
-    let open_err = |why: String| BenchError::Open { url: spec.url.clone(), why };
-    let target = if spec.url.starts_with("brp://") {
+    let open_err = |e: ClientError| BenchError::Open { url: spec.url.clone(), source: e };
+    let target = if BrpUrl::has_scheme(&spec.url) {
         let opts = Options {
             connections: spec.connections,
             merge: spec.merge,
             secret: spec.secret.clone(),
             ..Default::default()
         };
-        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.to_string()))?)
+        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.into()))?)
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
         for _ in 0..spec.jobs {
-            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.to_string()))?));
+            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
     } else {
-        return Err(BenchError::Invalid(format!("{}: expected brp://... or nbd://...", spec.url)));
+        return Err(BenchError::Invalid(format!(
+            "{}: expected brp://..., brp+unix://... or nbd://...",
+            spec.url
+        )));
     };
     let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
     if span < spec.bs as u64 {
@@ -302,7 +329,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                         }
                         Err(e) => {
                             if shared.errors.fetch_add(1, Relaxed) == 0 {
-                                eprintln!("fastsan bench: I/O error: {e}");
+                                eprintln!("fastsan bench: I/O error: {}", Chain(&e));
                             }
                             tokio::time::sleep(Duration::from_millis(10)).await;
                         }
@@ -320,13 +347,13 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         })
     };
     for t in tasks {
-        t.await.map_err(|e| BenchError::Io(e.to_string()))?;
+        t.await?;
     }
     let cpu_start = cpu_probe.await.unwrap_or_else(|_| cpu_seconds());
     let cpu = cpu_seconds() - cpu_start;
-    if let Some(p) = progress {
-        p.abort();
-        eprint!("\r\x1b[2K");
+    if let Some((line, task)) = progress {
+        task.abort();
+        line.finish_and_clear();
     }
     let after_stats = brp_stats(&target);
     let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
@@ -377,33 +404,42 @@ fn brp_stats(t: &Target) -> (u64, u64, u64) {
     }
 }
 
-/// A live line on the terminal: elapsed time, IOPS and MiB/s of the last second.
+/// A live line on stderr, once a second: the phase, IOPS and bandwidth of
+/// the last second, and the time left. indicatif draws it, and draws
+/// nothing when stderr is not a terminal.
 fn spawn_progress(
     on: bool,
     shared: Arc<Shared>,
     bs: u32,
     from: Instant,
     end: Instant,
-) -> Option<tokio::task::JoinHandle<()>> {
-    if !on || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+) -> Option<(ProgressBar, tokio::task::JoinHandle<()>)> {
+    let line = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+        .with_style(ProgressStyle::with_template("  {msg}").expect("valid template"));
+    if !on || line.is_hidden() {
         return None;
     }
-    Some(tokio::spawn(async move {
-        let mut last = 0u64;
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
-            let now = Instant::now();
-            let phase = if now < from { "warm-up" } else { "measuring" };
-            let left = end.saturating_duration_since(now).as_secs();
-            eprint!(
-                "\r\x1b[2K  {phase}: {:>9.0} IOPS {:>9.1} MiB/s  {left}s left",
-                (n - last) as f64,
-                (n - last) as f64 * bs as f64 / (1 << 20) as f64
-            );
-            last = n;
+    let task = tokio::spawn({
+        let line = line.clone();
+        async move {
+            let mut last = 0u64;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
+                let now = Instant::now();
+                let phase = if now < from { "warm-up" } else { "measuring" };
+                let left = end.saturating_duration_since(now).as_secs();
+                let rate = HumanBytes((n - last) * bs as u64);
+                line.set_message(format!(
+                    "{phase}: {:>9} IOPS {:>12}/s  {left}s left",
+                    n - last,
+                    rate.to_string()
+                ));
+                last = n;
+            }
         }
-    }))
+    });
+    Some((line, task))
 }
 
 impl Report {
@@ -418,7 +454,7 @@ impl Report {
             self.jobs,
             self.requesters,
             self.connections,
-            if self.url.starts_with("brp://") { format!(", merge {}", self.merge) } else { String::new() }
+            if BrpUrl::has_scheme(&self.url) { format!(", merge {}", self.merge) } else { String::new() }
         );
         s += &format!(
             "  IOPS {:.0}  bandwidth {:.1} MiB/s  ({} reads, {} writes in {:.1} s)\n",
@@ -443,5 +479,50 @@ impl Report {
             s += &format!("  ERRORS {}  verify mismatches {}\n", self.errors, self.verify_mismatches);
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(url: &str) -> JobSpec {
+        JobSpec {
+            url: url.into(),
+            rw: Rw::RandRead,
+            bs: 4096,
+            iodepth: 1,
+            jobs: 1,
+            runtime: Duration::from_millis(100),
+            ramp: Duration::ZERO,
+            size: None,
+            rwmixread: 50,
+            verify: false,
+            connections: 1,
+            merge: MergeMode::Adaptive,
+            secret: None,
+            progress: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_keeps_its_cause() {
+        // Port 1 on loopback: nothing listens, the kernel refuses at once.
+        let e = run(spec("brp://127.0.0.1:1/v")).await.unwrap_err();
+        let BenchError::Open { source: ClientError::Brp(fastsan_initiator::Error::Connect { .. }), .. } = &e
+        else {
+            panic!("{e:?}")
+        };
+        let text = Chain(&e).to_string();
+        assert!(
+            text.starts_with("cannot open brp://127.0.0.1:1/v: cannot connect to 127.0.0.1:1: "),
+            "{text}"
+        );
+        let e = run(spec("nbd://127.0.0.1:1/v")).await.unwrap_err();
+        assert!(
+            matches!(&e, BenchError::Open { source: ClientError::Nbd(io), .. }
+            if io.kind() == io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
     }
 }

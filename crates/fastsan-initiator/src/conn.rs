@@ -9,7 +9,8 @@
 
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
-use crate::session::Stats;
+use crate::stats::Stats;
+use crate::transport::Stream;
 use crate::Error;
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::batch::BatchBuilder;
@@ -22,8 +23,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -88,6 +88,15 @@ pub(crate) struct Conn {
     dead: CancellationToken,
 }
 
+/// What an opened connection's loops run on: the socket's owned halves,
+/// the bytes the handshake read past OPEN_REPLY, and whether digests are on.
+struct Io<R, W> {
+    rd: R,
+    wr: W,
+    leftover: BytesMut,
+    digests: bool,
+}
+
 impl Conn {
     /// Starts the sender and receiver of an opened connection. `on_dead` runs
     /// once, when the connection fails (not when it is dropped).
@@ -98,8 +107,32 @@ impl Conn {
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
     ) -> Conn {
-        let Handshake { stream, buf: leftover, digests } = hs;
-        let (rd, wr) = stream.into_split();
+        let (stream, leftover, digests) = hs.into_parts();
+        // One copy of the loops per kind of socket: no dispatch per read or write.
+        match stream {
+            Stream::Tcp(s) => {
+                let (rd, wr) = s.into_split();
+                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+            }
+            Stream::Unix(s) => {
+                let (rd, wr) = s.into_split();
+                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+            }
+        }
+    }
+
+    fn start_on<R, W>(
+        io: Io<R, W>,
+        queue_depth: u32,
+        limits: Limits,
+        stats: Arc<Stats>,
+        on_dead: Box<dyn FnOnce() + Send>,
+    ) -> Conn
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let Io { rd, wr, leftover, digests } = io;
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
@@ -112,7 +145,7 @@ impl Conn {
                 credits.close();
                 inflight.fail_all();
                 if let Some(e) = e {
-                    tracing::warn!(error = %e, "connection to the target lost");
+                    tracing::warn!(error = &e as &dyn std::error::Error, "connection to the target lost");
                     if let Some(f) = on_dead.lock().take() {
                         f();
                     }
@@ -170,8 +203,8 @@ fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
 }
 
-async fn send_loop(
-    mut wr: OwnedWriteHalf,
+async fn send_loop<W: AsyncWrite + Unpin>(
+    mut wr: W,
     mut rx: mpsc::UnboundedReceiver<Submit>,
     inflight: &Inflight,
     credits: &Semaphore,
@@ -268,7 +301,12 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
-async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight, digests: bool) -> Error {
+async fn recv_loop<R: AsyncRead + Unpin>(
+    mut rd: R,
+    mut buf: BytesMut,
+    inflight: &Inflight,
+    digests: bool,
+) -> Error {
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -278,7 +316,7 @@ async fn recv_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, inflight: &Inflight
             };
             let bytes = buf.split_to(f.frame_len).freeze();
             let Some(p) = inflight.take(f.header.tag) else {
-                return Error::Unexpected(format!("reply for unknown tag {}", f.header.tag));
+                return Error::UnknownTag(f.header.tag);
             };
             let n = f.header.payload_len as usize;
             let result = if !f.header.status.is_ok() {

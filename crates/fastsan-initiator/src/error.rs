@@ -1,6 +1,10 @@
 //! Initiator errors, each with a decision about retrying.
+//!
+//! A message never repeats the error it wraps: the wrapped error is the
+//! `source()`, so a chain printer (`anyhow`'s `{:#}`, or a `tracing` field
+//! given as `&dyn Error`) shows each cause once.
 
-use fastsan_brp::{ProtocolError, Status};
+use fastsan_brp::{OpenInfo, ProtocolError, Status};
 use std::io;
 
 #[derive(Debug, thiserror::Error)]
@@ -8,14 +12,44 @@ use std::io;
 pub enum Error {
     #[error("bad URL {0}")]
     Url(String),
-    #[error("cannot connect to {addr}: {source}")]
-    Connect { addr: String, source: io::Error },
+    #[error("cannot connect to {addr}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("target refused: {status}: {message}")]
     Refused { status: Status, message: String },
     #[error("the target requires a secret (--secret-file)")]
     SecretRequired,
     #[error("the target did not prove it knows the secret")]
     TargetNotAuthenticated,
+    /// HELLO_REPLY chose a version this initiator did not offer.
+    #[error("the target chose protocol version {0}, which was not offered")]
+    BadVersion(u16),
+    /// HELLO_REPLY enabled feature bits the initiator did not ask for.
+    #[error("the target enabled features {0:#x} that were never asked for")]
+    UnrequestedFeatures(u32),
+    /// HELLO_REPLY named an authentication method this initiator does not know.
+    #[error("the target asks for unknown authentication method {0}")]
+    UnknownAuth(u8),
+    /// OPEN_REPLY announced limits no request could satisfy.
+    #[error("the target announced impossible limits: {0:?}")]
+    ImpossibleLimits(OpenInfo),
+    /// A handshake message of the wrong kind for this point of the exchange.
+    #[error("unexpected handshake message: expected {expected}, got {got}")]
+    UnexpectedMessage { expected: &'static str, got: &'static str },
+    /// A reply carried a tag no request in flight holds.
+    #[error("reply for unknown tag {0}")]
+    UnknownTag(u64),
+    /// A successful READ reply carried fewer or more bytes than asked.
+    #[error("read of {asked} bytes returned {got}")]
+    ShortRead { asked: u64, got: u64 },
+    /// A connection opened to join a session found a volume of another shape.
+    #[error(
+        "volume changed: size {old_size} -> {new_size}, block size {old_block_size} -> {new_block_size}"
+    )]
+    VolumeChanged { old_size: u64, new_size: u64, old_block_size: u32, new_block_size: u32 },
     #[error("request failed: {0}")]
     Status(Status),
     /// The connection failed with the request in flight: its outcome is
@@ -28,13 +62,11 @@ pub enum Error {
     ConnectionLost,
     #[error("data digest mismatch in a reply")]
     DigestMismatch,
-    #[error("protocol error: {0}")]
+    #[error("protocol error")]
     Protocol(#[from] ProtocolError),
-    #[error("unexpected handshake message: {0}")]
-    Unexpected(String),
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("I/O error: {0}")]
+    #[error("I/O error")]
     Io(#[from] io::Error),
     #[error("timed out: {0}")]
     Timeout(&'static str),
@@ -53,13 +85,62 @@ impl Error {
             // The target is busy or shutting down: try again, perhaps elsewhere.
             Error::Refused { status, .. } => *status == Status::BUSY,
             Error::Status(s) => *s == Status::SHUTTING_DOWN || *s == Status::DIGEST_MISMATCH,
-            // The same request will fail the same way.
-            Error::Url(_)
-            | Error::SecretRequired
-            | Error::TargetNotAuthenticated
-            | Error::Protocol(_)
-            | Error::Unexpected(_)
-            | Error::InvalidArgument(_) => false,
+            // A malformed URL or argument stays malformed.
+            Error::Url(_) | Error::InvalidArgument(_) => false,
+            // Authentication fails the same way until someone changes a secret.
+            Error::SecretRequired | Error::TargetNotAuthenticated => false,
+            // The target speaks another dialect (version, features, auth
+            // method): asking again gets the same answer.
+            Error::BadVersion(_) | Error::UnrequestedFeatures(_) | Error::UnknownAuth(_) => false,
+            // The target announces the same limits to every connection.
+            Error::ImpossibleLimits(_) => false,
+            // The target broke the protocol (bytes, message order, tags or
+            // reply length): a bug there, which a new try would meet again.
+            Error::Protocol(_)
+            | Error::UnexpectedMessage { .. }
+            | Error::UnknownTag(_)
+            | Error::ShortRead { .. } => false,
+            // The session's geometry is fixed; the volume behind the name is now another.
+            Error::VolumeChanged { .. } => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    /// Every cause appears once in the chain `anyhow` prints with `{:#}`.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s += &format!(": {c}");
+            cur = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn wrapped_errors_appear_once_in_the_chain() {
+        let refused = io::Error::new(io::ErrorKind::ConnectionRefused, "connection refused");
+        let e = Error::Connect { addr: "h:1".into(), source: refused };
+        assert_eq!(chain(&e), "cannot connect to h:1: connection refused");
+        let e = Error::from(ProtocolError::BadMagic(7));
+        assert_eq!(chain(&e), "protocol error: bad magic 0x00000007");
+        let e = Error::from(io::Error::other("disk on fire"));
+        assert_eq!(chain(&e), "I/O error: disk on fire");
+        assert!(Error::ShortRead { asked: 4096, got: 0 }.source().is_none());
+    }
+
+    #[test]
+    fn retry_decisions() {
+        assert!(Error::ConnectionLost.is_retryable());
+        assert!(Error::Refused { status: Status::BUSY, message: String::new() }.is_retryable());
+        assert!(!Error::Refused { status: Status::AUTH_FAILED, message: String::new() }.is_retryable());
+        assert!(!Error::BadVersion(9).is_retryable());
+        assert!(!Error::UnknownTag(3).is_retryable());
+        assert!(!Error::UnexpectedMessage { expected: "OPEN_REPLY", got: "LIST_REPLY" }.is_retryable());
     }
 }

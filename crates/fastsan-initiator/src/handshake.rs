@@ -1,124 +1,586 @@
-//! The initiator's side of the handshake: HELLO, AUTH, LIST, OPEN.
+//! The initiator's side of the handshake: HELLO, AUTH, LIST and OPEN.
+//!
+//! [`ClientHandshake`] makes every decision and does no I/O: it hands out
+//! the bytes to send, takes the bytes that arrive, and answers with a
+//! [`Step`] or an [`Error`]. [`Handshake`] drives it over a socket, with
+//! the timeouts of [`Options`]. Tests feed the machine fabricated target
+//! messages; the `initiator_handshake` fuzz target feeds it anything.
 
+use crate::transport::Stream;
+use crate::url::Endpoint;
 use crate::{Error, Options};
 use bytes::BytesMut;
+use fastsan_brp::auth;
 use fastsan_brp::handshake::{parse_message, Message, OpenInfo, VolumeInfo, AUTH_HMAC_SHA256, AUTH_NONE};
 use rand::RngCore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-/// A connection in the handshake phase.
+/// What the caller of [`ClientHandshake::receive`] does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Send these bytes to the target, then call `receive` again (with no
+    /// new bytes, or with what arrived meanwhile).
+    Send(Vec<u8>),
+    /// No whole message yet: read more bytes and pass them to `receive`.
+    NeedMore,
+    /// Version and features agreed, the target authenticated if a secret is
+    /// set: [`ClientHandshake::list`] or [`ClientHandshake::open`] may follow.
+    Ready,
+    /// The target's answer to LIST; the handshake is [`Step::Ready`] again.
+    Listed(Vec<VolumeInfo>),
+    /// The target's answer to OPEN, with limits that make sense. The
+    /// handshake is over: [`ClientHandshake::into_leftover`] gives the bytes
+    /// that arrived after OPEN_REPLY, if any, to the transmission phase.
+    Opened(OpenInfo),
+}
+
+/// What the machine waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    HelloReply,
+    AuthOk {
+        challenge: [u8; 32],
+    },
+    /// Nothing: the caller may send LIST or OPEN.
+    Ready,
+    ListReply,
+    OpenReply,
+    /// OPEN_REPLY came, or an error did: nothing more.
+    Done,
+}
+
+impl State {
+    fn expects(self) -> &'static str {
+        match self {
+            State::HelloReply => "HELLO_REPLY",
+            State::AuthOk { .. } => "AUTH_OK",
+            State::ListReply => "LIST_REPLY",
+            State::OpenReply => "OPEN_REPLY",
+            State::Ready | State::Done => "no message",
+        }
+    }
+}
+
+/// The initiator's handshake as a state machine, without I/O.
+///
+/// Send [`hello`](Self::hello); pass every byte the target sends to
+/// [`receive`](Self::receive) and act on the [`Step`] it returns until
+/// [`Step::Ready`]; then ask with [`list`](Self::list) or
+/// [`open`](Self::open) and keep receiving until [`Step::Listed`] or
+/// [`Step::Opened`].
+///
+/// # Panics
+/// Like a future polled after it completed, the machine panics when used
+/// out of order: `list` or `open` before [`Step::Ready`], or `receive`
+/// after [`Step::Opened`] or after it returned an error.
+pub struct ClientHandshake {
+    state: State,
+    /// The features HELLO asks for.
+    features: u32,
+    secret: Option<Vec<u8>>,
+    nonce: [u8; 32],
+    /// Bytes received and not yet parsed.
+    buf: BytesMut,
+    digests: bool,
+}
+
+impl ClientHandshake {
+    /// A handshake with the version, features and secret of `opts`;
+    /// `client_nonce` must be random (tests pass a fixed one).
+    pub fn new(opts: &Options, client_nonce: [u8; 32]) -> ClientHandshake {
+        ClientHandshake {
+            state: State::HelloReply,
+            features: if opts.digests { fastsan_brp::FEATURE_DIGEST } else { 0 },
+            secret: opts.secret.clone(),
+            nonce: client_nonce,
+            buf: BytesMut::new(),
+            digests: false,
+        }
+    }
+
+    /// The HELLO message that opens the exchange.
+    pub fn hello(&self) -> Vec<u8> {
+        Message::Hello {
+            min_version: fastsan_brp::VERSION,
+            max_version: fastsan_brp::VERSION,
+            features: self.features,
+        }
+        .to_vec()
+    }
+
+    /// LIST, to send once [`Step::Ready`].
+    pub fn list(&mut self) -> Vec<u8> {
+        self.ask(State::ListReply, Message::List)
+    }
+
+    /// OPEN of `name`, to send once [`Step::Ready`]; `session` 0 starts a
+    /// new session, another value joins that one.
+    pub fn open(&mut self, name: &str, session: u64) -> Vec<u8> {
+        self.ask(State::OpenReply, Message::Open { session, name: name.to_owned() })
+    }
+
+    fn ask(&mut self, next: State, m: Message) -> Vec<u8> {
+        assert_eq!(self.state, State::Ready, "ClientHandshake: LIST or OPEN before the handshake is ready");
+        self.state = next;
+        m.to_vec()
+    }
+
+    /// Takes bytes from the target (possibly none) and handles at most one
+    /// whole message. After any step but `NeedMore`, call again with no
+    /// bytes: more than one message may have arrived at once.
+    pub fn receive(&mut self, data: &[u8]) -> Result<Step, Error> {
+        assert_ne!(self.state, State::Done, "ClientHandshake::receive after the handshake ended");
+        self.buf.extend_from_slice(data);
+        let r = match parse_message(&self.buf) {
+            Ok(None) => return Ok(Step::NeedMore),
+            Ok(Some((m, n))) => {
+                let _ = self.buf.split_to(n);
+                self.handle(m)
+            }
+            Err(e) => Err(e.into()),
+        };
+        if r.is_err() {
+            self.state = State::Done;
+        }
+        r
+    }
+
+    fn handle(&mut self, m: Message) -> Result<Step, Error> {
+        match (self.state, m) {
+            (_, Message::Error { status, message }) => Err(Error::Refused { status, message }),
+            (State::HelloReply, Message::HelloReply { version, auth, features, challenge }) => {
+                self.hello_reply(version, auth, features, challenge)
+            }
+            (State::AuthOk { challenge }, Message::AuthOk { proof }) => {
+                let secret = self.secret.as_deref().expect("AUTH is sent only with a secret");
+                if !auth::verify_server(secret, &challenge, &self.nonce, &proof) {
+                    return Err(Error::TargetNotAuthenticated);
+                }
+                self.state = State::Ready;
+                Ok(Step::Ready)
+            }
+            (State::ListReply, Message::ListReply { volumes }) => {
+                self.state = State::Ready;
+                Ok(Step::Listed(volumes))
+            }
+            (State::OpenReply, Message::OpenReply(info)) => {
+                if !limits_make_sense(&info) {
+                    return Err(Error::ImpossibleLimits(info));
+                }
+                self.state = State::Done;
+                Ok(Step::Opened(info))
+            }
+            (state, other) => {
+                Err(Error::UnexpectedMessage { expected: state.expects(), got: kind_name(&other) })
+            }
+        }
+    }
+
+    fn hello_reply(
+        &mut self,
+        version: u16,
+        method: u8,
+        features: u32,
+        challenge: [u8; 32],
+    ) -> Result<Step, Error> {
+        if version != fastsan_brp::VERSION {
+            return Err(Error::BadVersion(version));
+        }
+        if features & !self.features != 0 {
+            return Err(Error::UnrequestedFeatures(features & !self.features));
+        }
+        self.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
+        match (method, &self.secret) {
+            (AUTH_NONE, None) => {
+                self.state = State::Ready;
+                Ok(Step::Ready)
+            }
+            // A client holding a secret trusts only a target that proves it knows it.
+            (AUTH_NONE, Some(_)) => Err(Error::TargetNotAuthenticated),
+            (AUTH_HMAC_SHA256, None) => Err(Error::SecretRequired),
+            (AUTH_HMAC_SHA256, Some(secret)) => {
+                let proof = auth::client_proof(secret, &challenge, &self.nonce);
+                self.state = State::AuthOk { challenge };
+                Ok(Step::Send(Message::Auth { client_nonce: self.nonce, proof }.to_vec()))
+            }
+            (other, _) => Err(Error::UnknownAuth(other)),
+        }
+    }
+
+    /// Whether HELLO_REPLY enabled CRC32C digests.
+    pub fn digests(&self) -> bool {
+        self.digests
+    }
+
+    /// The bytes received after the last message handled.
+    pub fn into_leftover(self) -> BytesMut {
+        self.buf
+    }
+}
+
+/// Whether every request could meet the limits OPEN_REPLY announces.
+fn limits_make_sense(info: &OpenInfo) -> bool {
+    let bs = info.block_size;
+    bs.is_power_of_two()
+        && info.max_transfer >= bs
+        && info.max_transfer.is_multiple_of(bs)
+        && info.size.is_multiple_of(bs as u64)
+        && info.queue_depth >= 1
+        && info.max_batch >= 1
+}
+
+/// The name `docs/protocol.md` gives a message kind.
+fn kind_name(m: &Message) -> &'static str {
+    match m {
+        Message::Hello { .. } => "HELLO",
+        Message::HelloReply { .. } => "HELLO_REPLY",
+        Message::Auth { .. } => "AUTH",
+        Message::AuthOk { .. } => "AUTH_OK",
+        Message::List => "LIST",
+        Message::ListReply { .. } => "LIST_REPLY",
+        Message::Open { .. } => "OPEN",
+        Message::OpenReply(_) => "OPEN_REPLY",
+        Message::Error { .. } => "ERROR",
+    }
+}
+
+/// A connection in the handshake phase: a [`ClientHandshake`] driven over a socket.
 pub struct Handshake {
-    pub stream: TcpStream,
-    /// Bytes read past the last message (none, in a well-behaved exchange).
-    pub buf: BytesMut,
-    pub digests: bool,
+    stream: Stream,
+    machine: ClientHandshake,
 }
 
 impl Handshake {
-    /// Connects, agrees on version and features, and authenticates.
-    pub async fn start(addr: &str, opts: &Options) -> Result<Handshake, Error> {
-        let connect = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr));
+    /// Connects, agrees on version and features, and authenticates, each
+    /// of connecting and the exchange within `opts.connect_timeout`.
+    pub async fn start(endpoint: &Endpoint, opts: &Options) -> Result<Handshake, Error> {
+        let connect = tokio::time::timeout(opts.connect_timeout, Stream::connect(endpoint));
         let stream = match connect.await {
             Err(_) => return Err(Error::Timeout("connect")),
-            Ok(Err(source)) => return Err(Error::Connect { addr: addr.to_owned(), source }),
+            Ok(Err(source)) => return Err(Error::Connect { addr: endpoint.to_string(), source }),
             Ok(Ok(s)) => s,
         };
-        stream.set_nodelay(true)?;
-        let mut hs = Handshake { stream, buf: BytesMut::with_capacity(4096), digests: false };
-        let hello = Message::Hello {
-            min_version: fastsan_brp::VERSION,
-            max_version: fastsan_brp::VERSION,
-            features: hello_features(opts),
-        };
-        let reply = tokio::time::timeout(opts.connect_timeout, hs.ask(&hello)).await;
-        let (auth, challenge, features) = match reply.map_err(|_| Error::Timeout("handshake"))?? {
-            Message::HelloReply { version, auth, features, challenge } => {
-                if version != fastsan_brp::VERSION {
-                    return Err(Error::Unexpected(format!("target chose protocol version {version}")));
-                }
-                if features & !hello_features(opts) != 0 {
-                    return Err(Error::Unexpected(format!(
-                        "target enabled features {features:#x} never asked for"
-                    )));
-                }
-                (auth, challenge, features)
-            }
-            other => return Err(unexpected(other)),
-        };
-        hs.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
-        match (auth, &opts.secret) {
-            (AUTH_NONE, None) => {}
-            (AUTH_NONE, Some(_)) => return Err(Error::TargetNotAuthenticated),
-            (AUTH_HMAC_SHA256, None) => return Err(Error::SecretRequired),
-            (AUTH_HMAC_SHA256, Some(secret)) => {
-                let mut nonce = [0u8; 32];
-                rand::thread_rng().fill_bytes(&mut nonce);
-                let proof = fastsan_brp::auth::client_proof(secret, &challenge, &nonce);
-                match hs.ask(&Message::Auth { client_nonce: nonce, proof }).await? {
-                    Message::AuthOk { proof }
-                        if fastsan_brp::auth::verify_server(secret, &challenge, &nonce, &proof) => {}
-                    Message::AuthOk { .. } => return Err(Error::TargetNotAuthenticated),
-                    other => return Err(unexpected(other)),
-                }
-            }
-            (other, _) => return Err(Error::Unexpected(format!("unknown authentication method {other}"))),
+        let mut nonce = [0u8; 32];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        let mut hs = Handshake { stream, machine: ClientHandshake::new(opts, nonce) };
+        let hello = hs.machine.hello();
+        let step = tokio::time::timeout(opts.connect_timeout, hs.exchange(hello)).await;
+        match step.map_err(|_| Error::Timeout("handshake"))?? {
+            Step::Ready => Ok(hs),
+            other => unreachable!("HELLO ends in Ready, not {other:?}"),
         }
-        Ok(hs)
     }
 
     pub async fn list(&mut self) -> Result<Vec<VolumeInfo>, Error> {
-        match self.ask(&Message::List).await? {
-            Message::ListReply { volumes } => Ok(volumes),
-            other => Err(unexpected(other)),
+        let list = self.machine.list();
+        match self.exchange(list).await? {
+            Step::Listed(volumes) => Ok(volumes),
+            other => unreachable!("LIST ends in Listed, not {other:?}"),
         }
     }
 
     /// Opens a volume, checking that the limits the target announces make sense.
     pub async fn open(&mut self, name: &str, session: u64) -> Result<OpenInfo, Error> {
-        let info = match self.ask(&Message::Open { session, name: name.to_owned() }).await? {
-            Message::OpenReply(info) => info,
-            other => return Err(unexpected(other)),
-        };
-        let bs = info.block_size;
-        let sane = bs.is_power_of_two()
-            && info.max_transfer >= bs
-            && info.max_transfer.is_multiple_of(bs)
-            && info.size.is_multiple_of(bs as u64)
-            && info.queue_depth >= 1
-            && info.max_batch >= 1;
-        if !sane {
-            return Err(Error::Unexpected(format!("target announced impossible limits: {info:?}")));
+        let open = self.machine.open(name, session);
+        match self.exchange(open).await? {
+            Step::Opened(info) => Ok(info),
+            other => unreachable!("OPEN ends in Opened, not {other:?}"),
         }
-        Ok(info)
     }
 
-    async fn ask(&mut self, m: &Message) -> Result<Message, Error> {
-        self.stream.write_all(&m.to_vec()).await?;
+    /// Sends `out`, then feeds what arrives to the machine, sending what it
+    /// asks to on the way, until it answers.
+    async fn exchange(&mut self, out: Vec<u8>) -> Result<Step, Error> {
+        self.stream.write_all(&out).await?;
+        let mut chunk = [0u8; 4096];
+        let mut step = self.machine.receive(&[])?;
         loop {
-            if let Some((m, n)) = parse_message(&self.buf)? {
-                let _ = self.buf.split_to(n);
-                return Ok(m);
+            step = match step {
+                Step::Send(bytes) => {
+                    self.stream.write_all(&bytes).await?;
+                    self.machine.receive(&[])?
+                }
+                Step::NeedMore => match self.stream.read(&mut chunk).await? {
+                    0 => return Err(Error::ConnectionLost),
+                    n => self.machine.receive(&chunk[..n])?,
+                },
+                answer => return Ok(answer),
+            };
+        }
+    }
+
+    /// The socket, the bytes read past OPEN_REPLY (none from a well-behaved
+    /// target), and whether digests are on.
+    pub(crate) fn into_parts(self) -> (Stream, BytesMut, bool) {
+        let digests = self.machine.digests();
+        (self.stream, self.machine.into_leftover(), digests)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fastsan_brp::{Status, FEATURE_DIGEST};
+
+    const NONCE: [u8; 32] = [5; 32];
+    const CHALLENGE: [u8; 32] = [9; 32];
+    const SECRET: &[u8] = b"s3cret";
+
+    fn machine(secret: Option<&[u8]>) -> ClientHandshake {
+        ClientHandshake::new(&Options { secret: secret.map(<[u8]>::to_vec), ..Default::default() }, NONCE)
+    }
+
+    fn hello_reply(auth: u8, features: u32) -> Vec<u8> {
+        Message::HelloReply { version: fastsan_brp::VERSION, auth, features, challenge: CHALLENGE }.to_vec()
+    }
+
+    fn info() -> OpenInfo {
+        OpenInfo {
+            session: 7,
+            size: 1 << 20,
+            block_size: 512,
+            max_transfer: 1 << 20,
+            queue_depth: 64,
+            max_batch: 32,
+            flags: 0,
+        }
+    }
+
+    fn sent(bytes: &[u8]) -> Message {
+        let (m, n) = parse_message(bytes).unwrap().unwrap();
+        assert_eq!(n, bytes.len());
+        m
+    }
+
+    /// A machine past HELLO_REPLY without authentication.
+    fn ready() -> ClientHandshake {
+        let mut hs = machine(None);
+        assert_eq!(hs.receive(&hello_reply(AUTH_NONE, 0)).unwrap(), Step::Ready);
+        hs
+    }
+
+    #[test]
+    fn success_without_auth() {
+        let mut hs = machine(None);
+        assert_eq!(sent(&hs.hello()), Message::Hello { min_version: 1, max_version: 1, features: 0 });
+        assert_eq!(hs.receive(&[]).unwrap(), Step::NeedMore);
+        assert_eq!(hs.receive(&hello_reply(AUTH_NONE, 0)).unwrap(), Step::Ready);
+        assert!(!hs.digests());
+        assert_eq!(sent(&hs.open("vol0", 0)), Message::Open { session: 0, name: "vol0".into() });
+        assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
+        assert!(hs.into_leftover().is_empty());
+    }
+
+    #[test]
+    fn success_with_auth_then_list() {
+        let mut hs = machine(Some(SECRET));
+        let Step::Send(auth) = hs.receive(&hello_reply(AUTH_HMAC_SHA256, 0)).unwrap() else { panic!() };
+        let Message::Auth { client_nonce, proof } = sent(&auth) else { panic!() };
+        assert_eq!(client_nonce, NONCE);
+        assert!(auth::verify_client(SECRET, &CHALLENGE, &NONCE, &proof), "the target can check the proof");
+        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE) };
+        assert_eq!(hs.receive(&ok.to_vec()).unwrap(), Step::Ready);
+        assert_eq!(sent(&hs.list()), Message::List);
+        let volumes = vec![VolumeInfo { name: "v".into(), size: 4096, block_size: 512, flags: 0 }];
+        let reply = Message::ListReply { volumes: volumes.clone() }.to_vec();
+        assert_eq!(hs.receive(&reply).unwrap(), Step::Listed(volumes));
+        // Ready again: OPEN may follow LIST.
+        hs.open("v", 0);
+        assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
+    }
+
+    #[test]
+    fn wrong_server_proof_is_refused() {
+        let mut hs = machine(Some(SECRET));
+        assert!(matches!(hs.receive(&hello_reply(AUTH_HMAC_SHA256, 0)), Ok(Step::Send(_))));
+        let forged = Message::AuthOk { proof: auth::server_proof(b"guess", &CHALLENGE, &NONCE) };
+        assert!(matches!(hs.receive(&forged.to_vec()), Err(Error::TargetNotAuthenticated)));
+    }
+
+    #[test]
+    fn target_refusals_carry_status_and_message() {
+        let refuse = |status| Message::Error { status, message: "no".into() }.to_vec();
+        let mut hs = machine(None);
+        match hs.receive(&refuse(Status::BAD_VERSION)) {
+            Err(Error::Refused { status, message }) => {
+                assert_eq!((status, &*message), (Status::BAD_VERSION, "no"))
             }
-            self.buf.reserve(4096);
-            if self.stream.read_buf(&mut self.buf).await? == 0 {
-                return Err(Error::ConnectionLost);
+            other => panic!("{other:?}"),
+        }
+        // A wrong secret: the target answers AUTH with ERROR.
+        let mut hs = machine(Some(SECRET));
+        hs.receive(&hello_reply(AUTH_HMAC_SHA256, 0)).unwrap();
+        let r = hs.receive(&refuse(Status::AUTH_FAILED));
+        assert!(matches!(r, Err(Error::Refused { status: Status::AUTH_FAILED, .. })), "{r:?}");
+        let mut hs = ready();
+        hs.open("nope", 0);
+        let r = hs.receive(&refuse(Status::NO_SUCH_VOLUME));
+        assert!(matches!(r, Err(Error::Refused { status: Status::NO_SUCH_VOLUME, .. })), "{r:?}");
+    }
+
+    #[test]
+    fn secrets_on_one_side_only_are_refused() {
+        let r = machine(None).receive(&hello_reply(AUTH_HMAC_SHA256, 0));
+        assert!(matches!(r, Err(Error::SecretRequired)), "{r:?}");
+        let r = machine(Some(SECRET)).receive(&hello_reply(AUTH_NONE, 0));
+        assert!(matches!(r, Err(Error::TargetNotAuthenticated)), "{r:?}");
+    }
+
+    #[test]
+    fn hello_reply_must_match_what_was_offered() {
+        let reply = |version, auth, features| {
+            Message::HelloReply { version, auth, features, challenge: CHALLENGE }.to_vec()
+        };
+        let r = machine(None).receive(&reply(2, AUTH_NONE, 0));
+        assert!(matches!(r, Err(Error::BadVersion(2))), "{r:?}");
+        let r = machine(None).receive(&reply(1, AUTH_NONE, FEATURE_DIGEST | 8));
+        assert!(matches!(r, Err(Error::UnrequestedFeatures(9))), "{r:?}");
+        let r = machine(None).receive(&reply(1, 7, 0));
+        assert!(matches!(r, Err(Error::UnknownAuth(7))), "{r:?}");
+        // Asked for digests: the target may enable them.
+        let mut hs = ClientHandshake::new(&Options { digests: true, ..Default::default() }, NONCE);
+        assert_eq!(
+            sent(&hs.hello()),
+            Message::Hello { min_version: 1, max_version: 1, features: FEATURE_DIGEST }
+        );
+        assert_eq!(hs.receive(&reply(1, AUTH_NONE, FEATURE_DIGEST)).unwrap(), Step::Ready);
+        assert!(hs.digests());
+    }
+
+    #[test]
+    fn messages_out_of_order_are_unexpected() {
+        let r = machine(None).receive(&Message::OpenReply(info()).to_vec());
+        assert!(matches!(r, Err(Error::UnexpectedMessage { expected: "HELLO_REPLY", got: "OPEN_REPLY" })));
+        let mut hs = ready();
+        hs.list();
+        let r = hs.receive(&Message::OpenReply(info()).to_vec());
+        assert!(matches!(r, Err(Error::UnexpectedMessage { expected: "LIST_REPLY", got: "OPEN_REPLY" })));
+        // Nothing asked, yet the target speaks.
+        let r = ready().receive(&Message::AuthOk { proof: [0; 32] }.to_vec());
+        assert!(matches!(r, Err(Error::UnexpectedMessage { got: "AUTH_OK", .. })), "{r:?}");
+        // A client's message coming back.
+        let r = machine(None).receive(&Message::List.to_vec());
+        assert!(matches!(r, Err(Error::UnexpectedMessage { got: "LIST", .. })), "{r:?}");
+    }
+
+    #[test]
+    fn impossible_limits_are_refused() {
+        let bad = [
+            OpenInfo { block_size: 1000, ..info() },
+            OpenInfo { block_size: 0, ..info() },
+            OpenInfo { max_transfer: 256, ..info() },
+            OpenInfo { max_transfer: 4096 + 512 + 1, ..info() },
+            OpenInfo { size: (1 << 20) + 1, ..info() },
+            OpenInfo { queue_depth: 0, ..info() },
+            OpenInfo { max_batch: 0, ..info() },
+        ];
+        for limits in bad {
+            let mut hs = ready();
+            hs.open("v", 0);
+            match hs.receive(&Message::OpenReply(limits).to_vec()) {
+                Err(Error::ImpossibleLimits(i)) => assert_eq!(i, limits),
+                other => panic!("{limits:?}: {other:?}"),
             }
         }
     }
-}
 
-fn hello_features(opts: &Options) -> u32 {
-    if opts.digests {
-        fastsan_brp::FEATURE_DIGEST
-    } else {
-        0
+    #[test]
+    fn bytes_may_arrive_one_at_a_time() {
+        let mut hs = machine(Some(SECRET));
+        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE) }.to_vec();
+        let open = Message::OpenReply(info()).to_vec();
+        let feed = |hs: &mut ClientHandshake, bytes: &[u8]| {
+            for &b in &bytes[..bytes.len() - 1] {
+                assert_eq!(hs.receive(&[b]).unwrap(), Step::NeedMore);
+            }
+            hs.receive(&bytes[bytes.len() - 1..]).unwrap()
+        };
+        assert!(matches!(feed(&mut hs, &hello_reply(AUTH_HMAC_SHA256, 0)), Step::Send(_)));
+        assert_eq!(feed(&mut hs, &ok), Step::Ready);
+        hs.open("v", 0);
+        assert_eq!(feed(&mut hs, &open), Step::Opened(info()));
     }
-}
 
-fn unexpected(m: Message) -> Error {
-    match m {
-        Message::Error { status, message } => Error::Refused { status, message },
-        other => Error::Unexpected(format!("{other:?}")),
+    #[test]
+    fn messages_arriving_together_are_handled_one_per_call() {
+        let mut hs = machine(None);
+        let mut both = hello_reply(AUTH_NONE, 0);
+        both.extend(Message::ListReply { volumes: vec![] }.to_vec());
+        assert_eq!(hs.receive(&both).unwrap(), Step::Ready);
+        // The target answered a LIST never sent.
+        let r = hs.receive(&[]);
+        assert!(matches!(r, Err(Error::UnexpectedMessage { got: "LIST_REPLY", .. })), "{r:?}");
+        // Bytes past OPEN_REPLY go to the transmission phase untouched.
+        let mut hs = ready();
+        hs.open("v", 0);
+        let mut reply = Message::OpenReply(info()).to_vec();
+        reply.extend_from_slice(b"next");
+        assert_eq!(hs.receive(&reply).unwrap(), Step::Opened(info()));
+        assert_eq!(&hs.into_leftover()[..], b"next");
+    }
+
+    #[test]
+    fn garbage_is_a_protocol_error() {
+        let r = machine(None).receive(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        assert!(matches!(r, Err(Error::Protocol(fastsan_brp::ProtocolError::BadMagic(_)))), "{r:?}");
+        let mut truncated = hello_reply(AUTH_NONE, 0);
+        truncated[8] -= 1; // the payload is a byte shorter than HELLO_REPLY's
+        truncated.pop();
+        assert!(matches!(machine(None).receive(&truncated), Err(Error::Protocol(_))));
+    }
+
+    /// The next whole message a fake target receives.
+    async fn next_message(s: &mut tokio::net::UnixStream, buf: &mut Vec<u8>) -> Message {
+        use tokio::io::AsyncReadExt;
+        loop {
+            if let Some((m, n)) = parse_message(buf).unwrap() {
+                buf.drain(..n);
+                return m;
+            }
+            let mut chunk = [0u8; 64];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "the initiator hung up");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// The driver over a unix socket, against a fake target built from the codec.
+    #[tokio::test]
+    async fn driver_opens_a_volume_over_a_unix_socket() {
+        use tokio::io::AsyncWriteExt;
+        let dir = std::env::temp_dir().join(format!("fastsan-handshake-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let target = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            assert!(matches!(next_message(&mut s, &mut buf).await, Message::Hello { .. }));
+            s.write_all(&hello_reply(AUTH_NONE, 0)).await.unwrap();
+            let open = next_message(&mut s, &mut buf).await;
+            assert_eq!(open, Message::Open { session: 0, name: "v".into() });
+            s.write_all(&Message::OpenReply(info()).to_vec()).await.unwrap();
+            s
+        });
+        let mut hs = Handshake::start(&Endpoint::Unix(path), &Options::default()).await.unwrap();
+        assert_eq!(hs.open("v", 0).await.unwrap(), info());
+        let (stream, leftover, digests) = hs.into_parts();
+        assert!(matches!(stream, Stream::Unix(_)) && leftover.is_empty() && !digests);
+        drop(target.await.unwrap());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    #[should_panic(expected = "before the handshake is ready")]
+    fn open_before_ready_is_a_bug() {
+        machine(None).open("v", 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "after the handshake ended")]
+    fn receive_after_an_error_is_a_bug() {
+        let mut hs = machine(None);
+        let _ = hs.receive(b"garbage garbage");
+        let _ = hs.receive(&[]);
     }
 }

@@ -14,22 +14,35 @@
 //! ```
 //!
 //! # Layout
-//! - [`url`] - `brp://HOST:PORT/VOLUME`.
+//! - [`url`] - [`BrpUrl`]: `brp://HOST:PORT/VOLUME` and
+//!   `brp+unix:///VOLUME?socket=PATH`.
+//! - `transport` (private) - the stream under a connection, TCP or unix.
 //! - [`options`] - [`Options`], [`MergeMode`].
-//! - [`handshake`] - connect, authenticate, LIST and OPEN.
+//! - [`handshake`] - [`handshake::ClientHandshake`], the handshake as a
+//!   state machine without I/O (HELLO, AUTH, LIST, OPEN), and
+//!   [`handshake::Handshake`], which drives it over a socket.
 //! - [`conn`] - one connection: a sender task that merges queued requests
 //!   into BATCH frames, a receiver task that matches replies by tag.
 //! - [`session`] - [`Volume`]: N connections, load balancing, credits,
-//!   splitting of large I/O, reconnection.
+//!   splitting of large I/O, reconnection; [`list`].
+//! - [`stats`] - [`InitiatorStats`], what the connections sent.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
+//! - [`copy`] - chunks of a whole-volume copy: retried, a partial last
+//!   block padded with zeros.
 //! - [`error`] - [`Error`] and whether to retry.
+//! - `fuzz_checks` (hidden) - what the `initiator_handshake` fuzz target checks.
 
 pub mod blocking;
 pub mod conn;
+pub mod copy;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod handshake;
 pub mod options;
 pub mod session;
+pub mod stats;
+mod transport;
 pub mod url;
 
 pub use blocking::BlockingVolume;
@@ -37,5 +50,6 @@ pub use error::Error;
 pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
 pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
 pub use options::{MergeMode, Options};
-pub use session::{list, InitiatorStats, Volume};
-pub use url::BrpUrl;
+pub use session::{list, Volume};
+pub use stats::InitiatorStats;
+pub use url::{BrpUrl, Endpoint};

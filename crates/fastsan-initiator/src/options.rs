@@ -4,29 +4,24 @@ use std::time::Duration;
 
 /// How queued requests leave for the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum MergeMode {
     /// Every request is its own frame and its own write (the paper's BRP-2).
+    #[cfg_attr(feature = "clap", value(help = "every request is its own frame (BRP-2)"))]
     Off,
     /// A request leaves at once when the connection's sender is idle; while a
     /// send is in flight, small requests queue and leave together as one
     /// BATCH. No timer: merging never adds latency (BRP-3).
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(help = "merge small requests queued during a send; never waits (BRP-3)")
+    )]
     Adaptive,
     /// Every send is a BATCH, and the sender lingers a few scheduler turns to
     /// gather more before sending (BRP-3T): more merging, more latency at low load.
+    #[cfg_attr(feature = "clap", value(help = "every send is a BATCH, lingering to gather more (BRP-3T)"))]
     Always,
-}
-
-impl std::str::FromStr for MergeMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "off" => Ok(MergeMode::Off),
-            "adaptive" => Ok(MergeMode::Adaptive),
-            "always" => Ok(MergeMode::Always),
-            _ => Err(format!("merge mode {s:?}: expected off, adaptive or always")),
-        }
-    }
 }
 
 #[derive(Debug, Clone)]

@@ -9,6 +9,7 @@
 
 use crate::conn::{Conn, Limits, Pending, Submit};
 use crate::handshake::Handshake;
+use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::request::{RequestHeader, FLAG_FUA};
@@ -19,27 +20,6 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
 use tracing::{info, warn};
-
-/// Counters of what the initiator sent.
-#[derive(Debug, Default)]
-pub(crate) struct Stats {
-    pub requests: AtomicU64,
-    /// Frames written (a BATCH counts once).
-    pub frames: AtomicU64,
-    pub batches: AtomicU64,
-    pub batched_requests: AtomicU64,
-    pub reconnects: AtomicU64,
-}
-
-/// A copy of the initiator's counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct InitiatorStats {
-    pub requests: u64,
-    pub frames: u64,
-    pub batches: u64,
-    pub batched_requests: u64,
-    pub reconnects: u64,
-}
 
 struct Shared {
     url: BrpUrl,
@@ -61,11 +41,12 @@ pub struct Volume {
 /// Lists the volumes of the target at `url` (its volume part is ignored).
 pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
     let url = BrpUrl::parse(url)?;
-    Handshake::start(&url.authority(), opts).await?.list().await
+    Handshake::start(&url.endpoint, opts).await?.list().await
 }
 
 impl Volume {
-    /// Opens `brp://HOST:PORT/VOLUME` with `opts.connections` connections.
+    /// Opens `brp://HOST:PORT/VOLUME` or `brp+unix:///VOLUME?socket=PATH`
+    /// with `opts.connections` connections.
     pub async fn connect(url: &str, opts: Options) -> Result<Volume, Error> {
         let url = BrpUrl::parse(url)?;
         if url.volume.is_empty() {
@@ -105,14 +86,7 @@ impl Volume {
     }
 
     pub fn stats(&self) -> InitiatorStats {
-        let s = &self.shared.stats;
-        InitiatorStats {
-            requests: s.requests.load(Relaxed),
-            frames: s.frames.load(Relaxed),
-            batches: s.batches.load(Relaxed),
-            batched_requests: s.batched_requests.load(Relaxed),
-            reconnects: s.reconnects.load(Relaxed),
-        }
+        self.shared.stats.snapshot()
     }
 
     /// Reads `len` bytes at `offset`.
@@ -122,7 +96,7 @@ impl Volume {
             let h = RequestHeader::new(Command::Read, 0, 0, offset, to_u32(len)?);
             let data = self.call(h, Bytes::new()).await?.unwrap_or_default();
             if data.len() as u64 != len {
-                return Err(Error::Unexpected(format!("read of {len} bytes returned {}", data.len())));
+                return Err(Error::ShortRead { asked: len, got: data.len() as u64 });
             }
             return Ok(data);
         }
@@ -272,10 +246,12 @@ fn start_conn(
 async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
     let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session).await?;
     if info.size != sh.info.size || info.block_size != sh.info.block_size {
-        return Err(Error::Unexpected(format!(
-            "volume changed: size {} -> {}, block size {} -> {}",
-            sh.info.size, info.size, sh.info.block_size, info.block_size
-        )));
+        return Err(Error::VolumeChanged {
+            old_size: sh.info.size,
+            new_size: info.size,
+            old_block_size: sh.info.block_size,
+            new_block_size: info.block_size,
+        });
     }
     Ok(start_conn(&Arc::downgrade(sh), slot, hs, &info, &sh.opts, &sh.stats))
 }
@@ -283,7 +259,7 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
 /// Connects and opens the URL's volume, all within the connect timeout.
 async fn open_handshake(url: &BrpUrl, opts: &Options, session: u64) -> Result<(Handshake, OpenInfo), Error> {
     let work = async {
-        let mut hs = Handshake::start(&url.authority(), opts).await?;
+        let mut hs = Handshake::start(&url.endpoint, opts).await?;
         let info = hs.open(&url.volume, session).await?;
         Ok((hs, info))
     };
@@ -305,7 +281,7 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                 return;
             }
             Err(e) => {
-                warn!(url = %sh.url, slot, error = %e, "reconnect failed; will retry");
+                warn!(url = %sh.url, slot, error = &e as &dyn std::error::Error, "reconnect failed; will retry");
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }

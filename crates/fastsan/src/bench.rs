@@ -17,10 +17,10 @@ use std::time::Duration;
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// brp://HOST:PORT/VOLUME or nbd://HOST:PORT/EXPORT
+    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH or nbd://HOST:PORT/EXPORT
     url: String,
-    /// read, write, randread, randwrite or randrw.
-    #[arg(long, default_value = "randread")]
+    /// Access pattern, as fio names it.
+    #[arg(long, default_value = "randread", value_name = "PATTERN")]
     rw: fastsan_bench::Rw,
     /// Block size.
     #[arg(long, default_value = "4k", value_name = "SIZE")]

@@ -1,10 +1,12 @@
 //! `fastsan cp`: copy between a local file and a volume, in either direction
 //! (or between two volumes), many chunks in flight, with a progress bar.
+//! Retries and the padding of a partial last block are the initiator's
+//! ([`fastsan_initiator::copy`]).
 
 use crate::ClientArgs;
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use fastsan_initiator::Volume;
+use fastsan_initiator::{copy, Volume};
 use fastsan_target::config::parse_size;
 use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -12,7 +14,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Copy a local file into a volume, a volume into a local file, or a volume
 /// into another volume.
@@ -20,12 +22,13 @@ use std::time::{Duration, Instant};
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
 ///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
+///   fastsan cp disk.img 'brp+unix:///vol0?socket=/run/fastsan.sock'
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Source: a local path or brp://HOST:PORT/VOLUME
+    /// Source: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
     src: String,
-    /// Destination: a local path or brp://HOST:PORT/VOLUME
+    /// Destination: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
     dst: String,
     /// Size of each request.
     #[arg(long, default_value = "1M", value_name = "SIZE")]
@@ -44,7 +47,7 @@ enum End {
 
 impl End {
     async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
-        if s.starts_with("brp://") {
+        if fastsan_initiator::BrpUrl::has_scheme(s) {
             let v = Volume::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
                 bail!("{s} is read-only");
@@ -70,7 +73,7 @@ impl End {
 
     async fn read(&self, off: u64, n: u64) -> anyhow::Result<Bytes> {
         match self {
-            End::Vol(v, _) => retry(|| v.read(off, n)).await,
+            End::Vol(v, _) => Ok(copy::read(v, off, n).await?),
             End::Local(f, _) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || {
@@ -85,18 +88,7 @@ impl End {
 
     async fn write(&self, off: u64, data: Bytes) -> anyhow::Result<()> {
         match self {
-            End::Vol(v, _) => {
-                // A file's tail that is not a whole block is padded with zeros.
-                let bs = v.block_size() as usize;
-                let data = if data.len().is_multiple_of(bs) {
-                    data
-                } else {
-                    let mut b = BytesMut::from(&data[..]);
-                    b.resize(data.len().next_multiple_of(bs), 0);
-                    b.freeze()
-                };
-                retry(|| v.write_bytes(data.clone(), off, false)).await
-            }
+            End::Vol(v, _) => Ok(copy::write(v, off, data).await?),
             End::Local(f, _) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || f.write_all_at(&data, off)).await??;
@@ -107,7 +99,7 @@ impl End {
 
     async fn finish(&self, len: u64) -> anyhow::Result<()> {
         match self {
-            End::Vol(v, _) => retry(|| v.flush()).await,
+            End::Vol(v, _) => Ok(copy::finish(v).await?),
             End::Local(f, _) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || {
@@ -124,26 +116,6 @@ impl End {
         match self {
             End::Local(_, p) => p.display().to_string(),
             End::Vol(_, u) => u.clone(),
-        }
-    }
-}
-
-/// Runs `op` again (up to 5 tries) while it fails with a retryable error,
-/// such as a connection lost and re-established meanwhile.
-async fn retry<T, F, Fut>(mut op: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, fastsan_initiator::Error>>,
-{
-    let mut tries = 0;
-    loop {
-        match op().await {
-            Err(e) if e.is_retryable() && tries < 4 => {
-                tries += 1;
-                tracing::warn!(error = %e, "retrying");
-                tokio::time::sleep(Duration::from_millis(100 << tries)).await;
-            }
-            r => return Ok(r?),
         }
     }
 }
@@ -191,7 +163,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let secs = start.elapsed().as_secs_f64();
     println!(
         "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",
-        crate::ls::human(len),
+        indicatif::HumanBytes(len),
         src.name(),
         dst.name(),
         len as f64 / (1 << 20) as f64 / secs.max(1e-9)

@@ -1,14 +1,17 @@
 //! `fastsan ls`: list a target's volumes.
 
 use crate::ClientArgs;
+use indicatif::HumanBytes;
 
 /// List the volumes of a target, with their sizes.
 ///
-/// Example: fastsan ls brp://127.0.0.1:10810
+/// Examples:
+///   fastsan ls brp://127.0.0.1:10810
+///   fastsan ls 'brp+unix://?socket=/run/fastsan.sock'
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The target: brp://HOST[:PORT]
+    /// The target: brp://HOST[:PORT] or brp+unix://?socket=PATH
     url: String,
     #[command(flatten)]
     client: ClientArgs,
@@ -30,26 +33,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             "{:<width$}  {:>14}  {:>10}  {:>6}  {}",
             v.name,
             v.size,
-            human(v.size),
+            HumanBytes(v.size).to_string(),
             v.block_size,
             flags.join(",")
         );
     }
     Ok(())
-}
-
-/// `1.0 GiB`, `512.0 MiB`, `100 B`.
-pub fn human(n: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }

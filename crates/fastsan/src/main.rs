@@ -1,6 +1,7 @@
-//! `fastsan`: the command line. Each subcommand lives in its own module and
-//! only parses arguments and calls the `target` or `initiator` crates: no
-//! protocol or storage logic lives here.
+//! `fastsan`: the command line. Each subcommand lives in its own module; it
+//! parses arguments, opens local files, shows progress and calls the
+//! `target`, `initiator` or `bench` crates. No protocol or storage logic
+//! lives here: not the wire format, not retries, not block alignment.
 
 mod bench;
 mod cp;
@@ -38,7 +39,7 @@ pub struct ClientArgs {
     /// Connections per session.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub connections: usize,
-    /// Temporal merge: off, adaptive or always.
+    /// How small requests are merged into BATCH frames.
     #[arg(long, default_value = "adaptive", value_name = "MODE")]
     pub merge: fastsan_initiator::MergeMode,
     /// Ask for CRC32C digests of headers and data.
@@ -70,6 +71,8 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: not in log files and pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(async {

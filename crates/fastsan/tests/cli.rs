@@ -15,7 +15,7 @@ fn cp_128_mib_into_a_volume_and_back_is_identical() {
     let out = fastsan(&["cp", src.to_str().unwrap(), &s.url("big")]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let line = String::from_utf8_lossy(&out.stdout);
-    assert!(line.contains("copied 128.0 MiB") && line.contains("MiB/s"), "{line}");
+    assert!(line.contains("copied 128.00 MiB") && line.contains("MiB/s"), "{line}");
     let out = fastsan(&["cp", &s.url("big"), back.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(std::fs::read(&back).unwrap() == data, "bytes differ after the round trip");
@@ -35,14 +35,14 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     let a = text.lines().find(|l| l.starts_with("a ")).unwrap_or_else(|| panic!("{text}"));
-    assert!(a.contains("67108864") && a.contains("64.0 MiB"), "{a}");
+    assert!(a.contains("67108864") && a.contains("64.00 MiB"), "{a}");
     let n = text.lines().find(|l| l.starts_with("n ")).unwrap();
-    assert!(n.contains("2.0 GiB") && n.contains("read-only"), "{n}");
+    assert!(n.contains("2.00 GiB") && n.contains("read-only"), "{n}");
     drop(s);
     let d = Served::start(&["--brp", "127.0.0.1:0"]);
     let out = fastsan(&["ls", &format!("brp://{}", d.addr)]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.lines().any(|l| l.starts_with("vol0 ") && l.contains("1.0 GiB")), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("vol0 ") && l.contains("1.00 GiB")), "{text}");
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn bad_command_lines_get_clear_errors() {
         ),
         (&["cp", "/nonexistent/file", "brp://127.0.0.1:1/v"], "/nonexistent/file"),
         (&["ls", "http://x"], "brp://"),
-        (&["cp", "a", "b", "--merge", "sometimes"], "merge mode"),
+        (&["cp", "a", "b", "--merge", "sometimes"], "possible values: off, adaptive, always"),
     ];
     for (args, needle) in cases {
         let out = fastsan(args);
