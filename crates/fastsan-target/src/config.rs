@@ -267,6 +267,8 @@ pub struct ConfigFile {
     pub io_threads: Option<usize>,
     /// Seconds.
     pub handshake_timeout: Option<f64>,
+    /// The same in milliseconds: the key of earlier releases, still read.
+    pub handshake_timeout_ms: Option<u64>,
     pub max_connections: Option<usize>,
     #[serde(default)]
     pub serial: bool,
@@ -276,7 +278,20 @@ impl ConfigFile {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let err = |why: String| ConfigError::File { path: path.display().to_string(), why };
         let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        toml::from_str(&text).map_err(|e| err(e.to_string()))
+        let mut f: ConfigFile = toml::from_str(&text).map_err(|e| err(e.to_string()))?;
+        f.merge_legacy().map_err(err)?;
+        Ok(f)
+    }
+
+    /// Folds the keys of earlier releases into today's.
+    fn merge_legacy(&mut self) -> Result<(), String> {
+        if let Some(ms) = self.handshake_timeout_ms.take() {
+            if self.handshake_timeout.is_some() {
+                return Err("give handshake_timeout (seconds) or handshake_timeout_ms, not both".into());
+            }
+            self.handshake_timeout = Some(ms as f64 / 1000.0);
+        }
+        Ok(())
     }
 }
 
@@ -364,5 +379,10 @@ mod tests {
         assert_eq!(c.volumes, vec!["v=null:1G".to_string()]);
         assert_eq!(c.queue_depth, Some(8));
         assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());
+        let mut old: ConfigFile = toml::from_str("handshake_timeout_ms = 2500").unwrap();
+        old.merge_legacy().unwrap();
+        assert_eq!(old.handshake_timeout, Some(2.5), "the key of earlier releases still works");
+        let mut both: ConfigFile = toml::from_str("handshake_timeout_ms = 1\nhandshake_timeout = 1").unwrap();
+        assert!(both.merge_legacy().is_err());
     }
 }

@@ -154,7 +154,8 @@ async fn handshake<H: Handshake, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     hs.start(&mut out);
     loop {
         let step = hs.advance(buf, &mut out);
-        if !out.is_empty() {
+        let wrote = !out.is_empty();
+        if wrote {
             wr.write_all(&out).await.map_err(HandshakeEnd::Io)?;
             out.clear();
         }
@@ -163,6 +164,10 @@ async fn handshake<H: Handshake, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             Step::Done(conn) => return Ok(conn),
             Step::Abort => return Err(HandshakeEnd::Abort),
             Step::Refused(why) => return Err(HandshakeEnd::Refused(why)),
+        }
+        if wrote {
+            // It may have stopped at its output cap with messages still buffered.
+            continue;
         }
         buf.reserve(4096);
         match rd.read_buf(buf).await {

@@ -39,9 +39,13 @@ const READ_GROWTH: usize = 1 << 20;
 pub const READ_CHUNK: usize = 256 * 1024;
 /// Most replies gathered into one write.
 const MAX_REPLIES_PER_WRITE: usize = 256;
-/// Refusals logged at `info` per connection; the rest go to `debug`, so a
-/// misbehaving client cannot flood the log.
+/// A client's bad requests logged at `info` per connection; the rest go to
+/// `debug`, so a misbehaving client cannot flood the log.
 const LOGGED_REFUSALS: u32 = 16;
+/// Device errors logged one by one per connection; past that, one line in
+/// [`DEVICE_ERROR_EVERY`] (with the count), so a failing disk is never silent.
+const LOGGED_DEVICE_ERRORS: u32 = 64;
+const DEVICE_ERROR_EVERY: u32 = 1024;
 
 /// What every connection of a server shares, and nothing more.
 pub struct ConnEnv {
@@ -138,7 +142,14 @@ pub struct Dispatcher<W, E: Encoder> {
     /// Replies of requests run inline, held until the reader has dispatched
     /// everything one read brought, then written together in one `writev`.
     pending: parking_lot::Mutex<Batch<E>>,
-    logged: Arc<AtomicU32>,
+    logged: Arc<Logged>,
+}
+
+/// How many refusals and device errors a connection has logged.
+#[derive(Default)]
+struct Logged {
+    refusals: AtomicU32,
+    device_errors: AtomicU32,
 }
 
 /// The task that writes what the dispatcher hands over; spawn [`Writer::run`].
@@ -176,7 +187,7 @@ where
             credits: Arc::new(Semaphore::new(depth)),
             budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
-            logged: Arc::new(AtomicU32::new(0)),
+            logged: Arc::new(Logged::default()),
         };
         (d, Writer { rx, sink })
     }
@@ -219,11 +230,12 @@ where
         if !self.volume.runs_inline() && !self.env.serial {
             let volume = self.volume.clone();
             let tx = self.tx.clone();
-            let env = self.env.clone();
+            // Not the whole env: a job must never hold the last reference to the pool it runs on.
+            let stats = self.env.stats.clone();
             let (peer, logged) = (self.peer.clone(), self.logged.clone());
             self.env.pool.submit(move || {
                 let result = volume.execute(op);
-                count(&env.stats, &result);
+                count(&stats, &result);
                 if let Err(e) = &result {
                     Where { peer: &peer, volume: volume.name(), tag, kind }.log(e, &logged);
                 }
@@ -323,17 +335,23 @@ struct Where<'a> {
 
 impl Where<'_> {
     /// The one place a refused or failed request is logged: device errors
-    /// at `warn`, a client's bad requests at `info`; past
-    /// [`LOGGED_REFUSALS`] per connection, both at `debug`.
-    fn log(&self, r: &Refusal, logged: &AtomicU32) {
+    /// at `warn` (every one up to [`LOGGED_DEVICE_ERRORS`] per connection,
+    /// then one in [`DEVICE_ERROR_EVERY`]), a client's bad requests at
+    /// `info` (up to [`LOGGED_REFUSALS`] per connection, then at `debug`).
+    fn log(&self, r: &Refusal, logged: &Logged) {
         let Where { peer, volume, tag, kind } = *self;
         let command = kind.map_or("(undecoded)", IoKind::name);
-        if logged.fetch_add(1, Relaxed) >= LOGGED_REFUSALS {
-            debug!(%peer, volume, tag, command, "request refused: {r}");
-        } else if matches!(r, Refusal::Device(_)) {
-            warn!(%peer, volume, tag, command, "request failed: {r}");
-        } else {
+        if matches!(r, Refusal::Device(_)) {
+            let n = logged.device_errors.fetch_add(1, Relaxed) + 1;
+            if n <= LOGGED_DEVICE_ERRORS || n.is_multiple_of(DEVICE_ERROR_EVERY) {
+                warn!(%peer, volume, tag, command, device_errors = n, "request failed: {r}");
+            } else {
+                debug!(%peer, volume, tag, command, device_errors = n, "request failed: {r}");
+            }
+        } else if logged.refusals.fetch_add(1, Relaxed) < LOGGED_REFUSALS {
             info!(%peer, volume, tag, command, "request refused: {r}");
+        } else {
+            debug!(%peer, volume, tag, command, "request refused: {r}");
         }
     }
 }

@@ -199,9 +199,16 @@ impl Server {
             warn!("some connections did not finish within {drain_timeout:?}");
         }
         for v in catalog.iter() {
-            match v.flush() {
-                Ok(()) => info!(volume = v.name(), "flushed"),
-                Err(e) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
+            // Off the runtime, and bounded: a stalled device must not hold the exit forever.
+            let vol = v.clone();
+            let flush = tokio::task::spawn_blocking(move || vol.flush());
+            match tokio::time::timeout(drain_timeout, flush).await {
+                Ok(Ok(Ok(()))) => info!(volume = v.name(), "flushed"),
+                Ok(Ok(Err(e))) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
+                Ok(Err(e)) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
+                Err(_) => {
+                    warn!(volume = v.name(), "flush at shutdown did not finish within {drain_timeout:?}")
+                }
             }
         }
         let s = env.stats.snapshot();

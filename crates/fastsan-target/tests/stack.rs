@@ -156,6 +156,14 @@ async fn brp_over_a_unix_socket() {
     let r = fastsan_brp::reply::parse_reply(&buf[f.frame_len..], false).unwrap().unwrap();
     assert_eq!((r.header.tag, r.header.status), (2, Status::OK));
     assert_eq!(&buf[f.frame_len + r.payload_at..][..8192], &data[..]);
+    // The initiator library over the same socket sees the raw client's write, and its own.
+    let url = format!("brp+unix:///v?socket={}", path.display());
+    let vol = Volume::connect(&url, Options::default()).await.unwrap();
+    assert_eq!(vol.read(4096, 8192).await.unwrap()[..], data[..]);
+    let mine = pattern(2, 1 << 20, 65536);
+    vol.write_at(&mine, 1 << 20, true).await.unwrap();
+    assert_eq!(vol.read(1 << 20, 65536).await.unwrap()[..], mine[..]);
+    drop(vol);
     srv.stop().await;
     assert!(!path.exists(), "the socket file is removed at shutdown");
 }

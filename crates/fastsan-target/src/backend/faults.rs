@@ -90,6 +90,7 @@ impl FaultRule {
         self
     }
 
+    /// The rule fires `n` times, then is removed (`0`: never).
     pub fn times(mut self, n: u64) -> Self {
         self.times = Some(n);
         self
@@ -143,7 +144,7 @@ impl FaultRule {
     }
 
     fn matches(&self, op: FaultOps, span: Option<(u64, u64)>) -> bool {
-        if !self.ops.contains(op) {
+        if !self.ops.contains(op) || self.times == Some(0) {
             return false;
         }
         match (&self.range, span) {
@@ -213,9 +214,12 @@ impl Faults {
         let rule = &mut rules.list[i];
         let effect = rule.effect;
         if let Some(n) = rule.times.as_mut() {
-            *n -= 1;
+            *n = n.saturating_sub(1);
             if *n == 0 {
                 rules.list.remove(i);
+                if rules.list.is_empty() {
+                    self.0.armed.store(false, Ordering::Release);
+                }
             }
         }
         self.0.injected.fetch_add(1, Ordering::Relaxed);
@@ -340,6 +344,8 @@ mod tests {
     #[test]
     fn counted_rules_expire_and_rules_can_be_added_at_run_time() {
         let (l, f) = layer(&[]);
+        l.flush().unwrap();
+        f.add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::NoSpace)).times(0));
         l.flush().unwrap();
         f.add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::NoSpace)).times(2));
         assert_eq!(l.flush(), Err(BackendError::NoSpace));

@@ -17,6 +17,11 @@ use crate::volume::Volume;
 use bytes::BytesMut;
 use std::sync::Arc;
 
+/// A handshake stops consuming messages once it has this many bytes of
+/// replies to send, so a client that pipelines thousands of LISTs gets them
+/// answered at the pace it reads them, not buffered in the target.
+pub const OUT_CAP: usize = 64 * 1024;
+
 /// A protocol error: the peer broke the protocol and the connection closes.
 pub type WireError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -52,8 +57,10 @@ pub trait Handshake: Send {
     type Conn;
     /// What the target says first, before reading anything (NBD's greeting).
     fn start(&mut self, out: &mut Vec<u8>);
-    /// Consumes every complete message at the front of `input`, appending
-    /// replies to `out`. An error closes the connection (after `out` is sent).
+    /// Consumes complete messages at the front of `input`, appending replies
+    /// to `out`, until `input` holds no complete message or `out` reaches
+    /// [`OUT_CAP`] (the driver sends `out` and calls again before reading).
+    /// An error closes the connection (after `out` is sent).
     fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<Self::Conn>, WireError>;
 }
 

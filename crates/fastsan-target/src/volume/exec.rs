@@ -16,7 +16,7 @@ pub enum Outcome {
 
 impl Volume {
     /// Runs a validated operation. FUA on a backend that cannot do it is a
-    /// write followed by a flush; a volume that cannot map its extents
+    /// write followed by a flush (a TRIM with FUA is always one); a volume that cannot map its extents
     /// reports its range as one allocated extent.
     pub fn execute(&self, op: Op) -> Result<Outcome, Refusal> {
         let b = &*self.backend;
@@ -38,8 +38,11 @@ impl Volume {
                 b.flush()?;
                 done
             }
-            OpKind::Trim { offset, len } => {
+            OpKind::Trim { offset, len, fua } => {
                 b.trim(offset, len)?;
+                if fua {
+                    b.flush()?;
+                }
                 done
             }
             OpKind::WriteZeroes { offset, len, mut flags } => {

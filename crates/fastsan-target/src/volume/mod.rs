@@ -52,7 +52,7 @@ enum OpKind {
     Read { offset: u64, len: u32 },
     Write { offset: u64, data: Bytes, fua: bool },
     Flush,
-    Trim { offset: u64, len: u64 },
+    Trim { offset: u64, len: u64, fua: bool },
     WriteZeroes { offset: u64, len: u64, flags: ZeroFlags },
     Cache { offset: u64, len: u64 },
     BlockStatus { offset: u64, len: u64, one: bool },
@@ -189,6 +189,10 @@ impl Volume {
             IoKind::Cache if !caps.cache => return Err(Refusal::Unsupported("CACHE")),
             _ => {}
         }
+        // FUA is native, or a flush after the change; with neither, durability cannot be promised.
+        if fua && kind.writes() && !caps.fua && !caps.flush {
+            return Err(Refusal::Unsupported("FUA"));
+        }
         if length == 0 {
             return Err(Refusal::Invalid("zero length"));
         }
@@ -212,7 +216,7 @@ impl Volume {
                 return Err(Refusal::Invalid("payload length differs from the request's"))
             }
             IoKind::Write => OpKind::Write { offset, data: payload, fua },
-            IoKind::Trim => OpKind::Trim { offset, len: length },
+            IoKind::Trim => OpKind::Trim { offset, len: length, fua },
             IoKind::WriteZeroes { no_hole, fast_only } => {
                 OpKind::WriteZeroes { offset, len: length, flags: ZeroFlags { fua, no_hole, fast_only } }
             }

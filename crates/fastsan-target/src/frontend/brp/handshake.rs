@@ -4,7 +4,7 @@
 //! writes to `out`.
 
 use super::{volume_info, Brp, BrpConn};
-use crate::frontend::{Handshake, Step, WireError};
+use crate::frontend::{Handshake, Step, WireError, OUT_CAP};
 use crate::stats::Stats;
 use bytes::{Buf, BytesMut};
 use fastsan_brp::handshake::{parse_message, Message, OpenInfo, AUTH_HMAC_SHA256, AUTH_NONE};
@@ -122,7 +122,8 @@ impl Handshake for BrpHandshake {
     }
 
     fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<BrpConn>, WireError> {
-        while let Some((m, n)) = parse_message(input)? {
+        while out.len() < OUT_CAP {
+            let Some((m, n)) = parse_message(input)? else { break };
             input.advance(n);
             match self.on_message(m, out) {
                 Step::Continue => {}
@@ -244,6 +245,28 @@ mod tests {
         let mut input = BytesMut::from(&b"definitely not BRP"[..]);
         let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
         assert!(hs.advance(&mut input, &mut Vec::new()).is_err(), "bad magic is a protocol error");
+    }
+
+    #[test]
+    fn pipelined_lists_are_answered_at_the_pace_they_are_read() {
+        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut input = BytesMut::from(&hello().to_vec()[..]);
+        for _ in 0..20_000 {
+            input.extend_from_slice(&Message::List.to_vec());
+        }
+        let mut out = Vec::new();
+        let mut rounds = 0;
+        loop {
+            assert!(matches!(hs.advance(&mut input, &mut out).unwrap(), Step::Continue));
+            assert!(out.len() < crate::frontend::OUT_CAP + 4096, "replies stop at the cap");
+            if out.is_empty() {
+                break;
+            }
+            out.clear();
+            rounds += 1;
+        }
+        assert!(input.is_empty(), "every LIST was answered");
+        assert!(rounds > 5, "in several rounds, not one buffer: {rounds}");
     }
 
     #[test]

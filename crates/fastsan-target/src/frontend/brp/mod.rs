@@ -197,7 +197,6 @@ pub fn status(r: &Refusal) -> Status {
         Refusal::TooLarge { .. } => Status::TOO_LARGE,
         Refusal::ReadOnly | Refusal::Device(BackendError::ReadOnly) => Status::READ_ONLY,
         Refusal::Device(BackendError::NoSpace) => Status::NO_SPACE,
-        Refusal::Device(BackendError::Unsupported) => Status::UNSUPPORTED,
         Refusal::NotFast | Refusal::Device(_) => Status::IO_ERROR,
         Refusal::DigestMismatch => Status::DIGEST_MISMATCH,
         Refusal::ShuttingDown => Status::SHUTTING_DOWN,

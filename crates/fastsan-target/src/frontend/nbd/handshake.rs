@@ -5,7 +5,7 @@
 
 use super::{tflags, NbdConn, ALLOCATION_CONTEXT};
 use crate::catalog::Catalog;
-use crate::frontend::{Handshake, Step, WireError};
+use crate::frontend::{Handshake, Step, WireError, OUT_CAP};
 use crate::volume::Volume;
 use bytes::{Buf, BytesMut};
 use fastsan_nbd::consts::*;
@@ -162,7 +162,7 @@ impl Handshake for NbdHandshake {
     }
 
     fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<NbdConn>, WireError> {
-        loop {
+        while out.len() < OUT_CAP {
             match self.state {
                 State::ClientFlags => {
                     if input.len() < 4 {
@@ -192,6 +192,7 @@ impl Handshake for NbdHandshake {
                 },
             }
         }
+        Ok(Step::Continue)
     }
 }
 
