@@ -56,6 +56,7 @@ def main():
     ap.add_argument("new", nargs="?", default=suite.FASTSAN)
     ap.add_argument("--quick", action="store_true", help="1 s per run instead of 5")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", help="only the points whose name contains this text")
     args = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(suite.ROOT, "bench", "results", f"{stamp}-compare")
@@ -66,6 +67,8 @@ def main():
     rows = []
     try:
         for (name, proto, rw, bs, qd, jobs) in POINTS:
+            if args.only and args.only not in name:
+                continue
             suite.log(name)
             fns = {}
             for label, s in systems.items():
