@@ -1,7 +1,8 @@
 //! `fastsan`: the command line. Each subcommand lives in its own module; it
 //! parses arguments, opens local files, shows progress and calls the
-//! `target`, `initiator` or `bench` crates. No protocol or storage logic
-//! lives here: not the wire format, not retries, not block alignment.
+//! `fastsan_target`, `fastsan_initiator` or `fastsan_bench` crates. No
+//! protocol or storage logic lives here: not the wire format, not retries,
+//! not block alignment.
 
 mod bench;
 mod cp;
