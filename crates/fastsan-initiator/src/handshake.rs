@@ -169,9 +169,7 @@ impl ClientHandshake {
                 self.state = State::Done;
                 Ok(Step::Opened(info))
             }
-            (state, other) => {
-                Err(Error::UnexpectedMessage { expected: state.expects(), got: kind_name(&other) })
-            }
+            (state, other) => Err(Error::UnexpectedMessage { expected: state.expects(), got: other.name() }),
         }
     }
 
@@ -226,21 +224,6 @@ fn limits_make_sense(info: &OpenInfo) -> bool {
         && info.size.is_multiple_of(bs as u64)
         && info.queue_depth >= 1
         && info.max_batch >= 1
-}
-
-/// The name `docs/protocol.md` gives a message kind.
-fn kind_name(m: &Message) -> &'static str {
-    match m {
-        Message::Hello { .. } => "HELLO",
-        Message::HelloReply { .. } => "HELLO_REPLY",
-        Message::Auth { .. } => "AUTH",
-        Message::AuthOk { .. } => "AUTH_OK",
-        Message::List => "LIST",
-        Message::ListReply { .. } => "LIST_REPLY",
-        Message::Open { .. } => "OPEN",
-        Message::OpenReply(_) => "OPEN_REPLY",
-        Message::Error { .. } => "ERROR",
-    }
 }
 
 /// A connection in the handshake phase: a [`ClientHandshake`] driven over a socket.

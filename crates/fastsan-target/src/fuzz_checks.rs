@@ -14,13 +14,19 @@ use crate::volume::Volume;
 use bytes::BytesMut;
 use std::sync::Arc;
 
+/// The volumes every input sees, made once (handshakes never change them).
 fn catalog() -> Arc<Catalog> {
-    let mut c = Catalog::default();
-    for name in ["vol0", "ro"] {
-        let b: Arc<dyn Backend> = Arc::new(MemoryBackend::new(1 << 20));
-        c.add(Volume::with_backend(name.into(), b, 1 << 16));
-    }
-    Arc::new(c)
+    static CATALOG: std::sync::OnceLock<Arc<Catalog>> = std::sync::OnceLock::new();
+    CATALOG
+        .get_or_init(|| {
+            let mut c = Catalog::default();
+            for name in ["vol0", "ro"] {
+                let b: Arc<dyn Backend> = Arc::new(MemoryBackend::new(1 << 20));
+                c.add(Volume::with_backend(name.into(), b, 1 << 16));
+            }
+            Arc::new(c)
+        })
+        .clone()
 }
 
 /// Feeds `data` in pieces whose sizes come from `data` itself.

@@ -15,7 +15,7 @@
 use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::stats::Stats;
-use crate::volume::{Outcome, Volume};
+use crate::volume::{Op, Outcome, Volume};
 use bytes::Bytes;
 use std::io::{self, IoSlice};
 use std::ops::Range;
@@ -174,7 +174,7 @@ where
         enc: E,
     ) -> (Self, Writer<W, E>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let depth = if env.serial { 1 } else { env.queue_depth as usize };
+        let depth = env.queue_depth as usize;
         let sink =
             Arc::new(tokio::sync::Mutex::new(SinkState { w, enc, scratch: Vec::new(), parts: Vec::new() }));
         let d = Dispatcher {
@@ -219,14 +219,6 @@ where
                 return Ok(());
             }
         };
-        let (read, written) = op.moves();
-        let count = move |stats: &Stats, result: &Result<Outcome, Refusal>| match result {
-            Ok(_) => {
-                Stats::add(&stats.bytes_read, read);
-                Stats::add(&stats.bytes_written, written);
-            }
-            Err(_) => Stats::add(&stats.errors, 1),
-        };
         if !self.volume.runs_inline() && !self.env.serial {
             let volume = self.volume.clone();
             let tx = self.tx.clone();
@@ -234,19 +226,13 @@ where
             let stats = self.env.stats.clone();
             let (peer, logged) = (self.peer.clone(), self.logged.clone());
             self.env.pool.submit(move || {
-                let result = volume.execute(op);
-                count(&stats, &result);
-                if let Err(e) = &result {
-                    Where { peer: &peer, volume: volume.name(), tag, kind }.log(e, &logged);
-                }
+                let at = Where { peer: &peer, volume: volume.name(), tag, kind };
+                let result = run(&volume, op, &stats, at, &logged);
                 let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
             });
         } else {
-            let result = self.volume.execute(op);
-            count(&self.env.stats, &result);
-            if let Err(e) = &result {
-                Where { peer: &self.peer, volume: self.volume.name(), tag, kind }.log(e, &self.logged);
-            }
+            let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
+            let result = run(&self.volume, op, &self.env.stats, at, &self.logged);
             self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
         }
         Ok(())
@@ -323,6 +309,24 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
         }
         self.sink.lock().await.w.shutdown().await
     }
+}
+
+/// Runs a validated op on the device and accounts for it: the bytes it
+/// moved, or the failure, counted and logged.
+fn run(volume: &Volume, op: Op, stats: &Stats, at: Where<'_>, logged: &Logged) -> Result<Outcome, Refusal> {
+    let (read, written) = op.moves();
+    let result = volume.execute(op);
+    match &result {
+        Ok(_) => {
+            Stats::add(&stats.bytes_read, read);
+            Stats::add(&stats.bytes_written, written);
+        }
+        Err(e) => {
+            Stats::add(&stats.errors, 1);
+            at.log(e, logged);
+        }
+    }
+    result
 }
 
 /// Which request a log line is about.

@@ -3,7 +3,7 @@
 //! one OPEN succeeds. No I/O: the driver feeds it bytes and sends what it
 //! writes to `out`.
 
-use super::{volume_info, Brp, BrpConn};
+use super::{volume_flags, volume_info, Brp, BrpConn};
 use crate::frontend::{Handshake, Step, WireError, OUT_CAP};
 use crate::stats::Stats;
 use bytes::{Buf, BytesMut};
@@ -100,7 +100,7 @@ impl BrpHandshake {
                     max_transfer: volume.max_transfer(),
                     queue_depth: brp.queue_depth,
                     max_batch: fastsan_brp::limits::MAX_BATCH,
-                    flags: volume_info(volume).flags,
+                    flags: volume_flags(volume),
                 };
                 Message::OpenReply(info).encode(out);
                 let digests = self.features & fastsan_brp::FEATURE_DIGEST != 0;

@@ -53,8 +53,13 @@ impl Frontend for Brp {
     }
 }
 
-/// A volume as LIST_REPLY and OPEN_REPLY describe it.
+/// A volume as LIST_REPLY describes it.
 pub fn volume_info(v: &Volume) -> VolumeInfo {
+    VolumeInfo { name: v.name().to_owned(), size: v.size(), block_size: v.granule(), flags: volume_flags(v) }
+}
+
+/// The volume flags of LIST_REPLY and OPEN_REPLY.
+pub fn volume_flags(v: &Volume) -> u32 {
     let mut flags = 0;
     if v.read_only() {
         flags |= VOLUME_READ_ONLY;
@@ -62,7 +67,7 @@ pub fn volume_info(v: &Volume) -> VolumeInfo {
     if v.volatile() {
         flags |= VOLUME_VOLATILE;
     }
-    VolumeInfo { name: v.name().to_owned(), size: v.size(), block_size: v.granule(), flags }
+    flags
 }
 
 /// The BATCH being unpacked: its body, and where the next sub-request is.
