@@ -71,15 +71,15 @@ fn main() {
     }
 
     let msgs = [
-        Message::Hello { min_version: 1, max_version: 1, features: 1 },
-        Message::HelloReply { version: 1, auth: 1, features: 1, challenge: [3; 32] },
+        Message::Hello { min_version: 2, max_version: 2, features: 1 },
+        Message::HelloReply { version: 2, auth: 1, features: 1, challenge: [3; 32] },
         Message::Auth { client_nonce: [1; 32], proof: [2; 32] },
         Message::AuthOk { proof: [4; 32] },
         Message::List,
         Message::ListReply {
             volumes: vec![VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 }],
         },
-        Message::Open { session: 0, name: "vol0".into() },
+        Message::Open { session: 0, slot: 0, name: "vol0".into() },
         Message::OpenReply(OpenInfo {
             session: 7,
             size: 1 << 30,
@@ -88,6 +88,8 @@ fn main() {
             queue_depth: 256,
             max_batch: 1024,
             flags: 0,
+            instance: 0x5eed,
+            generation: 1,
         }),
         Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume".into() },
     ];

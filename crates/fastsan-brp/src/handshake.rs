@@ -50,6 +50,14 @@ pub struct OpenInfo {
     /// Most sub-requests in one BATCH.
     pub max_batch: u16,
     pub flags: u32,
+    /// Random per start of the target process: a resumed session learns
+    /// whether the target restarted.
+    pub instance: u64,
+    /// Identity of the volume's contents: the same for as long as the data
+    /// behind the name is the same (a memory volume gets a new one at every
+    /// start; a file keeps its own). A resumed session whose volume changed
+    /// generation must not be adopted.
+    pub generation: u64,
 }
 
 impl OpenInfo {
@@ -60,15 +68,41 @@ impl OpenInfo {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    Hello { min_version: u16, max_version: u16, features: u32 },
-    HelloReply { version: u16, auth: u8, features: u32, challenge: [u8; 32] },
-    Auth { client_nonce: [u8; 32], proof: [u8; 32] },
-    AuthOk { proof: [u8; 32] },
+    Hello {
+        min_version: u16,
+        max_version: u16,
+        features: u32,
+    },
+    HelloReply {
+        version: u16,
+        auth: u8,
+        features: u32,
+        challenge: [u8; 32],
+    },
+    Auth {
+        client_nonce: [u8; 32],
+        proof: [u8; 32],
+    },
+    AuthOk {
+        proof: [u8; 32],
+    },
     List,
-    ListReply { volumes: Vec<VolumeInfo> },
-    Open { session: u64, name: String },
+    ListReply {
+        volumes: Vec<VolumeInfo>,
+    },
+    /// `slot`: which of the session's connections this is (0 for the first);
+    /// a connection re-opened in the slot of a lost one is answered only
+    /// after the lost one's work is finished (the fence).
+    Open {
+        session: u64,
+        slot: u16,
+        name: String,
+    },
     OpenReply(OpenInfo),
-    Error { status: Status, message: String },
+    Error {
+        status: Status,
+        message: String,
+    },
 }
 
 /// The message kinds on the wire, written once: [`Message::kind`] encodes
@@ -153,8 +187,10 @@ impl Message {
                     put_str8(out, &v.name);
                 }
             }
-            Message::Open { session, name } => {
+            Message::Open { session, slot, name } => {
                 out.extend_from_slice(&session.to_le_bytes());
+                out.extend_from_slice(&slot.to_le_bytes());
+                out.extend_from_slice(&0u16.to_le_bytes());
                 put_str8(out, name);
             }
             Message::OpenReply(i) => {
@@ -166,6 +202,8 @@ impl Message {
                 out.extend_from_slice(&i.max_batch.to_le_bytes());
                 out.extend_from_slice(&0u16.to_le_bytes());
                 out.extend_from_slice(&i.flags.to_le_bytes());
+                out.extend_from_slice(&i.instance.to_le_bytes());
+                out.extend_from_slice(&i.generation.to_le_bytes());
             }
             Message::Error { status, message } => {
                 out.extend_from_slice(&status.0.to_le_bytes());
@@ -304,7 +342,12 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
             }
             Message::ListReply { volumes }
         }
-        kind::OPEN => Message::Open { session: r.u64()?, name: r.str8()? },
+        kind::OPEN => {
+            let session = r.u64()?;
+            let slot = r.u16()?;
+            r.zero(2)?;
+            Message::Open { session, slot, name: r.str8()? }
+        }
         kind::OPEN_REPLY => {
             let session = r.u64()?;
             let size = r.u64()?;
@@ -322,6 +365,8 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
                 queue_depth,
                 max_batch,
                 flags,
+                instance: r.u64()?,
+                generation: r.u64()?,
             })
         }
         kind::ERROR => {
@@ -357,7 +402,7 @@ mod tests {
                 ],
             },
             Message::ListReply { volumes: vec![] },
-            Message::Open { session: 42, name: "vol0".into() },
+            Message::Open { session: 42, slot: 3, name: "vol0".into() },
             Message::OpenReply(OpenInfo {
                 session: 42,
                 size: 1 << 30,
@@ -366,6 +411,8 @@ mod tests {
                 queue_depth: 256,
                 max_batch: 256,
                 flags: 0,
+                instance: 0x1234_5678_9abc_def0,
+                generation: 7,
             }),
             Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume 'x'".into() },
         ]
@@ -403,7 +450,7 @@ mod tests {
     #[test]
     fn long_names_are_truncated_on_a_char_boundary() {
         let name = "é".repeat(200);
-        let b = Message::Open { session: 0, name }.to_vec();
+        let b = Message::Open { session: 0, slot: 0, name }.to_vec();
         let Some((Message::Open { name, .. }, _)) = parse_message(&b).unwrap() else { panic!() };
         assert_eq!(name.len(), 254);
     }

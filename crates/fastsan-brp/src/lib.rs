@@ -35,7 +35,9 @@ pub use request::{Command, RequestFrame, RequestHeader};
 pub use status::Status;
 
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 1;
+/// Version 2 added the connection slot to OPEN and the target instance and
+/// volume generation to OPEN_REPLY (the fence and restart detection).
+pub const VERSION: u16 = 2;
 
 /// Feature bit: CRC32C digests of every header and every payload.
 pub const FEATURE_DIGEST: u32 = 1;

@@ -15,7 +15,7 @@ fn main() {
     let dir = Path::new(&dir).join("initiator_handshake");
     std::fs::create_dir_all(&dir).unwrap();
     let challenge = [0x33; 32];
-    let hello = |auth, features| Message::HelloReply { version: 1, auth, features, challenge };
+    let hello = |auth, features| Message::HelloReply { version: 2, auth, features, challenge };
     let auth_ok = Message::AuthOk { proof: server_proof(SECRET, &challenge, &NONCE) };
     let list = Message::ListReply {
         volumes: vec![VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 }],
@@ -28,6 +28,8 @@ fn main() {
         queue_depth: 256,
         max_batch: 1024,
         flags: 0,
+        instance: 0x5eed,
+        generation: 1,
     });
     let refuse = |status, message: &str| Message::Error { status, message: message.into() };
     let seeds: [(&str, Vec<Message>); 6] = [

@@ -44,10 +44,21 @@ pub(crate) struct Pending {
 
 /// The requests sent and not yet answered. Once closed, nothing more is
 /// registered: a late request fails at once instead of waiting forever.
+///
+/// Each request notes the clock's tick when it was sent: a coarse clock that
+/// the receiver advances [`TICKS`] times per request timeout, so the hot
+/// path reads no time at all.
 #[derive(Default)]
 struct Inflight {
-    state: Mutex<(bool, HashMap<u64, Pending>)>,
+    /// Closed, and each tag's request with the tick it was sent at.
+    state: Mutex<(bool, HashMap<u64, Sent>)>,
+    tick: std::sync::atomic::AtomicU32,
 }
+
+type Sent = (Pending, u32);
+
+/// Ticks of the coarse clock per request timeout.
+const TICKS: u32 = 4;
 
 impl Inflight {
     fn register(&self, tag: u64, p: Pending) {
@@ -55,21 +66,26 @@ impl Inflight {
         if st.0 {
             let _ = p.done.send(Err(Error::ConnectionLost));
         } else {
-            st.1.insert(tag, p);
+            st.1.insert(tag, (p, self.tick.load(Relaxed)));
         }
     }
     fn take(&self, tag: u64) -> Option<Pending> {
-        self.state.lock().1.remove(&tag)
+        self.state.lock().1.remove(&tag).map(|(p, _)| p)
     }
     fn fail_all(&self) {
         let drained: Vec<Pending> = {
             let mut st = self.state.lock();
             st.0 = true;
-            st.1.drain().map(|(_, p)| p).collect()
+            st.1.drain().map(|(_, (p, _))| p).collect()
         };
         for p in drained {
             let _ = p.done.send(Err(Error::ConnectionLost));
         }
+    }
+    /// Advances the clock; whether a request has waited a whole timeout.
+    fn tick_finds_overdue(&self) -> bool {
+        let now = self.tick.fetch_add(1, Relaxed) + 1;
+        self.state.lock().1.values().any(|(_, sent)| now.wrapping_sub(*sent) > TICKS)
     }
 }
 
@@ -86,6 +102,17 @@ pub(crate) struct Conn {
     tx: mpsc::UnboundedSender<Submit>,
     pub credits: Arc<Semaphore>,
     dead: CancellationToken,
+    /// Which connection of the session this is, and how many times that
+    /// slot was re-established before it.
+    pub slot: usize,
+    pub epoch: u64,
+}
+
+/// Where a connection sits in its session, and its request timeout.
+pub(crate) struct Place {
+    pub slot: usize,
+    pub epoch: u64,
+    pub request_timeout: std::time::Duration,
 }
 
 /// What an opened connection's loops run on: the socket's owned halves,
@@ -102,7 +129,7 @@ impl Conn {
     /// once, when the connection fails (not when it is dropped).
     pub fn start(
         hs: Handshake,
-        queue_depth: u32,
+        place: Place,
         limits: Limits,
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
@@ -112,18 +139,18 @@ impl Conn {
         match stream {
             Stream::Tcp(s) => {
                 let (rd, wr) = s.into_split();
-                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+                Conn::start_on(Io { rd, wr, leftover, digests }, place, limits, stats, on_dead)
             }
             Stream::Unix(s) => {
                 let (rd, wr) = s.into_split();
-                Conn::start_on(Io { rd, wr, leftover, digests }, queue_depth, limits, stats, on_dead)
+                Conn::start_on(Io { rd, wr, leftover, digests }, place, limits, stats, on_dead)
             }
         }
     }
 
     fn start_on<R, W>(
         io: Io<R, W>,
-        queue_depth: u32,
+        place: Place,
         limits: Limits,
         stats: Arc<Stats>,
         on_dead: Box<dyn FnOnce() + Send>,
@@ -134,7 +161,7 @@ impl Conn {
     {
         let Io { rd, wr, leftover, digests } = io;
         let (tx, rx) = mpsc::unbounded_channel();
-        let credits = Arc::new(Semaphore::new(queue_depth.max(1) as usize));
+        let credits = Arc::new(Semaphore::new(limits.queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
         let inflight = Arc::new(Inflight::default());
         let on_dead = Arc::new(Mutex::new(Some(on_dead)));
@@ -166,18 +193,22 @@ impl Conn {
         };
         let receiver = {
             let (die, dead) = (die.clone(), dead.clone());
+            let timeout = place.request_timeout;
             async move {
                 let r = tokio::select! {
                     biased;
                     _ = dead.cancelled() => None,
-                    r = recv_loop(rd, leftover, &inflight, digests) => Some(r),
+                    r = recv_loop(rd, leftover, &inflight, digests, timeout) => Some(r),
                 };
+                if matches!(r, Some(Error::Timeout(_))) {
+                    stats.timeouts.fetch_add(1, Relaxed);
+                }
                 die(r);
             }
         };
         tokio::spawn(sender);
         tokio::spawn(receiver);
-        Conn { tx, credits, dead }
+        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch }
     }
 
     pub fn is_alive(&self) -> bool {
@@ -301,12 +332,18 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
+/// Matches replies to requests until the connection fails; a request
+/// without a reply for `timeout` fails it too (the target is stuck or gone).
 async fn recv_loop<R: AsyncRead + Unpin>(
     mut rd: R,
     mut buf: BytesMut,
     inflight: &Inflight,
     digests: bool,
+    timeout: std::time::Duration,
 ) -> Error {
+    let period = (timeout / TICKS).max(std::time::Duration::from_millis(1));
+    let mut clock = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -336,7 +373,18 @@ async fn recv_loop<R: AsyncRead + Unpin>(
         };
         // Grow toward a large reply a megabyte at a time, as its bytes arrive.
         buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
-        match rd.read_buf(&mut buf).await {
+        let read = loop {
+            tokio::select! {
+                r = rd.read_buf(&mut buf) => break r,
+                _ = clock.tick() => {
+                    if inflight.tick_finds_overdue() {
+                        tracing::warn!(?timeout, "a request got no reply in time; dropping the connection");
+                        return Error::Timeout("request");
+                    }
+                }
+            }
+        };
+        match read {
             Ok(0) => return Error::ConnectionLost,
             Ok(_) => {}
             Err(e) => return e.into(),

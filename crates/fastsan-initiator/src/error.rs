@@ -50,14 +50,18 @@ pub enum Error {
         "volume changed: size {old_size} -> {new_size}, block size {old_block_size} -> {new_block_size}"
     )]
     VolumeChanged { old_size: u64, new_size: u64, old_block_size: u32, new_block_size: u32 },
+    /// A reconnect found another volume behind the name: the target
+    /// restarted and the volume was volatile (its data is gone), or the
+    /// volume was replaced. Resuming would return the new volume's data as
+    /// if it were the old one's, so the session is refused.
+    #[error("{}", replaced_text(volume, *restarted, *volatile))]
+    VolumeReplaced { volume: String, restarted: bool, volatile: bool },
     #[error("request failed: {0}")]
     Status(Status),
-    /// The connection failed with the request in flight: its outcome is
-    /// unknown (a write may or may not have reached the volume), as with any
-    /// block device whose transport fails. Known limit: the target does not
-    /// yet fence a dead connection's queued writes against the session's new
-    /// connections, so a write of the lost connection still queued on a file
-    /// volume's I/O pool may land after a newer write to the same range.
+    /// No connection to the target came back within the reconnect timeout
+    /// (requests whose connection was lost are retried until then, after the
+    /// target's fence). A write that fails so may or may not have reached the
+    /// volume, as with any block device whose transport fails.
     #[error("connection lost")]
     ConnectionLost,
     #[error("data digest mismatch in a reply")]
@@ -101,7 +105,23 @@ impl Error {
             | Error::UnknownTag(_)
             | Error::ShortRead { .. } => false,
             // The session's geometry is fixed; the volume behind the name is now another.
-            Error::VolumeChanged { .. } => false,
+            Error::VolumeChanged { .. } | Error::VolumeReplaced { .. } => false,
+        }
+    }
+}
+
+fn replaced_text(volume: &str, restarted: bool, volatile: bool) -> String {
+    match (restarted, volatile) {
+        (true, true) => format!(
+            "the target restarted and volume {volume:?} is volatile (memory): the data written before is gone; \
+             the session is not resumed"
+        ),
+        (true, false) => format!(
+            "the target restarted with another volume named {volume:?} (its generation changed); \
+             the session is not resumed"
+        ),
+        (false, _) => {
+            format!("volume {volume:?} was replaced on the target (its generation changed); the session is not resumed")
         }
     }
 }

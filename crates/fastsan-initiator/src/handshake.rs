@@ -113,9 +113,9 @@ impl ClientHandshake {
     }
 
     /// OPEN of `name`, to send once [`Step::Ready`]; `session` 0 starts a
-    /// new session, another value joins that one.
-    pub fn open(&mut self, name: &str, session: u64) -> Vec<u8> {
-        self.ask(State::OpenReply, Message::Open { session, name: name.to_owned() })
+    /// new session, another value joins that one as connection `slot`.
+    pub fn open(&mut self, name: &str, session: u64, slot: u16) -> Vec<u8> {
+        self.ask(State::OpenReply, Message::Open { session, slot, name: name.to_owned() })
     }
 
     fn ask(&mut self, next: State, m: Message) -> Vec<u8> {
@@ -230,6 +230,8 @@ fn limits_make_sense(info: &OpenInfo) -> bool {
 pub struct Handshake {
     stream: Stream,
     machine: ClientHandshake,
+    /// Bound on each exchange (LIST, OPEN): a silent target is an error, never a hang.
+    step_timeout: std::time::Duration,
 }
 
 impl Handshake {
@@ -244,10 +246,10 @@ impl Handshake {
         };
         let mut nonce = [0u8; 32];
         rand::thread_rng().fill_bytes(&mut nonce);
-        let mut hs = Handshake { stream, machine: ClientHandshake::new(opts, nonce) };
+        let step_timeout = opts.connect_timeout;
+        let mut hs = Handshake { stream, machine: ClientHandshake::new(opts, nonce), step_timeout };
         let hello = hs.machine.hello();
-        let step = tokio::time::timeout(opts.connect_timeout, hs.exchange(hello)).await;
-        match step.map_err(|_| Error::Timeout("handshake"))?? {
+        match hs.exchange(hello, "HELLO").await? {
             Step::Ready => Ok(hs),
             other => unreachable!("HELLO ends in Ready, not {other:?}"),
         }
@@ -255,24 +257,30 @@ impl Handshake {
 
     pub async fn list(&mut self) -> Result<Vec<VolumeInfo>, Error> {
         let list = self.machine.list();
-        match self.exchange(list).await? {
+        match self.exchange(list, "LIST").await? {
             Step::Listed(volumes) => Ok(volumes),
             other => unreachable!("LIST ends in Listed, not {other:?}"),
         }
     }
 
-    /// Opens a volume, checking that the limits the target announces make sense.
-    pub async fn open(&mut self, name: &str, session: u64) -> Result<OpenInfo, Error> {
-        let open = self.machine.open(name, session);
-        match self.exchange(open).await? {
+    /// Opens a volume as connection `slot` of `session` (0: a new session),
+    /// checking that the limits the target announces make sense.
+    pub async fn open(&mut self, name: &str, session: u64, slot: u16) -> Result<OpenInfo, Error> {
+        let open = self.machine.open(name, session, slot);
+        match self.exchange(open, "OPEN").await? {
             Step::Opened(info) => Ok(info),
             other => unreachable!("OPEN ends in Opened, not {other:?}"),
         }
     }
 
     /// Sends `out`, then feeds what arrives to the machine, sending what it
-    /// asks to on the way, until it answers.
-    async fn exchange(&mut self, out: Vec<u8>) -> Result<Step, Error> {
+    /// asks to on the way, until it answers, within the step timeout.
+    async fn exchange(&mut self, out: Vec<u8>, what: &'static str) -> Result<Step, Error> {
+        let timeout = self.step_timeout;
+        tokio::time::timeout(timeout, self.exchange_now(out)).await.map_err(|_| Error::Timeout(what))?
+    }
+
+    async fn exchange_now(&mut self, out: Vec<u8>) -> Result<Step, Error> {
         self.stream.write_all(&out).await?;
         let mut chunk = [0u8; 4096];
         let mut step = self.machine.receive(&[])?;
@@ -325,6 +333,8 @@ mod tests {
             queue_depth: 64,
             max_batch: 32,
             flags: 0,
+            instance: 1,
+            generation: 1,
         }
     }
 
@@ -344,11 +354,11 @@ mod tests {
     #[test]
     fn success_without_auth() {
         let mut hs = machine(None);
-        assert_eq!(sent(&hs.hello()), Message::Hello { min_version: 1, max_version: 1, features: 0 });
+        assert_eq!(sent(&hs.hello()), Message::Hello { min_version: 2, max_version: 2, features: 0 });
         assert_eq!(hs.receive(&[]).unwrap(), Step::NeedMore);
         assert_eq!(hs.receive(&hello_reply(AUTH_NONE, 0)).unwrap(), Step::Ready);
         assert!(!hs.digests());
-        assert_eq!(sent(&hs.open("vol0", 0)), Message::Open { session: 0, name: "vol0".into() });
+        assert_eq!(sent(&hs.open("vol0", 0, 0)), Message::Open { session: 0, slot: 0, name: "vol0".into() });
         assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
         assert!(hs.into_leftover().is_empty());
     }
@@ -367,7 +377,7 @@ mod tests {
         let reply = Message::ListReply { volumes: volumes.clone() }.to_vec();
         assert_eq!(hs.receive(&reply).unwrap(), Step::Listed(volumes));
         // Ready again: OPEN may follow LIST.
-        hs.open("v", 0);
+        hs.open("v", 0, 0);
         assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
     }
 
@@ -395,7 +405,7 @@ mod tests {
         let r = hs.receive(&refuse(Status::AUTH_FAILED));
         assert!(matches!(r, Err(Error::Refused { status: Status::AUTH_FAILED, .. })), "{r:?}");
         let mut hs = ready();
-        hs.open("nope", 0);
+        hs.open("nope", 0, 0);
         let r = hs.receive(&refuse(Status::NO_SUCH_VOLUME));
         assert!(matches!(r, Err(Error::Refused { status: Status::NO_SUCH_VOLUME, .. })), "{r:?}");
     }
@@ -413,19 +423,20 @@ mod tests {
         let reply = |version, auth, features| {
             Message::HelloReply { version, auth, features, challenge: CHALLENGE }.to_vec()
         };
-        let r = machine(None).receive(&reply(2, AUTH_NONE, 0));
-        assert!(matches!(r, Err(Error::BadVersion(2))), "{r:?}");
-        let r = machine(None).receive(&reply(1, AUTH_NONE, FEATURE_DIGEST | 8));
+        let v = fastsan_brp::VERSION;
+        let r = machine(None).receive(&reply(v + 1, AUTH_NONE, 0));
+        assert!(matches!(r, Err(Error::BadVersion(3))), "{r:?}");
+        let r = machine(None).receive(&reply(v, AUTH_NONE, FEATURE_DIGEST | 8));
         assert!(matches!(r, Err(Error::UnrequestedFeatures(9))), "{r:?}");
-        let r = machine(None).receive(&reply(1, 7, 0));
+        let r = machine(None).receive(&reply(v, 7, 0));
         assert!(matches!(r, Err(Error::UnknownAuth(7))), "{r:?}");
         // Asked for digests: the target may enable them.
         let mut hs = ClientHandshake::new(&Options { digests: true, ..Default::default() }, NONCE);
         assert_eq!(
             sent(&hs.hello()),
-            Message::Hello { min_version: 1, max_version: 1, features: FEATURE_DIGEST }
+            Message::Hello { min_version: 2, max_version: 2, features: FEATURE_DIGEST }
         );
-        assert_eq!(hs.receive(&reply(1, AUTH_NONE, FEATURE_DIGEST)).unwrap(), Step::Ready);
+        assert_eq!(hs.receive(&reply(v, AUTH_NONE, FEATURE_DIGEST)).unwrap(), Step::Ready);
         assert!(hs.digests());
     }
 
@@ -458,7 +469,7 @@ mod tests {
         ];
         for limits in bad {
             let mut hs = ready();
-            hs.open("v", 0);
+            hs.open("v", 0, 0);
             match hs.receive(&Message::OpenReply(limits).to_vec()) {
                 Err(Error::ImpossibleLimits(i)) => assert_eq!(i, limits),
                 other => panic!("{limits:?}: {other:?}"),
@@ -479,7 +490,7 @@ mod tests {
         };
         assert!(matches!(feed(&mut hs, &hello_reply(AUTH_HMAC_SHA256, 0)), Step::Send(_)));
         assert_eq!(feed(&mut hs, &ok), Step::Ready);
-        hs.open("v", 0);
+        hs.open("v", 0, 0);
         assert_eq!(feed(&mut hs, &open), Step::Opened(info()));
     }
 
@@ -494,7 +505,7 @@ mod tests {
         assert!(matches!(r, Err(Error::UnexpectedMessage { got: "LIST_REPLY", .. })), "{r:?}");
         // Bytes past OPEN_REPLY go to the transmission phase untouched.
         let mut hs = ready();
-        hs.open("v", 0);
+        hs.open("v", 0, 0);
         let mut reply = Message::OpenReply(info()).to_vec();
         reply.extend_from_slice(b"next");
         assert_eq!(hs.receive(&reply).unwrap(), Step::Opened(info()));
@@ -541,12 +552,12 @@ mod tests {
             assert!(matches!(next_message(&mut s, &mut buf).await, Message::Hello { .. }));
             s.write_all(&hello_reply(AUTH_NONE, 0)).await.unwrap();
             let open = next_message(&mut s, &mut buf).await;
-            assert_eq!(open, Message::Open { session: 0, name: "v".into() });
+            assert_eq!(open, Message::Open { session: 0, slot: 0, name: "v".into() });
             s.write_all(&Message::OpenReply(info()).to_vec()).await.unwrap();
             s
         });
         let mut hs = Handshake::start(&Endpoint::Unix(path), &Options::default()).await.unwrap();
-        assert_eq!(hs.open("v", 0).await.unwrap(), info());
+        assert_eq!(hs.open("v", 0, 0).await.unwrap(), info());
         let (stream, leftover, digests) = hs.into_parts();
         assert!(matches!(stream, Stream::Unix(_)) && leftover.is_empty() && !digests);
         drop(target.await.unwrap());
@@ -556,7 +567,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "before the handshake is ready")]
     fn open_before_ready_is_a_bug() {
-        machine(None).open("v", 0);
+        machine(None).open("v", 0, 0);
     }
 
     #[test]

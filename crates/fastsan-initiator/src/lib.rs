@@ -24,7 +24,9 @@
 //! - [`conn`] - one connection: a sender task that merges queued requests
 //!   into BATCH frames, a receiver task that matches replies by tag.
 //! - [`session`] - [`Volume`]: N connections, load balancing, credits,
-//!   splitting of large I/O, reconnection; [`list`].
+//!   splitting of large I/O, reconnection, transparent retry after the
+//!   target's fence, restart detection; [`list`].
+//! - `order` (private) - writes to overlapping ranges keep their order across retries.
 //! - [`stats`] - [`InitiatorStats`], what the connections sent.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
 //! - [`copy`] - chunks of a whole-volume copy: retried, a partial last
@@ -40,6 +42,7 @@ pub mod error;
 pub mod fuzz_checks;
 pub mod handshake;
 pub mod options;
+mod order;
 pub mod session;
 pub mod stats;
 mod transport;

@@ -36,8 +36,13 @@ pub struct Options {
     pub digests: bool,
     pub connect_timeout: Duration,
     /// How long a request waits for a lost connection to come back before it
-    /// fails with a retryable error; zero disables reconnection.
+    /// fails with a retryable error; zero disables reconnection (and so
+    /// transparent retry). Until then a request whose connection is lost is
+    /// sent again, after the target's fence, and the caller sees nothing.
     pub reconnect_timeout: Duration,
+    /// How long a request may wait for its reply; past it the connection is
+    /// taken for lost (closed, re-established, the request retried).
+    pub request_timeout: Duration,
     /// Largest request that may be merged into a BATCH.
     pub merge_max_request: u32,
     /// Largest BATCH body.
@@ -53,6 +58,7 @@ impl Default for Options {
             digests: false,
             connect_timeout: Duration::from_secs(10),
             reconnect_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(30),
             merge_max_request: 128 * 1024,
             merge_max_bytes: 4 << 20,
         }

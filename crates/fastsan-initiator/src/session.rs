@@ -4,32 +4,50 @@
 //! loaded), waits for a credit there (never more in flight than the target's
 //! queue depth), gets a tag and is queued to that connection's sender. I/O
 //! larger than the target's maximum transfer is split and run in parallel.
-//! A lost connection fails its in-flight requests with a retryable error and
-//! is re-established in the background under the same session id.
+//! A lost connection is re-established in the background under the same
+//! session id and slot; its requests wait for that (the target's fence) and
+//! are sent again, so the caller sees an error only when the target stays
+//! away past the reconnect timeout, or comes back with another volume
+//! behind the name (a restarted target's empty memory volume).
 
-use crate::conn::{Conn, Limits, Pending, Submit};
+use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
+use crate::order::WriteOrder;
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
+use fastsan_brp::handshake::VOLUME_VOLATILE;
 use fastsan_brp::request::{RequestHeader, FLAG_FUA};
-use fastsan_brp::{Command, OpenInfo, VolumeInfo};
+use fastsan_brp::{Command, OpenInfo, Status, VolumeInfo};
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 struct Shared {
     url: BrpUrl,
     opts: Options,
     info: OpenInfo,
     slots: Vec<RwLock<Option<Arc<Conn>>>>,
+    /// Per slot: how many times it was re-established (its fence passed).
+    epochs: Vec<AtomicU64>,
     next_tag: AtomicU64,
     stats: Arc<Stats>,
-    /// Woken when a connection comes back.
+    /// Woken when a connection comes back (or the session learns it cannot).
     changed: Notify,
+    /// Set when a reconnect found another volume behind the name: the
+    /// session is over, every request fails with it.
+    replaced: OnceLock<Replaced>,
+    order: WriteOrder,
+}
+
+/// Why a session cannot be resumed (see [`Error::VolumeReplaced`]).
+#[derive(Debug, Clone)]
+struct Replaced {
+    restarted: bool,
+    volatile: bool,
 }
 
 /// An opened volume. Cloning is cheap and shares the session.
@@ -55,16 +73,30 @@ impl Volume {
         if opts.connections == 0 || opts.connections > 256 {
             return Err(Error::InvalidArgument("connections must be 1..=256".into()));
         }
-        let (hs, info) = open_handshake(&url, &opts, 0).await?;
+        if opts.request_timeout.is_zero() {
+            return Err(Error::InvalidArgument("the request timeout must be more than zero".into()));
+        }
+        let (hs, info) = open_handshake(&url, &opts, 0, 0).await?;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
-            let first = start_conn(weak, 0, hs, &info, &opts, &stats);
+            let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
             let mut slots = vec![RwLock::new(Some(Arc::new(first)))];
             slots.extend((1..opts.connections).map(|_| RwLock::new(None)));
-            Shared { url, opts, info, slots, next_tag: AtomicU64::new(1), stats, changed: Notify::new() }
+            Shared {
+                url,
+                info,
+                slots,
+                epochs: (0..opts.connections).map(|_| AtomicU64::new(0)).collect(),
+                opts,
+                next_tag: AtomicU64::new(1),
+                stats,
+                changed: Notify::new(),
+                replaced: OnceLock::new(),
+                order: WriteOrder::default(),
+            }
         });
         for i in 1..shared.opts.connections {
-            let conn = open_conn(&shared, i).await?;
+            let conn = open_conn(&shared, i, 0).await?;
             *shared.slots[i].write() = Some(Arc::new(conn));
         }
         info!(url = %shared.url, size = info.size, connections = shared.opts.connections,
@@ -100,8 +132,7 @@ impl Volume {
             }
             return Ok(data);
         }
-        let parts =
-            futures::future::try_join_all(chunks(offset, len, max).map(|(o, n)| self.read(o, n))).await?;
+        let parts = all(chunks(offset, len, max).map(|(o, n)| self.read(o, n))).await?;
         let mut out = BytesMut::with_capacity(len as usize);
         for p in parts {
             out.extend_from_slice(&p);
@@ -129,7 +160,7 @@ impl Volume {
             let h = RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
             return self.call(h, data).await.map(drop);
         }
-        futures::future::try_join_all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
+        all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
             let at = (o - offset) as usize;
             self.write_bytes(data.slice(at..at + n as usize), o, fua)
         }))
@@ -155,7 +186,7 @@ impl Volume {
     async fn ranged(&self, cmd: Command, flags: u8, offset: u64, len: u64) -> Result<(), Error> {
         // The largest u32 that is a multiple of the block size.
         let max = (u32::MAX / self.block_size() * self.block_size()) as u64;
-        futures::future::try_join_all(chunks(offset, len, max).map(|(o, n)| async move {
+        all(chunks(offset, len, max).map(|(o, n)| async move {
             let h = RequestHeader::new(cmd, flags, 0, o, n as u32);
             self.call(h, Bytes::new()).await
         }))
@@ -163,9 +194,53 @@ impl Volume {
         .map(drop)
     }
 
-    /// Sends one request on the least-loaded live connection and waits for its reply.
-    async fn call(&self, mut h: RequestHeader, payload: Bytes) -> Result<Option<Bytes>, Error> {
-        let (conn, credit) = self.pick().await?;
+    /// Sends one request and waits for its reply, as a block device would:
+    /// when its connection is lost, the request waits for the target's fence
+    /// (the lost connection re-established, everything it had started on the
+    /// target finished) and is sent again; the caller sees an error only when
+    /// no connection comes back within the reconnect timeout. Writes keep
+    /// their order against earlier overlapping writes ([`WriteOrder`]).
+    async fn call(&self, h: RequestHeader, payload: Bytes) -> Result<Option<Bytes>, Error> {
+        let _order = match h.command {
+            Command::Write | Command::Trim | Command::WriteZeroes => {
+                Some(self.shared.order.enter(h.offset, h.length as u64).await)
+            }
+            _ => None,
+        };
+        let sh = &self.shared;
+        let mut deadline: Option<Instant> = None;
+        loop {
+            let (conn, credit) = self.pick(deadline).await?;
+            let result = self.send(&conn, h, payload.clone(), credit).await;
+            let lost = match &result {
+                Err(Error::ConnectionLost) => true,
+                // The target refused it untouched (a digest broke on the way
+                // in) or the reply's data broke on the way back: send again.
+                Err(Error::Status(s)) if *s == Status::DIGEST_MISMATCH => false,
+                Err(Error::DigestMismatch) => false,
+                // The target is going away: wait for it to come back.
+                Err(Error::Status(s)) if *s == Status::SHUTTING_DOWN => true,
+                _ => return result,
+            };
+            if sh.opts.reconnect_timeout.is_zero() {
+                return result;
+            }
+            let until = *deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
+            if lost {
+                self.fence(&conn, until).await?;
+            }
+            sh.stats.retries.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Sends `h` on `conn` and waits for the reply.
+    async fn send(
+        &self,
+        conn: &Conn,
+        mut h: RequestHeader,
+        payload: Bytes,
+        credit: OwnedSemaphorePermit,
+    ) -> Result<Option<Bytes>, Error> {
         h.tag = self.shared.next_tag.fetch_add(1, Relaxed);
         let (done, reply) = oneshot::channel();
         self.shared.stats.requests.fetch_add(1, Relaxed);
@@ -176,13 +251,41 @@ impl Volume {
         reply.await.unwrap_or(Err(Error::ConnectionLost))
     }
 
-    async fn pick(&self) -> Result<(Arc<Conn>, OwnedSemaphorePermit), Error> {
+    /// Waits until `lost`'s slot is re-established: the target answers a
+    /// reconnect only after everything the lost connection had started is
+    /// finished, so a request sent after this cannot be overtaken by it.
+    async fn fence(&self, lost: &Conn, until: Instant) -> Result<(), Error> {
         let sh = &self.shared;
-        let deadline = Instant::now() + sh.opts.reconnect_timeout;
         loop {
             let changed = sh.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
+            if let Some(r) = sh.replaced.get() {
+                return Err(replaced_error(sh, r));
+            }
+            if sh.epochs[lost.slot].load(Relaxed) > lost.epoch {
+                return Ok(());
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::ConnectionLost);
+            }
+            let _ = tokio::time::timeout(left, changed).await;
+        }
+    }
+
+    /// The least-loaded live connection and a credit on it; waits for one to
+    /// come back until `deadline` (or the reconnect timeout from now).
+    async fn pick(&self, deadline: Option<Instant>) -> Result<(Arc<Conn>, OwnedSemaphorePermit), Error> {
+        let sh = &self.shared;
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + sh.opts.reconnect_timeout);
+        loop {
+            let changed = sh.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(r) = sh.replaced.get() {
+                return Err(replaced_error(sh, r));
+            }
             let best = sh
                 .slots
                 .iter()
@@ -204,6 +307,19 @@ impl Volume {
     }
 }
 
+fn replaced_error(sh: &Shared, r: &Replaced) -> Error {
+    Error::VolumeReplaced { volume: sh.url.volume.clone(), restarted: r.restarted, volatile: r.volatile }
+}
+
+/// Runs every future to its end (none is abandoned while in flight: a
+/// chunk left running could race the caller's next write), then gives their
+/// results in order, or the first error.
+async fn all<T>(
+    futs: impl Iterator<Item = impl std::future::Future<Output = Result<T, Error>>>,
+) -> Result<Vec<T>, Error> {
+    futures::future::join_all(futs).await.into_iter().collect()
+}
+
 fn to_u32(n: u64) -> Result<u32, Error> {
     u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("length {n} too large")))
 }
@@ -220,6 +336,7 @@ fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> {
 fn start_conn(
     shared: &Weak<Shared>,
     slot: usize,
+    epoch: u64,
     hs: Handshake,
     info: &OpenInfo,
     opts: &Options,
@@ -235,49 +352,81 @@ fn start_conn(
     let weak = shared.clone();
     let on_dead = Box::new(move || {
         if let Some(sh) = weak.upgrade() {
+            // Wake requests waiting on this connection: they go elsewhere or wait for the fence.
+            sh.changed.notify_waiters();
             if !sh.opts.reconnect_timeout.is_zero() {
                 tokio::spawn(reconnect(Arc::downgrade(&sh), slot));
             }
         }
     });
-    Conn::start(hs, info.queue_depth, limits, stats.clone(), on_dead)
+    let place = Place { slot, epoch, request_timeout: opts.request_timeout };
+    Conn::start(hs, place, limits, stats.clone(), on_dead)
 }
 
-async fn open_conn(sh: &Arc<Shared>, slot: usize) -> Result<Conn, Error> {
-    let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session).await?;
-    if info.size != sh.info.size || info.block_size != sh.info.block_size {
+/// Opens connection `slot` of the session (its `epoch`-th time) and checks
+/// that the volume behind the name is still the one the session opened.
+async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Error> {
+    let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session, slot as u16).await?;
+    let old = &sh.info;
+    if info.generation != old.generation {
+        let volatile = old.flags & VOLUME_VOLATILE != 0;
+        return Err(Error::VolumeReplaced {
+            volume: sh.url.volume.clone(),
+            restarted: info.instance != old.instance,
+            volatile,
+        });
+    }
+    if info.size != old.size || info.block_size != old.block_size {
         return Err(Error::VolumeChanged {
-            old_size: sh.info.size,
+            old_size: old.size,
             new_size: info.size,
-            old_block_size: sh.info.block_size,
+            old_block_size: old.block_size,
             new_block_size: info.block_size,
         });
     }
-    Ok(start_conn(&Arc::downgrade(sh), slot, hs, &info, &sh.opts, &sh.stats))
+    if info.instance != old.instance {
+        info!(url = %sh.url, slot, "the target restarted; the volume's data is the same one (same generation): resuming");
+    }
+    Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats))
 }
 
-/// Connects and opens the URL's volume, all within the connect timeout.
-async fn open_handshake(url: &BrpUrl, opts: &Options, session: u64) -> Result<(Handshake, OpenInfo), Error> {
+/// Connects and opens the URL's volume as connection `slot` of `session`,
+/// all within the connect timeout.
+async fn open_handshake(
+    url: &BrpUrl,
+    opts: &Options,
+    session: u64,
+    slot: u16,
+) -> Result<(Handshake, OpenInfo), Error> {
     let work = async {
         let mut hs = Handshake::start(&url.endpoint, opts).await?;
-        let info = hs.open(&url.volume, session).await?;
+        let info = hs.open(&url.volume, session, slot).await?;
         Ok((hs, info))
     };
     tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("handshake"))?
 }
 
-/// Re-opens connection `slot` until it works or the volume is dropped.
+/// Re-opens connection `slot` until it works, the volume is dropped, or the
+/// target turns out to hold another volume under the name.
 async fn reconnect(weak: Weak<Shared>, slot: usize) {
     let mut backoff = Duration::from_millis(20);
     loop {
         tokio::time::sleep(backoff).await;
         let Some(sh) = weak.upgrade() else { return };
-        match open_conn(&sh, slot).await {
+        let epoch = sh.epochs[slot].load(Relaxed) + 1;
+        match open_conn(&sh, slot, epoch).await {
             Ok(conn) => {
                 *sh.slots[slot].write() = Some(Arc::new(conn));
+                sh.epochs[slot].store(epoch, Relaxed);
                 sh.stats.reconnects.fetch_add(1, Relaxed);
                 sh.changed.notify_waiters();
                 info!(url = %sh.url, slot, "connection re-established");
+                return;
+            }
+            Err(e @ Error::VolumeReplaced { restarted, volatile, .. }) => {
+                error!(url = %sh.url, error = &e as &dyn std::error::Error, "session cannot be resumed");
+                let _ = sh.replaced.set(Replaced { restarted, volatile });
+                sh.changed.notify_waiters();
                 return;
             }
             Err(e) => {

@@ -11,6 +11,10 @@ pub(crate) struct Stats {
     pub batches: AtomicU64,
     pub batched_requests: AtomicU64,
     pub reconnects: AtomicU64,
+    /// Requests sent again after their connection was lost (after the fence).
+    pub retries: AtomicU64,
+    /// Connections declared lost because a request got no reply in time.
+    pub timeouts: AtomicU64,
 }
 
 /// A copy of the initiator's counters.
@@ -21,6 +25,8 @@ pub struct InitiatorStats {
     pub batches: u64,
     pub batched_requests: u64,
     pub reconnects: u64,
+    pub retries: u64,
+    pub timeouts: u64,
 }
 
 impl Stats {
@@ -31,6 +37,8 @@ impl Stats {
             batches: self.batches.load(Relaxed),
             batched_requests: self.batched_requests.load(Relaxed),
             reconnects: self.reconnects.load(Relaxed),
+            retries: self.retries.load(Relaxed),
+            timeouts: self.timeouts.load(Relaxed),
         }
     }
 }

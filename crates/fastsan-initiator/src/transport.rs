@@ -23,6 +23,13 @@ impl Stream {
             Endpoint::Tcp { .. } => {
                 let s = TcpStream::connect(endpoint.to_string()).await?;
                 s.set_nodelay(true)?;
+                // A target that vanished without a word (power, network) is
+                // noticed even when no request is waiting for it.
+                let ka = socket2::TcpKeepalive::new()
+                    .with_time(std::time::Duration::from_secs(15))
+                    .with_interval(std::time::Duration::from_secs(5))
+                    .with_retries(3);
+                socket2::SockRef::from(&s).set_tcp_keepalive(&ka)?;
                 Ok(Stream::Tcp(s))
             }
             Endpoint::Unix(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),

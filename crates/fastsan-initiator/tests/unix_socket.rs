@@ -24,7 +24,12 @@ async fn fake_target(mut s: UnixStream) {
     let mut buf = Vec::new();
     let mut volume = vec![0u8; SIZE];
     for reply in [
-        Message::HelloReply { version: 1, auth: AUTH_NONE, features: 0, challenge: [0; 32] },
+        Message::HelloReply {
+            version: fastsan_brp::VERSION,
+            auth: AUTH_NONE,
+            features: 0,
+            challenge: [0; 32],
+        },
         Message::OpenReply(OpenInfo {
             session: 1,
             size: SIZE as u64,
@@ -33,6 +38,8 @@ async fn fake_target(mut s: UnixStream) {
             queue_depth: 8,
             max_batch: 8,
             flags: 0,
+            instance: 1,
+            generation: 1,
         }),
     ] {
         while parse_message(&buf).unwrap().is_none() {

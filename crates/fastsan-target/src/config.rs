@@ -144,7 +144,15 @@ pub struct ServerConfig {
     /// Shared secret; when set, every connection must authenticate.
     pub secret: Option<Vec<u8>>,
     pub handshake_timeout: Duration,
+    /// How long a reply write may make no progress before its connection is dropped.
+    pub stall_timeout: Duration,
+    /// Connections in their transmission phase at once; more are refused as busy.
     pub max_connections: usize,
+    /// Connections still in their handshake at once (a quarter of them from
+    /// one address at most): silent connections cannot lock clients out.
+    pub max_handshakes: usize,
+    /// Bytes of request and reply payload in flight, all connections together.
+    pub memory_budget: u64,
     /// Requests outstanding per connection (the credits granted).
     pub queue_depth: u32,
     /// Largest single transfer.
@@ -169,7 +177,10 @@ impl Default for ServerConfig {
             volumes: Vec::new(),
             secret: None,
             handshake_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
             max_connections: 1024,
+            max_handshakes: 64,
+            memory_budget: 1 << 30,
             queue_depth: 256,
             max_transfer: 8 << 20,
             io_threads: 16,
@@ -226,6 +237,26 @@ impl ServerConfig {
         if self.io_threads == 0 || self.io_threads > 1024 {
             return Err(ConfigError::Invalid("io threads must be 1..=1024".into()));
         }
+        if self.max_connections == 0 {
+            return Err(ConfigError::Invalid("max connections must be at least 1".into()));
+        }
+        if self.max_handshakes == 0 {
+            return Err(ConfigError::Invalid("max handshakes must be at least 1".into()));
+        }
+        for (name, d) in
+            [("handshake timeout", self.handshake_timeout), ("stall timeout", self.stall_timeout)]
+        {
+            if d.is_zero() || d > Duration::from_secs(3600) {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be more than 0 and at most 3600 seconds"
+                )));
+            }
+        }
+        // The largest NBD request (64 MiB) must fit, or such a request could never run.
+        let least = 2 * fastsan_nbd::MAX_PAYLOAD as u64;
+        if self.memory_budget < least {
+            return Err(ConfigError::Invalid(format!("memory budget must be at least {} MiB", least >> 20)));
+        }
         Ok(())
     }
 }
@@ -245,7 +276,10 @@ impl ServerConfig {
 /// max_transfer = "8M"
 /// io_threads = 16
 /// handshake_timeout = 10           # seconds
+/// stall_timeout = 30               # seconds
 /// max_connections = 1024
+/// max_handshakes = 64
+/// memory_budget = "1G"
 /// serial = false
 /// ```
 #[derive(Debug, Default, Deserialize)]
@@ -269,7 +303,11 @@ pub struct ConfigFile {
     pub handshake_timeout: Option<f64>,
     /// The same in milliseconds: the key of earlier releases, still read.
     pub handshake_timeout_ms: Option<u64>,
+    /// Seconds.
+    pub stall_timeout: Option<f64>,
     pub max_connections: Option<usize>,
+    pub max_handshakes: Option<usize>,
+    pub memory_budget: Option<String>,
     #[serde(default)]
     pub serial: bool,
 }

@@ -10,8 +10,10 @@
 //! It works over any [`Transport`] (TCP, unix sockets, in-memory streams in
 //! tests). An io_uring engine would replace this module and nothing else.
 
+use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
 use crate::pipeline::{read_room, ConnEnv, Dispatcher, READ_CHUNK};
+use crate::server::HandshakeTicket;
 use crate::stats::Stats;
 use bytes::BytesMut;
 use std::io;
@@ -66,22 +68,42 @@ enum End {
     Truncated,
     Disconnect,
     Shutdown,
+    /// Stopped from elsewhere: its reply stream failed, or a reconnect of
+    /// its session took its slot.
+    Stopped,
     Io(io::Error),
     Protocol(WireError),
 }
 
 /// Serves one connection of front end `F` from its first byte to its close.
+/// The handshake runs on `ticket` (a place at the [`HandshakeGate`]); the
+/// transmission phase needs one of the server's connection slots.
 pub async fn serve_connection<F: Frontend, S: Transport>(
     frontend: Arc<F>,
     stream: S,
     peer: Arc<str>,
     env: Arc<ConnEnv>,
+    ticket: HandshakeTicket,
 ) {
     let name = F::NAME;
     let (mut rd, mut wr) = stream.split();
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let hs = handshake(frontend.handshake(), &mut rd, &mut wr, &mut buf);
-    let conn = match tokio::time::timeout(env.handshake_timeout, hs).await {
+    let hs = async {
+        let (mut conn, last) = handshake(frontend.handshake(), &mut rd, &mut wr, &mut buf).await?;
+        // A session's reconnect is answered once its lost connections are done (the fence).
+        if let Some(fence) = conn.fence() {
+            fence.await;
+        }
+        let Ok(slot) = env.slots.clone().try_acquire_owned() else {
+            if let Some(msg) = frontend.busy() {
+                let _ = wr.write_all(&msg).await;
+            }
+            return Err(HandshakeEnd::Refused("too many connections".into()));
+        };
+        wr.write_all(&last).await.map_err(HandshakeEnd::Io)?;
+        Ok((conn, slot))
+    };
+    let (conn, _slot) = match tokio::time::timeout(env.handshake_timeout, hs).await {
         Ok(Ok(c)) => c,
         Err(_) => {
             info!(%peer, "{name} handshake timed out; closing");
@@ -105,15 +127,27 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             return;
         }
     };
+    drop(ticket);
     info!(%peer, volume = conn.volume().name(), "{name} connection open: {}", conn.describe());
 
-    let (dispatcher, writer) =
-        Dispatcher::new(conn.volume().clone(), env.clone(), conn.limits(), peer.clone(), wr, conn.encoder());
+    let activity = conn.activity();
+    let (dispatcher, writer) = Dispatcher::new(
+        conn.volume().clone(),
+        env.clone(),
+        conn.limits(),
+        peer.clone(),
+        wr,
+        conn.encoder(),
+        activity.clone(),
+    );
     let writer = tokio::spawn(writer.run());
     let mut conn = conn;
-    let end = transmission(&dispatcher, &mut conn, rd, buf, &env).await;
+    let end = transmission(&dispatcher, &mut conn, rd, buf, &env, &activity).await;
+    // Whatever ended it, nothing more is dispatched from this connection
+    // (what it started may still run: a session's fence waits for that).
     // Dropping the dispatcher drops its reply sender: the writer finishes the
     // replies still in flight, then stops.
+    activity.stop();
     drop(dispatcher);
     let written = writer.await.unwrap_or_else(|e| Err(io::Error::other(e)));
     match (end, written) {
@@ -126,6 +160,9 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             Stats::add(&env.stats.protocol_errors, 1);
         }
         (End::Io(e), _) | (_, Err(e)) => info!(%peer, "{name} connection lost: {e}"),
+        (End::Stopped, Ok(())) => {
+            info!(%peer, "{name} connection stopped (a reconnect of its session replaced it, or its replies could not be written); requests still buffered were dropped")
+        }
         (End::Eof, Ok(())) => info!(%peer, "{name} connection closed by peer"),
         (End::Disconnect, Ok(())) => info!(%peer, "{name} client disconnected"),
         (End::Shutdown, Ok(())) => info!(%peer, "{name} connection drained for shutdown"),
@@ -133,35 +170,36 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     drop(conn);
 }
 
-/// Tells a client over the connection cap that the target is busy, if the
+/// Tells a client refused at the door that the target is busy, if the
 /// protocol can say so, and closes.
-pub async fn refuse_busy<F: Frontend, S: Transport>(frontend: &F, stream: S, peer: &str) {
-    warn!(%peer, "{} connection refused: too many connections", F::NAME);
+pub async fn refuse_busy<F: Frontend, S: Transport>(frontend: &F, stream: S, peer: &str, why: &str) {
+    warn!(%peer, "{} connection refused: {why}", F::NAME);
     if let Some(msg) = frontend.busy() {
         let (_, mut wr) = stream.split();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), wr.write_all(&msg)).await;
     }
 }
 
-/// Feeds the handshake state machine until it settles.
-async fn handshake<H: Handshake, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+/// Feeds the handshake state machine until it settles. Returns the
+/// connection and its last reply, still to send (after the fence).
+async fn handshake<H: Handshake<Conn = C>, C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     mut hs: H,
     rd: &mut R,
     wr: &mut W,
     buf: &mut BytesMut,
-) -> Result<H::Conn, HandshakeEnd> {
+) -> Result<(C, Vec<u8>), HandshakeEnd> {
     let mut out = Vec::new();
     hs.start(&mut out);
     loop {
         let step = hs.advance(buf, &mut out);
         let wrote = !out.is_empty();
-        if wrote {
+        if wrote && !matches!(step, Ok(Step::Done(_))) {
             wr.write_all(&out).await.map_err(HandshakeEnd::Io)?;
             out.clear();
         }
         match step.map_err(HandshakeEnd::Protocol)? {
             Step::Continue => {}
-            Step::Done(conn) => return Ok(conn),
+            Step::Done(conn) => return Ok((conn, out)),
             Step::Abort => return Err(HandshakeEnd::Abort),
             Step::Refused(why) => return Err(HandshakeEnd::Refused(why)),
         }
@@ -186,13 +224,14 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     mut rd: R,
     mut buf: BytesMut,
     env: &ConnEnv,
+    activity: &Activity,
 ) -> End {
     loop {
         let need = loop {
             match conn.decode(&mut buf) {
                 Ok(Decoded::Request { tag, meta, req }) => {
                     if let Err(e) = d.dispatch(tag, meta, req).await {
-                        return End::Io(e);
+                        return if activity.is_stopped() { End::Stopped } else { End::Io(e) };
                     }
                 }
                 Ok(Decoded::Incomplete { need }) => break need,
@@ -204,6 +243,9 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         if let Err(e) = d.flush().await {
             return End::Io(e);
         }
+        if activity.is_stopped() {
+            return End::Stopped;
+        }
         if env.shutdown.is_cancelled() {
             return End::Shutdown;
         }
@@ -211,6 +253,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         let n = tokio::select! {
             r = rd.read_buf(&mut buf) => r,
             _ = env.shutdown.cancelled() => return End::Shutdown,
+            _ = activity.stopped() => return End::Stopped,
         };
         match n {
             Ok(0) if conn.mid_frame(&buf) => return End::Truncated,
@@ -244,10 +287,14 @@ mod tests {
             queue_depth: 8,
             serial: false,
             handshake_timeout: std::time::Duration::from_secs(5),
+            stall_timeout: std::time::Duration::from_secs(5),
+            slots: Arc::new(tokio::sync::Semaphore::new(4)),
+            budget: crate::pipeline::Budget::new(64 << 20),
         });
         let (client, server) = tokio::io::duplex(1 << 16);
         let nbd = Arc::new(Nbd { catalog: Arc::new(catalog) });
-        let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), env.clone()));
+        let ticket = Arc::new(crate::server::HandshakeGate::new(4)).enter(None).unwrap();
+        let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), env.clone(), ticket));
         let (mut rd, mut wr) = tokio::io::split(client);
         let mut greeting = [0u8; 18];
         rd.read_exact(&mut greeting).await.unwrap();

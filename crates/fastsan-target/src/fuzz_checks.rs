@@ -54,6 +54,7 @@ pub fn brp_handshake(data: &[u8]) {
         secret,
         queue_depth: 8,
         stats: Arc::new(Stats::default()),
+        instance: 1,
     };
     feed(BrpHandshake::new(brp, [7; 32]), data.get(1..).unwrap_or_default());
 }

@@ -35,6 +35,7 @@ pub mod backend;
 pub mod catalog;
 pub mod config;
 pub mod driver;
+pub mod fence;
 pub mod frontend;
 #[doc(hidden)]
 pub mod fuzz_checks;

@@ -12,6 +12,7 @@
 //! connection never has more than its queue depth, nor more than its byte
 //! budget, in flight; when credits run out the reader simply stops reading.
 
+use crate::fence::Activity;
 use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::stats::Stats;
@@ -31,8 +32,6 @@ use tracing::{debug, info, warn};
 const BYTE_BUDGET: u32 = 64 << 20;
 /// Credits on the byte budget are counted in KiB.
 const BUDGET_UNIT: u32 = 1024;
-/// How long a reply write may make no progress before the connection is dropped.
-pub const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(60);
 /// Most bytes the read buffer grows by ahead of the data that arrived.
 const READ_GROWTH: usize = 1 << 20;
 /// Smallest room offered to each read.
@@ -57,6 +56,38 @@ pub struct ConnEnv {
     /// Process requests one at a time, end to end (the paper's BRP-1).
     pub serial: bool,
     pub handshake_timeout: Duration,
+    /// How long a reply write may make no progress before the connection is dropped.
+    pub stall_timeout: Duration,
+    /// Connection slots: a connection takes one when its handshake succeeds.
+    pub slots: Arc<Semaphore>,
+    /// Payload in flight, all connections together.
+    pub budget: Budget,
+}
+
+/// Bytes of payload in flight across the whole server, counted in KiB: a
+/// request that moves data holds its share from dispatch to its reply's
+/// write, on top of its connection's own budget, so that many clients that
+/// ask for large reads and never take the replies cannot exhaust memory.
+pub struct Budget {
+    units: Arc<Semaphore>,
+    max_units: u32,
+}
+
+impl Budget {
+    pub fn new(bytes: u64) -> Budget {
+        let max_units = (bytes / BUDGET_UNIT as u64).clamp(1, u32::MAX as u64) as u32;
+        Budget { units: Arc::new(Semaphore::new(max_units as usize)), max_units }
+    }
+
+    /// The units a request moving `bytes` holds (at least one; at most all).
+    fn units(&self, bytes: u64) -> u32 {
+        (bytes / BUDGET_UNIT as u64).clamp(1, self.max_units as u64) as u32
+    }
+
+    /// KiB in flight now.
+    pub fn in_use(&self) -> u64 {
+        self.max_units as u64 - self.units.available_permits() as u64
+    }
 }
 
 /// One finished request on its way to the writer. `M` is what the front end
@@ -70,7 +101,7 @@ pub struct Reply<M> {
 
 struct Credit {
     _slot: OwnedSemaphorePermit,
-    _bytes: Option<OwnedSemaphorePermit>,
+    _bytes: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
 }
 
 /// Where the bytes of one encoded reply are: `head` and `tail` in the
@@ -92,17 +123,36 @@ pub trait Encoder: Send + 'static {
 /// reader writes through it directly when it is free (no hand-off to another
 /// task at low load); the writer task writes what the I/O pool completes, and
 /// whatever the reader found it busy with.
+///
+/// A write that fails or stalls may have stopped in the middle of a reply:
+/// from then on the sink is broken (nothing more is written, so no reply can
+/// follow a cut one and be taken for its data) and the connection is stopped.
 struct SinkState<W, E> {
     w: W,
     enc: E,
     scratch: Vec<u8>,
     parts: Vec<Encoded>,
+    stall: Duration,
+    activity: Arc<Activity>,
+    broken: bool,
 }
 
 impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
     /// Encodes `batch` and writes it with one vectored write (more if the
     /// socket takes less).
     async fn write(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
+        if self.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier"));
+        }
+        let r = self.write_now(batch).await;
+        if r.is_err() {
+            self.broken = true;
+            self.activity.stop();
+        }
+        r
+    }
+
+    async fn write_now(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
         for chunk in batch.chunks(MAX_REPLIES_PER_WRITE) {
             self.scratch.clear();
             self.parts.clear();
@@ -120,7 +170,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
                     slices.push(IoSlice::new(&self.scratch[p.tail.clone()]));
                 }
             }
-            write_all_vectored(&mut self.w, &mut slices).await?;
+            write_all_vectored(&mut self.w, &mut slices, self.stall).await?;
         }
         Ok(())
     }
@@ -143,6 +193,7 @@ pub struct Dispatcher<W, E: Encoder> {
     /// everything one read brought, then written together in one `writev`.
     pending: parking_lot::Mutex<Batch<E>>,
     logged: Arc<Logged>,
+    activity: Arc<Activity>,
 }
 
 /// How many refusals and device errors a connection has logged.
@@ -172,11 +223,19 @@ where
         peer: Arc<str>,
         w: W,
         enc: E,
+        activity: Arc<Activity>,
     ) -> (Self, Writer<W, E>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let depth = env.queue_depth as usize;
-        let sink =
-            Arc::new(tokio::sync::Mutex::new(SinkState { w, enc, scratch: Vec::new(), parts: Vec::new() }));
+        let sink = Arc::new(tokio::sync::Mutex::new(SinkState {
+            w,
+            enc,
+            scratch: Vec::new(),
+            parts: Vec::new(),
+            stall: env.stall_timeout,
+            activity: activity.clone(),
+            broken: false,
+        }));
         let d = Dispatcher {
             volume,
             env,
@@ -188,13 +247,15 @@ where
             budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
             logged: Arc::new(Logged::default()),
+            activity,
         };
         (d, Writer { rx, sink })
     }
 
     /// Check, then hand to the device: inline or on the pool. `req` is an
-    /// error when decoding already refused the request. Fails only when
-    /// writing replies on the way failed (the connection is gone).
+    /// error when decoding already refused the request. Fails when the
+    /// connection is stopped (lost, replaced, or its replies failed): then
+    /// the request is not run, and nothing after it either.
     pub async fn dispatch(&self, tag: u64, meta: E::Meta, req: Result<IoRequest, Refusal>) -> io::Result<()> {
         let moves = req.as_ref().map_or(0, |r| match r.kind {
             IoKind::Read | IoKind::Write => r.length,
@@ -205,6 +266,7 @@ where
         let credit = tokio::select! {
             c = self.credit(moves) => c?,
             _ = self.env.shutdown.cancelled() => return Ok(()),
+            _ = self.activity.stopped() => return Err(stopped()),
         };
         let stats = &self.env.stats;
         Stats::add(&stats.requests, 1);
@@ -219,6 +281,8 @@ where
                 return Ok(());
             }
         };
+        // Counted as running before it may start: a fence waits for it.
+        let Some(running) = self.activity.begin() else { return Err(stopped()) };
         if !self.volume.runs_inline() && !self.env.serial {
             let volume = self.volume.clone();
             let tx = self.tx.clone();
@@ -228,11 +292,13 @@ where
             self.env.pool.submit(move || {
                 let at = Where { peer: &peer, volume: volume.name(), tag, kind };
                 let result = run(&volume, op, &stats, at, &logged);
+                drop(running);
                 let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
             });
         } else {
             let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
             let result = run(&self.volume, op, &self.env.stats, at, &self.logged);
+            drop(running);
             self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
         }
         Ok(())
@@ -267,17 +333,25 @@ where
         };
         let bytes = if bytes > 0 {
             let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
-            Some(match self.budget.clone().try_acquire_many_owned(units) {
-                Ok(b) => b,
-                Err(_) => {
-                    self.flush().await?;
-                    self.budget.clone().acquire_many_owned(units).await.expect("never closed")
-                }
-            })
+            let mine = self.units(&self.budget, units).await?;
+            let global = &self.env.budget;
+            let all = self.units(&global.units, global.units(bytes)).await?;
+            Some((mine, all))
         } else {
             None
         };
         Ok(Credit { _slot: slot, _bytes: bytes })
+    }
+
+    /// `n` units of a byte budget; the replies held are sent first when it must wait.
+    async fn units(&self, budget: &Arc<Semaphore>, n: u32) -> io::Result<OwnedSemaphorePermit> {
+        Ok(match budget.clone().try_acquire_many_owned(n) {
+            Ok(b) => b,
+            Err(_) => {
+                self.flush().await?;
+                budget.clone().acquire_many_owned(n).await.expect("never closed")
+            }
+        })
     }
 }
 
@@ -368,11 +442,17 @@ pub fn read_room(buffered: usize, need: usize) -> usize {
     need.min(buffered + READ_GROWTH).max(READ_CHUNK).saturating_sub(buffered).max(4096)
 }
 
-/// Writes every slice; a peer that accepts nothing for [`WRITE_STALL`] is cut off,
+/// The error of a dispatch on a stopped connection.
+fn stopped() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "connection stopped")
+}
+
+/// Writes every slice; a peer that accepts nothing for `stall` is cut off,
 /// so a client that stops reading its replies cannot hold a connection forever.
 pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
+    stall: Duration,
 ) -> io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
@@ -380,7 +460,7 @@ pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
         // the stall timer only when the write has to wait.
         let n = match futures::FutureExt::now_or_never(w.write_vectored(bufs)) {
             Some(r) => r?,
-            None => match tokio::time::timeout(WRITE_STALL, w.write_vectored(bufs)).await {
+            None => match tokio::time::timeout(stall, w.write_vectored(bufs)).await {
                 Ok(r) => r?,
                 Err(_) => {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies"))

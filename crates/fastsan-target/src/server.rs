@@ -10,22 +10,23 @@ use crate::driver::{refuse_busy, serve_connection, Transport};
 use crate::frontend::brp::Brp;
 use crate::frontend::nbd::Nbd;
 use crate::frontend::Frontend;
-use crate::pipeline::ConnEnv;
+use crate::pipeline::{Budget, ConnEnv};
 use crate::pool::IoPool;
 use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::volume::Volume;
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -54,7 +55,7 @@ pub struct Server {
     brp_unix: Option<Unix>,
     nbd_tcp: Option<TcpListener>,
     nbd_unix: Option<Unix>,
-    max_connections: usize,
+    gate: Arc<HandshakeGate>,
     drain_timeout: Duration,
 }
 
@@ -121,7 +122,13 @@ impl Server {
             queue_depth,
             serial: config.serial,
             handshake_timeout: config.handshake_timeout,
+            stall_timeout: config.stall_timeout,
+            slots: Arc::new(Semaphore::new(config.max_connections)),
+            budget: Budget::new(config.memory_budget),
         });
+        // Random per start: a resuming initiator learns that the target restarted.
+        let instance = rand::random::<u64>() | 1;
+        info!(instance = format_args!("{instance:016x}"), "target instance");
         let catalog = Arc::new(catalog);
         let brp = Brp {
             catalog: catalog.clone(),
@@ -129,6 +136,7 @@ impl Server {
             secret: config.secret.as_deref().map(Arc::from),
             queue_depth,
             stats,
+            instance,
         };
         let nbd = Nbd { catalog: catalog.clone() };
         Ok(Server {
@@ -140,7 +148,7 @@ impl Server {
             brp_unix,
             nbd_tcp,
             nbd_unix,
-            max_connections: config.max_connections,
+            gate: Arc::new(HandshakeGate::new(config.max_handshakes)),
             drain_timeout: config.drain_timeout,
         })
     }
@@ -159,22 +167,12 @@ impl Server {
         ServerHandle { env: self.env.clone(), catalog: self.catalog.clone() }
     }
 
-    /// Serves until shutdown is requested, then drains and flushes.
+    /// Serves until shutdown is requested, then drains and flushes. Fails
+    /// when a volume could not be flushed: acknowledged writes may be lost.
     pub async fn run(self) -> io::Result<()> {
-        let Server {
-            env,
-            catalog,
-            brp,
-            nbd,
-            brp_tcp,
-            brp_unix,
-            nbd_tcp,
-            nbd_unix,
-            max_connections,
-            drain_timeout,
-        } = self;
+        let Server { env, catalog, brp, nbd, brp_tcp, brp_unix, nbd_tcp, nbd_unix, gate, drain_timeout } =
+            self;
         let tracker = TaskTracker::new();
-        let slots = Arc::new(Semaphore::new(max_connections));
         info!(addr = %brp_tcp.local_addr()?, auth = brp.secret.is_some(), serial = env.serial, "BRP listener ready");
         if let Some(u) = &brp_unix {
             info!(path = %u.path.display(), "BRP unix socket ready");
@@ -186,7 +184,7 @@ impl Server {
             info!(path = %u.path.display(), "NBD unix socket ready");
         }
         let (brp, nbd) = (Arc::new(brp), Arc::new(nbd));
-        let accept = Acceptor { env: &env, tracker: &tracker, slots: &slots };
+        let accept = Acceptor { env: &env, tracker: &tracker, gate: &gate };
         tokio::join!(
             accept.run(brp_tcp, brp.clone()),
             accept.run_opt(brp_unix, brp),
@@ -198,18 +196,22 @@ impl Server {
         if tokio::time::timeout(drain_timeout, tracker.wait()).await.is_err() {
             warn!("some connections did not finish within {drain_timeout:?}");
         }
+        let mut unflushed = Vec::new();
         for v in catalog.iter() {
             // Off the runtime, and bounded: a stalled device must not hold the exit forever.
             let vol = v.clone();
             let flush = tokio::task::spawn_blocking(move || vol.flush());
-            match tokio::time::timeout(drain_timeout, flush).await {
-                Ok(Ok(Ok(()))) => info!(volume = v.name(), "flushed"),
-                Ok(Ok(Err(e))) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
-                Ok(Err(e)) => warn!(volume = v.name(), "flush at shutdown failed: {e}"),
-                Err(_) => {
-                    warn!(volume = v.name(), "flush at shutdown did not finish within {drain_timeout:?}")
+            let failed = match tokio::time::timeout(drain_timeout, flush).await {
+                Ok(Ok(Ok(()))) => {
+                    info!(volume = v.name(), "flushed");
+                    continue;
                 }
-            }
+                Ok(Ok(Err(e))) => e.to_string(),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("did not finish within {drain_timeout:?}"),
+            };
+            error!(volume = v.name(), "flush at shutdown failed: {failed}; acknowledged writes may be lost");
+            unflushed.push(v.name().to_owned());
         }
         let s = env.stats.snapshot();
         info!(
@@ -220,6 +222,9 @@ impl Server {
             errors = s.errors,
             "stopped"
         );
+        if !unflushed.is_empty() {
+            return Err(io::Error::other(format!("could not flush volume(s) {}", unflushed.join(", "))));
+        }
         Ok(())
     }
 }
@@ -227,16 +232,16 @@ impl Server {
 /// A listening socket of any kind.
 trait Listener: Send + 'static {
     type Stream: Transport;
-    /// The next connection and a name for its peer.
-    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, String)>> + Send;
+    /// The next connection, a name for its peer, and its address (TCP).
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, String, Option<IpAddr>)>> + Send;
 }
 
 impl Listener for TcpListener {
     type Stream = TcpStream;
-    async fn accept(&self) -> io::Result<(TcpStream, String)> {
+    async fn accept(&self) -> io::Result<(TcpStream, String, Option<IpAddr>)> {
         let (s, peer) = TcpListener::accept(self).await?;
         tune(&s);
-        Ok((s, peer.to_string()))
+        Ok((s, peer.to_string(), Some(peer.ip())))
     }
 }
 
@@ -269,18 +274,19 @@ impl Drop for Unix {
 
 impl Listener for Unix {
     type Stream = UnixStream;
-    async fn accept(&self) -> io::Result<(UnixStream, String)> {
+    async fn accept(&self) -> io::Result<(UnixStream, String, Option<IpAddr>)> {
         let (s, _) = self.listener.accept().await?;
-        Ok((s, format!("unix:{}", self.path.display())))
+        Ok((s, format!("unix:{}", self.path.display()), None))
     }
 }
 
-/// Accepts connections until shutdown; each runs as a tracked task while it
-/// holds one of the `max_connections` slots.
+/// Accepts connections until shutdown; each runs as a tracked task. Its
+/// handshake needs a ticket from the [`HandshakeGate`]; its transmission
+/// phase one of the `max_connections` slots (taken by the driver).
 struct Acceptor<'a> {
     env: &'a Arc<ConnEnv>,
     tracker: &'a TaskTracker,
-    slots: &'a Arc<Semaphore>,
+    gate: &'a Arc<HandshakeGate>,
 }
 
 impl Acceptor<'_> {
@@ -292,7 +298,7 @@ impl Acceptor<'_> {
 
     async fn run<F: Frontend, L: Listener>(&self, l: L, frontend: Arc<F>) {
         loop {
-            let (stream, peer) = tokio::select! {
+            let (stream, peer, ip) = tokio::select! {
                 _ = self.env.shutdown.cancelled() => return,
                 r = l.accept() => match r {
                     Ok(x) => x,
@@ -305,14 +311,72 @@ impl Acceptor<'_> {
                 },
             };
             Stats::add(&self.env.stats.connections, 1);
-            let permit = self.slots.clone().try_acquire_owned().ok();
+            let ticket = self.gate.enter(ip);
             let (frontend, env) = (frontend.clone(), self.env.clone());
             self.tracker.spawn(async move {
-                let Some(_permit) = permit else {
-                    return refuse_busy(&*frontend, stream, &peer).await;
+                let Some(ticket) = ticket else {
+                    return refuse_busy(&*frontend, stream, &peer, "too many connections in their handshake")
+                        .await;
                 };
-                serve_connection(frontend, stream, peer.into(), env).await
+                serve_connection(frontend, stream, peer.into(), env, ticket).await
             });
+        }
+    }
+}
+
+/// Admits connections to their handshake: at most `total` at once, and a
+/// quarter of that from one address, so that silent or slow clients hold
+/// no connection slot and cannot crowd out the others.
+pub struct HandshakeGate {
+    total: Arc<Semaphore>,
+    per_addr: parking_lot::Mutex<HashMap<IpAddr, usize>>,
+    per_addr_max: usize,
+}
+
+/// A connection's place in its handshake; given back when dropped.
+pub struct HandshakeTicket {
+    _permit: OwnedSemaphorePermit,
+    addr: Option<(Arc<HandshakeGate>, IpAddr)>,
+}
+
+impl HandshakeGate {
+    pub fn new(total: usize) -> HandshakeGate {
+        HandshakeGate {
+            total: Arc::new(Semaphore::new(total)),
+            per_addr: Default::default(),
+            per_addr_max: (total / 4).max(1),
+        }
+    }
+
+    /// A ticket, or `None` when the gate or this address is full.
+    pub fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
+        let permit = self.total.clone().try_acquire_owned().ok()?;
+        let addr = match ip {
+            Some(ip) => {
+                let mut m = self.per_addr.lock();
+                let n = m.entry(ip).or_default();
+                if *n >= self.per_addr_max {
+                    return None;
+                }
+                *n += 1;
+                Some((self.clone(), ip))
+            }
+            None => None,
+        };
+        Some(HandshakeTicket { _permit: permit, addr })
+    }
+}
+
+impl Drop for HandshakeTicket {
+    fn drop(&mut self) {
+        if let Some((gate, ip)) = &self.addr {
+            let mut m = gate.per_addr.lock();
+            if let Some(n) = m.get_mut(ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(ip);
+                }
+            }
         }
     }
 }

@@ -1,13 +1,41 @@
-//! BRP sessions: the connections an initiator opened to one volume under one id.
+//! BRP sessions: the connections an initiator opened to one volume under
+//! one id, each in its slot, and the fence that keeps a lost connection's
+//! writes from landing after the initiator's retries.
+//!
+//! When OPEN joins a session in a slot that a connection already holds, that
+//! connection is lost as far as its initiator is concerned (it is
+//! reconnecting): it is stopped at once ([`Activity::stop`]). The new
+//! connection's OPEN_REPLY waits for the [`Fence`]: every stopped connection
+//! of the session has finished what it started on the device. An initiator
+//! retries a failed request only after that reply, so no write of a dead
+//! connection can land after a newer one.
 
+use crate::fence::Activity;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+
+#[derive(Debug)]
+struct Member {
+    slot: u16,
+    activity: Arc<Activity>,
+    /// Its connection is still open (its guard not dropped).
+    open: bool,
+}
 
 #[derive(Debug)]
 struct Session {
     volume: String,
-    connections: usize,
+    members: Vec<Member>,
+}
+
+impl Session {
+    /// Forgets members whose connection closed and whose work is done.
+    fn prune(&mut self) {
+        self.members.retain(|m| m.open || !m.activity.is_drained());
+    }
 }
 
 #[derive(Default, Debug)]
@@ -15,16 +43,27 @@ pub struct Sessions {
     map: Mutex<HashMap<u64, Session>>,
 }
 
+/// What a connection opened in a session must wait for before it answers:
+/// every stopped connection of the session drained.
+pub type Fence = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 impl Sessions {
-    /// Joins session `id` (0: a new one). An unknown id is taken as given, so
-    /// an initiator keeps its session across a target restart. The
-    /// connection leaves the session when the guard drops, whatever path it
-    /// ends by.
-    pub fn join(self: &Arc<Self>, id: u64, volume: &str) -> Result<SessionGuard, String> {
+    /// Joins session `id` (0: a new one) in `slot`. An unknown id is taken as
+    /// given, so an initiator keeps its session across a target restart (the
+    /// initiator checks the volume's generation). A connection already in
+    /// `slot` is stopped. Returns the connection's membership (it leaves the
+    /// session when the guard drops, whatever path it ends by) and the fence
+    /// its OPEN_REPLY waits for.
+    pub fn join(self: &Arc<Self>, id: u64, slot: u16, volume: &str) -> Result<(SessionGuard, Fence), String> {
         let mut map = self.map.lock();
         let id = if id != 0 {
             id
         } else {
+            // A new session: a good moment to forget old ones that are done.
+            map.retain(|_, s| {
+                s.prune();
+                !s.members.is_empty()
+            });
             loop {
                 let r = rand::random::<u64>();
                 if r != 0 && !map.contains_key(&r) {
@@ -32,17 +71,40 @@ impl Sessions {
                 }
             }
         };
-        let s = map.entry(id).or_insert_with(|| Session { volume: volume.to_owned(), connections: 0 });
+        let s = map.entry(id).or_insert_with(|| Session { volume: volume.to_owned(), members: Vec::new() });
         if s.volume != volume {
             return Err(format!("session {id:016x} belongs to volume {:?}", s.volume));
         }
-        s.connections += 1;
-        Ok(SessionGuard { sessions: self.clone(), id })
+        s.prune();
+        let mut replaced = 0;
+        for m in s.members.iter().filter(|m| m.slot == slot && m.open) {
+            m.activity.stop();
+            replaced += 1;
+        }
+        let waits: Vec<Arc<Activity>> =
+            s.members.iter().filter(|m| m.activity.is_stopped()).map(|m| m.activity.clone()).collect();
+        if replaced > 0 || !waits.is_empty() {
+            tracing::debug!(
+                session = format_args!("{id:016x}"),
+                slot,
+                replaced,
+                fenced = waits.len(),
+                "connection re-opened: waiting for the session's lost connections to finish"
+            );
+        }
+        let activity = Activity::new();
+        s.members.push(Member { slot, activity: activity.clone(), open: true });
+        let fence: Fence = Box::pin(async move {
+            for a in waits {
+                a.drained().await;
+            }
+        });
+        Ok((SessionGuard { sessions: self.clone(), id, activity }, fence))
     }
 
-    /// Connections in session `id` now.
+    /// Open connections in session `id` now.
     pub fn connections(&self, id: u64) -> usize {
-        self.map.lock().get(&id).map_or(0, |s| s.connections)
+        self.map.lock().get(&id).map_or(0, |s| s.members.iter().filter(|m| m.open).count())
     }
 }
 
@@ -51,20 +113,32 @@ impl Sessions {
 pub struct SessionGuard {
     sessions: Arc<Sessions>,
     id: u64,
+    activity: Arc<Activity>,
 }
 
 impl SessionGuard {
     pub fn id(&self) -> u64 {
         self.id
     }
+
+    /// The connection's activity: stopped when a reconnect takes its slot.
+    pub fn activity(&self) -> &Arc<Activity> {
+        &self.activity
+    }
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
+        // A closed connection dispatches nothing more; what it started may
+        // still run, and later fences of the session wait for it.
+        self.activity.stop();
         let mut map = self.sessions.map.lock();
         if let Some(s) = map.get_mut(&self.id) {
-            s.connections -= 1;
-            if s.connections == 0 {
+            for m in s.members.iter_mut().filter(|m| Arc::ptr_eq(&m.activity, &self.activity)) {
+                m.open = false;
+            }
+            s.prune();
+            if s.members.is_empty() {
                 map.remove(&self.id);
             }
         }
@@ -74,21 +148,50 @@ impl Drop for SessionGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn a_session_lives_while_a_connection_holds_it_and_keeps_its_volume() {
         let s = Arc::new(Sessions::default());
-        let a = s.join(0, "v").unwrap();
+        let (a, _) = s.join(0, 0, "v").unwrap();
         let id = a.id();
         assert_ne!(id, 0);
-        let b = s.join(id, "v").unwrap();
+        let (b, _) = s.join(id, 1, "v").unwrap();
         assert_eq!(s.connections(id), 2);
-        assert!(s.join(id, "w").unwrap_err().contains("belongs to volume \"v\""));
+        assert!(s.join(id, 2, "w").err().unwrap().contains("belongs to volume \"v\""));
         drop(a);
         assert_eq!(s.connections(id), 1);
         drop(b);
         assert_eq!(s.connections(id), 0);
-        let again = s.join(id, "w").unwrap();
+        let (again, _) = s.join(id, 0, "w").unwrap();
         assert_eq!(again.id(), id, "a resumed id is taken as given");
+    }
+
+    #[tokio::test]
+    async fn a_reconnect_stops_its_slot_and_waits_for_what_the_lost_connection_started() {
+        let s = Arc::new(Sessions::default());
+        let (c1, _) = s.join(0, 0, "v").unwrap();
+        let id = c1.id();
+        let (c2, _) = s.join(id, 1, "v").unwrap();
+        let job = c1.activity().begin().expect("c1 runs a write");
+        // Slot 0 reconnects while c1 still looks open to the target.
+        let (c1b, fence) = s.join(id, 0, "v").unwrap();
+        assert!(c1.activity().is_stopped(), "the lost connection dispatches nothing more");
+        assert!(!c2.activity().is_stopped(), "other slots go on");
+        let fence = tokio::spawn(fence);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!fence.is_finished(), "the reply waits for the lost connection's write");
+        drop(job);
+        tokio::time::timeout(Duration::from_secs(5), fence).await.unwrap().unwrap();
+        // A closed connection with work still running fences later joins too.
+        let job = c2.activity().begin().unwrap();
+        drop(c2);
+        let (_c3, fence) = s.join(id, 1, "v").unwrap();
+        let fence = tokio::spawn(fence);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!fence.is_finished());
+        drop(job);
+        tokio::time::timeout(Duration::from_secs(5), fence).await.unwrap().unwrap();
+        drop((c1, c1b));
     }
 }

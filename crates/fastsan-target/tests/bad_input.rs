@@ -143,7 +143,7 @@ async fn malformed_frames_close_only_their_connection() {
     // A request before the handshake, and an OPEN before HELLO.
     closes_connection(&srv, RequestHeader::new(Command::Read, 0, 1, 0, 512).encode().to_vec(), false).await;
     let mut raw = Raw::connect(srv.addr).await;
-    match raw.ask(&Message::Open { session: 0, name: "v".into() }).await {
+    match raw.ask(&Message::Open { session: 0, slot: 0, name: "v".into() }).await {
         Message::Error { status, .. } => assert_eq!(status, Status::UNEXPECTED),
         other => panic!("{other:?}"),
     }
@@ -160,29 +160,37 @@ async fn malformed_frames_close_only_their_connection() {
 async fn unknown_volume_and_version_are_refused_politely() {
     let srv = TestServer::start(VOLS, |_| {}).await;
     let mut raw = Raw::connect(srv.addr).await;
-    match raw.ask(&Message::Hello { min_version: 2, max_version: 9, features: 0 }).await {
+    match raw.ask(&Message::Hello { min_version: 3, max_version: 9, features: 0 }).await {
         Message::Error { status, .. } => assert_eq!(status, Status::BAD_VERSION),
         other => panic!("{other:?}"),
     }
     let mut raw = Raw::connect(srv.addr).await;
-    raw.ask(&Message::Hello { min_version: 1, max_version: 1, features: 0xFFFF_FFFF }).await;
-    match raw.ask(&Message::Open { session: 0, name: "nope".into() }).await {
+    raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0xFFFF_FFFF }).await;
+    match raw.ask(&Message::Open { session: 0, slot: 0, name: "nope".into() }).await {
         Message::Error { status, .. } => assert_eq!(status, Status::NO_SUCH_VOLUME),
         other => panic!("{other:?}"),
     }
     // The handshake goes on after a refused OPEN.
     let Message::ListReply { volumes } = raw.ask(&Message::List).await else { panic!() };
     assert_eq!(volumes.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["v", "ro"]);
-    assert!(matches!(raw.ask(&Message::Open { session: 0, name: "v".into() }).await, Message::OpenReply(_)));
+    assert!(matches!(
+        raw.ask(&Message::Open { session: 0, slot: 0, name: "v".into() }).await,
+        Message::OpenReply(_)
+    ));
     bystander_works(&srv).await;
     srv.stop().await;
 }
 
+/// Silent clients time out; a flood of them from one address fills only
+/// that address's handshake places (others still connect), and never takes
+/// a connection slot; past the connection cap, OPEN is answered BUSY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_clients_time_out_and_floods_are_capped() {
     let srv = TestServer::start(VOLS, |c| {
         c.handshake_timeout = Duration::from_millis(300);
-        c.max_connections = 4;
+        // Four handshakes at once from one address.
+        c.max_handshakes = 16;
+        c.max_connections = 2;
     })
     .await;
     // Connects and says nothing: closed at the handshake timeout.
@@ -190,21 +198,34 @@ async fn silent_clients_time_out_and_floods_are_capped() {
     let t = std::time::Instant::now();
     assert!(silent.closed_within(Duration::from_secs(5)).await);
     assert!(t.elapsed() >= Duration::from_millis(250), "not before the timeout");
-    // A flood: past the cap, connections are told BUSY and closed.
+    // A flood from one address: past its share, connections are told BUSY and closed.
     let mut flood = Vec::new();
     for _ in 0..4 {
-        flood.push(Raw::connect(srv.addr).await);
+        flood.push(Raw::connect_from(srv.addr, "127.0.0.1").await);
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut extra = Raw::connect(srv.addr).await;
+    let mut extra = Raw::connect_from(srv.addr, "127.0.0.1").await;
     match extra.message().await {
         Some(Message::Error { status, .. }) => assert_eq!(status, Status::BUSY),
         other => panic!("expected BUSY, got {other:?}"),
     }
-    // When the flood times out, the slots come back.
+    // Another address gets through the flood, and so do two whole connections.
+    let mut a = Raw::connect_from(srv.addr, "127.0.0.2").await;
+    assert!(matches!(a.hello_open("v").await, Message::OpenReply(_)));
+    let mut b = Raw::connect_from(srv.addr, "127.0.0.3").await;
+    assert!(matches!(b.hello_open("v").await, Message::OpenReply(_)));
+    // Both connection slots are taken: the next OPEN is answered BUSY.
+    let mut c = Raw::connect_from(srv.addr, "127.0.0.4").await;
+    match c.hello_open("v").await {
+        Message::Error { status, .. } => assert_eq!(status, Status::BUSY),
+        other => panic!("expected BUSY, got {other:?}"),
+    }
+    drop((a, b));
+    // When the flood times out, its places come back.
     for mut f in flood {
         assert!(f.closed_within(Duration::from_secs(5)).await);
     }
+    tokio::time::sleep(Duration::from_millis(50)).await;
     bystander_works(&srv).await;
     srv.stop().await;
 }
@@ -252,7 +273,7 @@ async fn authentication() {
     // A raw client that skips AUTH gets AUTH_REQUIRED and is closed.
     let mut raw = Raw::connect(srv.addr).await;
     let Message::HelloReply { auth, .. } =
-        raw.ask(&Message::Hello { min_version: 1, max_version: 1, features: 0 }).await
+        raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await
     else {
         panic!()
     };

@@ -123,7 +123,8 @@ async fn export_name_option_and_default_export() {
 async fn bad_handshakes_are_bounded() {
     let srv = TestServer::start(VOLS, |c| {
         c.handshake_timeout = Duration::from_millis(300);
-        c.max_connections = 3;
+        // Three handshakes at once from one address.
+        c.max_handshakes = 12;
     })
     .await;
     let addr = nbd_addr(&srv);

@@ -7,6 +7,7 @@ use common::{pattern, TestServer};
 use fastsan_initiator::{MergeMode, Options, Volume};
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
+use std::time::Duration;
 
 const REGION: u64 = 2 << 20;
 const REQUESTERS: u64 = 64;
@@ -194,41 +195,67 @@ async fn file_volume_pool_and_serial_mode() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// A target restart fails in-flight requests with a retryable error; the
-/// session reconnects by itself and later requests succeed.
+/// A memory volume does not survive its target: when the target restarts,
+/// the session is refused with an error that says so, and the data written
+/// before is never read back as zeros with status OK.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn session_reconnects_after_target_restart() {
+async fn a_restarted_target_with_an_empty_memory_volume_is_refused() {
     let srv = TestServer::start(&["v=memory:16M"], |_| {}).await;
     let addr = srv.addr;
-    let opts = Options {
-        connections: 2,
-        reconnect_timeout: std::time::Duration::from_millis(500),
-        ..Default::default()
-    };
+    let opts = Options { connections: 2, reconnect_timeout: Duration::from_secs(10), ..Default::default() };
     let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
     vol.write_at(&[1; 4096], 0, false).await.unwrap();
     srv.stop().await;
-    let err = vol.read(0, 4096).await;
-    // The request waits for a reconnect that cannot happen yet, then fails retryably.
-    let e = err.expect_err("no target, no reply");
-    assert!(e.is_retryable(), "{e}");
     let srv2 = TestServer::start(&["v=memory:16M"], |c| c.brp = addr).await;
-    let mut ok = false;
-    for _ in 0..100 {
-        match vol.write_at(&[2; 4096], 0, false).await {
-            Ok(()) => {
-                ok = true;
-                break;
-            }
-            Err(e) => {
-                assert!(e.is_retryable(), "{e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
+    let e = tokio::time::timeout(Duration::from_secs(10), vol.read(0, 4096))
+        .await
+        .expect("an answer, not a hang")
+        .expect_err("the volume behind the name is not the one written to");
+    assert!(
+        matches!(e, fastsan_initiator::Error::VolumeReplaced { restarted: true, volatile: true, .. }),
+        "{e:?}"
+    );
+    assert!(!e.is_retryable());
+    let text = e.to_string();
+    assert!(text.contains("target restarted") && text.contains("volatile"), "{text}");
+    // Every later request gets the same answer, never data.
+    assert!(vol.write_at(&[2; 4096], 0, false).await.is_err());
+    drop(vol);
+    srv2.stop().await;
+}
+
+/// A file volume survives its target: requests issued while the target is
+/// down wait for it (no error reaches the caller), and the session resumes
+/// on the restarted target with the data intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_it() {
+    let dir = std::env::temp_dir().join(format!("fastsan-restart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("v.img");
+    std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+    let spec = format!("v=file:{}", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let addr = srv.addr;
+    let opts = Options { connections: 2, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
+    let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
+    vol.write_at(&[1; 4096], 0, true).await.unwrap();
+    srv.stop().await;
+    // Issued while no target listens: it waits.
+    let pending = tokio::spawn({
+        let vol = vol.clone();
+        async move {
+            vol.write_at(&[2; 4096], 4096, false).await?;
+            vol.read(0, 8192).await
         }
-    }
-    assert!(ok, "the session came back");
-    assert_eq!(vol.read(0, 4096).await.unwrap()[..], [2; 4096][..]);
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!pending.is_finished(), "waits for the target instead of failing");
+    let srv2 = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    let data = tokio::time::timeout(Duration::from_secs(15), pending).await.unwrap().unwrap().unwrap();
+    assert_eq!(&data[..4096], &[1; 4096][..]);
+    assert_eq!(&data[4096..], &[2; 4096][..]);
     assert!(vol.stats().reconnects >= 1);
     drop(vol);
     srv2.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -65,13 +65,29 @@ pub struct Args {
     /// Seconds a client has to finish the handshake [default: 10].
     #[arg(long, value_name = "SECS")]
     handshake_timeout: Option<f64>,
+    /// Seconds a client may leave its replies unread before it is dropped [default: 30].
+    #[arg(long, value_name = "SECS")]
+    stall_timeout: Option<f64>,
     /// Most connections at once; more are refused as busy [default: 1024].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Most connections still in their handshake at once, a quarter of them
+    /// from one address [default: 64].
+    #[arg(long, value_name = "N")]
+    max_handshakes: Option<usize>,
+    /// Most request and reply payload in flight, all clients together, e.g. 2G [default: 1G].
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<String>,
     /// Process each connection's requests one at a time (the paper's BRP-1,
     /// "parallelism off"); for comparisons only.
     #[arg(long)]
     serial: bool,
+}
+
+/// A duration given in seconds: more than 0, at most an hour.
+fn seconds(what: &str, s: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(s > 0.0 && s <= 3600.0, "{what} must be more than 0 and at most 3600 seconds (got {s})");
+    Ok(Duration::from_secs_f64(s))
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
@@ -107,11 +123,19 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         c.io_threads = n;
     }
     if let Some(s) = a.handshake_timeout.or(file.handshake_timeout) {
-        anyhow::ensure!(s > 0.0 && s < 3600.0, "handshake timeout must be between 0 and 3600 seconds");
-        c.handshake_timeout = Duration::from_secs_f64(s);
+        c.handshake_timeout = seconds("handshake timeout", s)?;
+    }
+    if let Some(s) = a.stall_timeout.or(file.stall_timeout) {
+        c.stall_timeout = seconds("stall timeout", s)?;
     }
     if let Some(n) = a.max_connections.or(file.max_connections) {
         c.max_connections = n;
+    }
+    if let Some(n) = a.max_handshakes.or(file.max_handshakes) {
+        c.max_handshakes = n;
+    }
+    if let Some(m) = a.memory_budget.as_ref().or(file.memory_budget.as_ref()) {
+        c.memory_budget = parse_size(m)?;
     }
     c.serial = a.serial || file.serial;
 

@@ -25,6 +25,8 @@ pub struct FileBackend {
     direct: bool,
     block_device: bool,
     read_only: bool,
+    /// From the file's device and inode: another file at the same path is another generation.
+    generation: u64,
 }
 
 impl FileBackend {
@@ -41,7 +43,13 @@ impl FileBackend {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file or a block device"));
         }
         let size = file.seek(SeekFrom::End(0))?;
-        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device, read_only })
+        // A fixed mix (not a hasher whose keys may change between builds):
+        // the same file must give the same number to every fastsan.
+        let generation = {
+            use std::os::unix::fs::MetadataExt;
+            meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev()
+        };
+        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device, read_only, generation })
     }
 
     fn fd(&self) -> libc::c_int {
@@ -240,6 +248,9 @@ impl Backend for FileBackend {
     }
     fn volatile(&self) -> bool {
         false
+    }
+    fn generation(&self) -> u64 {
+        self.generation
     }
     fn describe(&self) -> String {
         format!(

@@ -12,12 +12,15 @@ const CHUNK: u64 = 256 * 1024;
 pub struct MemoryBackend {
     size: u64,
     chunks: Vec<RwLock<Option<Box<[u8]>>>>,
+    /// Drawn at creation: this memory's data exists nowhere else.
+    generation: u64,
 }
 
 impl MemoryBackend {
     pub fn new(size: u64) -> Self {
         let n = size.div_ceil(CHUNK) as usize;
-        MemoryBackend { size, chunks: (0..n).map(|_| RwLock::new(None)).collect() }
+        let generation = rand::random::<u64>() | 1;
+        MemoryBackend { size, chunks: (0..n).map(|_| RwLock::new(None)).collect(), generation }
     }
 
     /// Bytes of RAM the volume holds now.
@@ -132,6 +135,9 @@ impl Backend for MemoryBackend {
     }
     fn volatile(&self) -> bool {
         true
+    }
+    fn generation(&self) -> u64 {
+        self.generation
     }
     fn describe(&self) -> String {
         format!("memory, {} bytes (volatile)", self.size)

@@ -52,6 +52,10 @@ pub enum BackendError {
     /// Any other failure of the device, with its errno.
     #[error("{}", io::Error::from_raw_os_error(*.0))]
     Io(i32),
+    /// An earlier flush failed: writes it covered may be lost, and the volume
+    /// refuses to promise durability (FLUSH, FUA) until it is reopened.
+    #[error("an earlier flush of this volume failed (writes may be lost); it refuses FLUSH and FUA until it is reopened")]
+    WritebackLost,
 }
 
 impl From<io::Error> for BackendError {
@@ -116,6 +120,12 @@ pub trait Backend: Send + Sync + 'static {
     fn may_block(&self) -> bool;
     /// True when the data does not survive the target process.
     fn volatile(&self) -> bool;
+    /// Identity of the data: the same for as long as the data behind the
+    /// volume is the same one (a memory store draws a new one when it is
+    /// made; a file has its device and inode). A resuming initiator compares
+    /// it, so that a restarted target's empty volume is never taken for the
+    /// one it wrote to.
+    fn generation(&self) -> u64;
     /// A one-line description for logs.
     fn describe(&self) -> String;
 
@@ -175,6 +185,9 @@ pub trait Layer: Send + Sync + 'static {
     }
     fn volatile(&self) -> bool {
         self.next().volatile()
+    }
+    fn generation(&self) -> u64 {
+        self.next().generation()
     }
     fn describe(&self) -> String {
         self.next().describe()
@@ -239,6 +252,9 @@ impl<L: Layer> Backend for L {
     }
     fn volatile(&self) -> bool {
         Layer::volatile(self)
+    }
+    fn generation(&self) -> u64 {
+        Layer::generation(self)
     }
     fn describe(&self) -> String {
         Layer::describe(self)

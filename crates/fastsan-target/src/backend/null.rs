@@ -73,6 +73,10 @@ impl Backend for NullBackend {
     fn volatile(&self) -> bool {
         true
     }
+    fn generation(&self) -> u64 {
+        // Always zeros: every instance holds the same data.
+        0
+    }
     fn describe(&self) -> String {
         format!("null, {} bytes", self.size)
     }

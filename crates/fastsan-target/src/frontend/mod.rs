@@ -11,8 +11,10 @@
 pub mod brp;
 pub mod nbd;
 
+use crate::fence::Activity;
 use crate::pipeline::Encoder;
 use crate::request::{IoRequest, Limits, Refusal};
+use crate::sessions::Fence;
 use crate::volume::Volume;
 use bytes::BytesMut;
 use std::sync::Arc;
@@ -86,6 +88,13 @@ pub trait Transmission: Send + 'static {
     fn describe(&self) -> String;
     /// Takes the next request off the front of `buf`.
     fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<<Self::Encoder as Encoder>::Meta>, WireError>;
+    /// The connection's activity (stopped when the connection is lost or
+    /// replaced; see [`crate::fence`]).
+    fn activity(&self) -> Arc<Activity>;
+    /// What the last handshake reply must wait for, once (BRP's session fence).
+    fn fence(&mut self) -> Option<Fence> {
+        None
+    }
     /// Whether the stream ending now would cut a frame in half.
     fn mid_frame(&self, buf: &BytesMut) -> bool {
         !buf.is_empty()

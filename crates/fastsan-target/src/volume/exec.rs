@@ -27,31 +27,45 @@ impl Volume {
                 b.read_at(buf.as_mut(), offset)?;
                 Outcome::Data(Bytes::from_owner(buf))
             }
-            OpKind::Write { offset, data, fua } => {
-                b.write_at(&data, offset, fua && self.caps.fua)?;
-                if fua && !self.caps.fua {
-                    b.flush()?;
-                }
+            OpKind::Write { offset, data, fua: false } => {
+                b.write_at(&data, offset, false)?;
+                done
+            }
+            OpKind::Write { offset, data, fua: true } => {
+                self.durable(|| {
+                    b.write_at(&data, offset, self.caps.fua)?;
+                    if !self.caps.fua {
+                        b.flush()?;
+                    }
+                    Ok(())
+                })?;
                 done
             }
             OpKind::Flush => {
-                b.flush()?;
+                self.durable(|| b.flush())?;
                 done
             }
             OpKind::Trim { offset, len, fua } => {
                 b.trim(offset, len)?;
                 if fua {
-                    b.flush()?;
+                    self.durable(|| b.flush())?;
                 }
                 done
             }
-            OpKind::WriteZeroes { offset, len, mut flags } => {
-                let emulate_fua = flags.fua && !self.caps.fua;
-                flags.fua &= !emulate_fua;
+            OpKind::WriteZeroes { offset, len, mut flags } if flags.fua => {
+                let emulate_fua = !self.caps.fua;
+                flags.fua = !emulate_fua;
+                self.durable(|| {
+                    b.write_zeroes(offset, len, flags)?;
+                    if emulate_fua {
+                        b.flush()?;
+                    }
+                    Ok(())
+                })?;
+                done
+            }
+            OpKind::WriteZeroes { offset, len, flags } => {
                 b.write_zeroes(offset, len, flags)?;
-                if emulate_fua {
-                    b.flush()?;
-                }
                 done
             }
             OpKind::Cache { offset, len } => {

@@ -38,9 +38,12 @@ pub struct Volume {
     caps: Caps,
     inline: bool,
     volatile: bool,
+    generation: u64,
     description: String,
     stats: Arc<VolumeStats>,
     faults: Option<Faults>,
+    /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
+    writeback_lost: std::sync::atomic::AtomicBool,
 }
 
 /// A request that passed [`Volume::validate`], ready for the device.
@@ -110,6 +113,7 @@ impl Volume {
             name,
             inline: !b.may_block(),
             volatile: b.volatile(),
+            generation: b.generation(),
             description: b.describe(),
             backend: b,
             size,
@@ -119,6 +123,7 @@ impl Volume {
             caps,
             stats,
             faults,
+            writeback_lost: Default::default(),
         }
     }
 
@@ -150,6 +155,10 @@ impl Volume {
     pub fn volatile(&self) -> bool {
         self.volatile
     }
+    /// Identity of the volume's data (see [`Backend::generation`]).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
     /// Whether requests run on the connection's task (memory, null) rather
     /// than on the I/O pool.
     pub fn runs_inline(&self) -> bool {
@@ -168,7 +177,34 @@ impl Volume {
 
     /// Makes every completed write durable (at shutdown).
     pub fn flush(&self) -> Result<(), backend::BackendError> {
-        self.backend.flush()
+        self.durable(|| self.backend.flush())
+    }
+
+    /// Runs `f`, which promises durability (a flush, a FUA write). Linux
+    /// reports a writeback error once per open file: after one failure, a
+    /// later flush may succeed although the writes it covered are lost. So
+    /// the first failure is latched: every later FLUSH and FUA fails too,
+    /// for every client, until the volume is reopened.
+    fn durable(
+        &self,
+        f: impl FnOnce() -> Result<(), backend::BackendError>,
+    ) -> Result<(), backend::BackendError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.writeback_lost.load(SeqCst) {
+            return Err(backend::BackendError::WritebackLost);
+        }
+        let r = f();
+        if let Err(backend::BackendError::Io(errno)) = r {
+            if !self.writeback_lost.swap(true, SeqCst) {
+                tracing::error!(
+                    volume = self.name,
+                    "flush failed ({}): writes since the last good flush may be lost; \
+                     the volume now fails every FLUSH and FUA write until it is reopened",
+                    std::io::Error::from_raw_os_error(errno)
+                );
+            }
+        }
+        r
     }
 
     /// Checks a decoded request against the volume (size, capabilities,

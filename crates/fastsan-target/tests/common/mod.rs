@@ -58,6 +58,23 @@ impl Raw {
         Raw { s: TcpStream::connect(addr).await.unwrap(), buf: Vec::new(), digests: false }
     }
 
+    /// Connects from another loopback address (127.0.0.0/8), as another host would.
+    pub async fn connect_from(addr: SocketAddr, from: &str) -> Raw {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        Raw { s: sock.connect(addr).await.unwrap(), buf: Vec::new(), digests: false }
+    }
+
+    /// HELLO (no features), then OPEN of `volume` in a new session: the answer.
+    pub async fn hello_open(&mut self, volume: &str) -> Message {
+        let Message::HelloReply { .. } =
+            self.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await
+        else {
+            panic!("expected HELLO_REPLY")
+        };
+        self.ask(&Message::Open { session: 0, slot: 0, name: volume.into() }).await
+    }
+
     /// Connects, says HELLO (no features) and opens `volume`.
     pub async fn open(addr: SocketAddr, volume: &str) -> (Raw, OpenInfo) {
         Self::open_with(addr, volume, 0).await
@@ -66,12 +83,14 @@ impl Raw {
     pub async fn open_with(addr: SocketAddr, volume: &str, features: u32) -> (Raw, OpenInfo) {
         let mut r = Raw::connect(addr).await;
         let Message::HelloReply { features, .. } =
-            r.ask(&Message::Hello { min_version: 1, max_version: 1, features }).await
+            r.ask(&Message::Hello { min_version: 2, max_version: 2, features }).await
         else {
             panic!("expected HELLO_REPLY")
         };
         r.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
-        let Message::OpenReply(info) = r.ask(&Message::Open { session: 0, name: volume.into() }).await else {
+        let Message::OpenReply(info) =
+            r.ask(&Message::Open { session: 0, slot: 0, name: volume.into() }).await
+        else {
             panic!("expected OPEN_REPLY")
         };
         (r, info)

@@ -80,13 +80,13 @@ impl BrpHandshake {
                 Message::ListReply { volumes }.encode(out);
                 Step::Continue
             }
-            (State::Open, Message::Open { session, name }) => {
+            (State::Open, Message::Open { session, slot, name }) => {
                 let Some(volume) = brp.catalog.get(&name) else {
                     let message = format!("no volume named {name:?}");
                     Message::Error { status: Status::NO_SUCH_VOLUME, message }.encode(out);
                     return Step::Continue;
                 };
-                let session = match brp.sessions.join(session, &name) {
+                let (session, fence) = match brp.sessions.join(session, slot, &name) {
                     Ok(s) => s,
                     Err(message) => {
                         Message::Error { status: Status::UNEXPECTED, message }.encode(out);
@@ -101,10 +101,13 @@ impl BrpHandshake {
                     queue_depth: brp.queue_depth,
                     max_batch: fastsan_brp::limits::MAX_BATCH,
                     flags: volume_flags(volume),
+                    instance: brp.instance,
+                    generation: volume.generation(),
                 };
+                // The driver sends this only after the fence.
                 Message::OpenReply(info).encode(out);
                 let digests = self.features & fastsan_brp::FEATURE_DIGEST != 0;
-                Step::Done(BrpConn::new(volume.clone(), session, digests, brp.stats.clone()))
+                Step::Done(BrpConn::new(volume.clone(), session, fence, digests, brp.stats.clone()))
             }
             (state, other) => {
                 let why = format!("unexpected {} in the {state:?} phase", other.name());
@@ -156,6 +159,7 @@ mod tests {
             secret: secret.map(Arc::from),
             queue_depth: 32,
             stats: Arc::new(Stats::default()),
+            instance: 5,
         }
     }
 
@@ -178,7 +182,7 @@ mod tests {
     }
 
     fn hello() -> Message {
-        Message::Hello { min_version: 1, max_version: 1, features: fastsan_brp::FEATURE_DIGEST | 0x8000 }
+        Message::Hello { min_version: 2, max_version: 2, features: fastsan_brp::FEATURE_DIGEST | 0x8000 }
     }
 
     #[test]
@@ -195,13 +199,14 @@ mod tests {
         );
         let Message::ListReply { volumes } = &out[1] else { panic!("{out:?}") };
         assert_eq!(volumes[0].name, "vol0");
-        let (step, out) = run(&mut hs, &[Message::Open { session: 0, name: "nope".into() }]);
+        let (step, out) = run(&mut hs, &[Message::Open { session: 0, slot: 0, name: "nope".into() }]);
         assert!(matches!(step, Step::Continue), "an unknown volume leaves the handshake open");
         assert!(matches!(&out[0], Message::Error { status, .. } if *status == Status::NO_SUCH_VOLUME));
-        let (step, out) = run(&mut hs, &[Message::Open { session: 0, name: "vol0".into() }]);
+        let (step, out) = run(&mut hs, &[Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
         let Step::Done(conn) = step else { panic!("{step:?}") };
         let Message::OpenReply(info) = &out[0] else { panic!("{out:?}") };
-        assert_eq!((info.size, info.block_size, info.queue_depth), (1 << 20, 512, 32));
+        assert_eq!((info.size, info.block_size, info.queue_depth, info.instance), (1 << 20, 512, 32, 5));
+        assert_eq!(info.generation, b.catalog.get("vol0").unwrap().generation());
         assert_eq!(b.sessions.connections(info.session), 1);
         assert!(conn.describe().contains("digests true"));
         drop(conn);
@@ -228,7 +233,8 @@ mod tests {
         assert_eq!(b.stats.snapshot().auth_failures, 1);
         // Skipping AUTH: refused, and OPEN never reached.
         let mut hs = BrpHandshake::new(brp(Some(secret)), CHALLENGE);
-        let (step, out) = run(&mut hs, &[hello(), Message::Open { session: 0, name: "vol0".into() }]);
+        let (step, out) =
+            run(&mut hs, &[hello(), Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
         assert!(matches!(step, Step::Refused(_)));
         assert!(matches!(&out[1], Message::Error { status, .. } if *status == Status::AUTH_REQUIRED));
     }
@@ -236,8 +242,8 @@ mod tests {
     #[test]
     fn bad_versions_and_orders_are_refused_with_a_reason() {
         let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
-        let (step, out) = run(&mut hs, &[Message::Hello { min_version: 2, max_version: 3, features: 0 }]);
-        assert!(matches!(&step, Step::Refused(why) if why.contains("2..=3")));
+        let (step, out) = run(&mut hs, &[Message::Hello { min_version: 3, max_version: 4, features: 0 }]);
+        assert!(matches!(&step, Step::Refused(why) if why.contains("3..=4")));
         assert!(matches!(&out[0], Message::Error { status, .. } if *status == Status::BAD_VERSION));
         let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
         let (step, _) = run(&mut hs, &[Message::List]);
@@ -273,7 +279,7 @@ mod tests {
     fn bytes_one_at_a_time_reach_the_same_end() {
         let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
         let mut all = hello().to_vec();
-        all.extend(Message::Open { session: 0, name: "vol0".into() }.to_vec());
+        all.extend(Message::Open { session: 0, slot: 0, name: "vol0".into() }.to_vec());
         let (mut input, mut out) = (BytesMut::new(), Vec::new());
         let mut done = None;
         for b in all {

@@ -10,10 +10,11 @@ pub use handshake::BrpHandshake;
 
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
+use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
-use crate::sessions::{SessionGuard, Sessions};
+use crate::sessions::{Fence, SessionGuard, Sessions};
 use crate::stats::Stats;
 use crate::volume::{Outcome, Volume};
 use bytes::{Bytes, BytesMut};
@@ -35,6 +36,8 @@ pub struct Brp {
     /// Credits granted per connection.
     pub queue_depth: u32,
     pub stats: Arc<Stats>,
+    /// Random per process start (OPEN_REPLY's `instance`).
+    pub instance: u64,
 }
 
 impl Frontend for Brp {
@@ -83,6 +86,8 @@ struct BatchCursor {
 pub struct BrpConn {
     volume: Arc<Volume>,
     session: SessionGuard,
+    /// Sent OPEN_REPLY waits for it (taken by the driver).
+    fence: Option<Fence>,
     digests: bool,
     stats: Arc<Stats>,
     batch: Option<BatchCursor>,
@@ -99,8 +104,14 @@ impl std::fmt::Debug for BrpConn {
 }
 
 impl BrpConn {
-    fn new(volume: Arc<Volume>, session: SessionGuard, digests: bool, stats: Arc<Stats>) -> Self {
-        BrpConn { volume, session, digests, stats, batch: None }
+    fn new(
+        volume: Arc<Volume>,
+        session: SessionGuard,
+        fence: Fence,
+        digests: bool,
+        stats: Arc<Stats>,
+    ) -> Self {
+        BrpConn { volume, session, fence: Some(fence), digests, stats, batch: None }
     }
 
     /// The next sub-request of the BATCH being unpacked, if any is left.
@@ -142,6 +153,14 @@ impl Transmission for BrpConn {
 
     fn describe(&self) -> String {
         format!("session {:016x}, digests {}", self.session.id(), self.digests)
+    }
+
+    fn activity(&self) -> Arc<Activity> {
+        self.session.activity().clone()
+    }
+
+    fn fence(&mut self) -> Option<Fence> {
+        self.fence.take()
     }
 
     fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<()>, WireError> {

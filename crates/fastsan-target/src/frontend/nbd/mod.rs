@@ -17,6 +17,7 @@ pub use handshake::NbdHandshake;
 
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
+use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{Extent, IoKind, IoRequest, Limits, Refusal};
@@ -80,6 +81,7 @@ pub struct NbdConn {
     allocation_context: bool,
     /// Bytes of a refused oversized WRITE still to drop.
     skip: u64,
+    activity: Arc<Activity>,
 }
 
 impl std::fmt::Debug for NbdConn {
@@ -94,7 +96,7 @@ impl std::fmt::Debug for NbdConn {
 
 impl NbdConn {
     fn new(volume: Arc<Volume>, structured: bool, allocation_context: bool) -> Self {
-        NbdConn { volume, structured, allocation_context, skip: 0 }
+        NbdConn { volume, structured, allocation_context, skip: 0, activity: Activity::new() }
     }
 }
 
@@ -122,6 +124,10 @@ impl Transmission for NbdConn {
 
     fn describe(&self) -> String {
         format!("structured replies {}, block status {}", self.structured, self.allocation_context)
+    }
+
+    fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
     }
 
     fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<NbdMeta>, WireError> {

@@ -1,0 +1,184 @@
+//! The order of writes to overlapping ranges.
+//!
+//! A write (or TRIM, WRITE_ZEROES) whose connection is lost is sent again
+//! after the target's fence. A later write to the same bytes, issued while
+//! the first was in flight, must not land before that retry and be undone by
+//! it. So a write enters [`WriteOrder`] when it is issued and leaves when its
+//! final result is known; it waits only while an earlier write that overlaps
+//! it is still inside. Writes to distinct bytes never wait for each other.
+//! Reads are not ordered, as on any block device: a read concurrent with a
+//! write may see either.
+//!
+//! Entries are kept per 1 MiB bucket, so a check looks at the few writes
+//! near its own range; a write spanning many buckets (a large TRIM) is kept
+//! on a short list every check reads.
+
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use tokio::sync::Notify;
+
+const BUCKET_SHIFT: u32 = 20;
+/// A range over more buckets than this goes to the wide list.
+const WIDE: u64 = 16;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    seq: u64,
+    start: u64,
+    end: u64,
+}
+
+impl Entry {
+    fn blocks(&self, later: &Entry) -> bool {
+        self.seq < later.seq && self.start < later.end && later.start < self.end
+    }
+    fn buckets(&self) -> Option<std::ops::RangeInclusive<u64>> {
+        let (a, b) = (self.start >> BUCKET_SHIFT, (self.end - 1) >> BUCKET_SHIFT);
+        (b - a < WIDE).then_some(a..=b)
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    next: u64,
+    buckets: HashMap<u64, Vec<Entry>>,
+    wide: Vec<Entry>,
+}
+
+impl Inner {
+    fn blocked(&self, e: &Entry) -> bool {
+        if self.wide.iter().any(|w| w.blocks(e)) {
+            return true;
+        }
+        match e.buckets() {
+            Some(r) => {
+                r.into_iter().any(|b| self.buckets.get(&b).is_some_and(|v| v.iter().any(|o| o.blocks(e))))
+            }
+            // A wide range: every bucket's entries are candidates.
+            None => self.buckets.values().flatten().any(|o| o.blocks(e)),
+        }
+    }
+
+    fn remove(&mut self, e: &Entry) {
+        match e.buckets() {
+            Some(r) => {
+                for b in r {
+                    if let Some(v) = self.buckets.get_mut(&b) {
+                        v.retain(|o| o.seq != e.seq);
+                        if v.is_empty() {
+                            self.buckets.remove(&b);
+                        }
+                    }
+                }
+            }
+            None => self.wide.retain(|o| o.seq != e.seq),
+        }
+    }
+}
+
+/// The writes in flight of a session, by range.
+#[derive(Default)]
+pub(crate) struct WriteOrder {
+    inner: Mutex<Inner>,
+    left: Notify,
+}
+
+/// A write's place in the order; it leaves when dropped.
+pub(crate) struct Ticket<'a> {
+    order: &'a WriteOrder,
+    entry: Entry,
+}
+
+impl WriteOrder {
+    /// Enters a write of `[offset, offset + len)` and waits until no earlier
+    /// overlapping write is in flight.
+    pub async fn enter(&self, offset: u64, len: u64) -> Ticket<'_> {
+        let (entry, blocked) = {
+            let mut g = self.inner.lock();
+            let seq = g.next;
+            g.next += 1;
+            let e = Entry { seq, start: offset, end: offset.saturating_add(len.max(1)) };
+            match e.buckets() {
+                Some(r) => {
+                    for b in r {
+                        g.buckets.entry(b).or_default().push(e);
+                    }
+                }
+                None => g.wide.push(e),
+            }
+            (e, g.blocked(&e))
+        };
+        let ticket = Ticket { order: self, entry };
+        if blocked {
+            loop {
+                let left = self.left.notified();
+                tokio::pin!(left);
+                left.as_mut().enable();
+                if !self.inner.lock().blocked(&entry) {
+                    break;
+                }
+                left.await;
+            }
+        }
+        ticket
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.order.inner.lock().remove(&self.entry);
+        self.order.left.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_later_overlapping_write_waits_and_others_do_not() {
+        let o = Arc::new(WriteOrder::default());
+        let first = o.enter(4096, 8192).await;
+        // Disjoint, in the same bucket and far away: no wait.
+        drop(o.enter(0, 4096).await);
+        drop(o.enter(1 << 30, 4096).await);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (i, (off, len)) in [(8192u64, 512u64), (0, 1 << 40)].into_iter().enumerate() {
+            let (o, tx) = (o.clone(), tx.clone());
+            tokio::spawn(async move {
+                let _t = o.enter(off, len).await;
+                tx.send(i).unwrap();
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(rx.try_recv().is_err(), "both overlap the first write and wait");
+        drop(first);
+        let mut got = vec![rx.recv().await.unwrap(), rx.recv().await.unwrap()];
+        got.sort();
+        assert_eq!(got, [0, 1]);
+        assert!(o.inner.lock().buckets.is_empty() && o.inner.lock().wide.is_empty());
+    }
+
+    #[tokio::test]
+    async fn overlapping_writes_leave_in_the_order_they_came() {
+        let o = Arc::new(WriteOrder::default());
+        let first = o.enter(0, 4096).await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..3u64 {
+            let (o, tx) = (o.clone(), tx.clone());
+            tokio::spawn(async move {
+                let t = o.enter(0, 4096).await;
+                tx.send(i).unwrap();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                drop(t);
+            });
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(first);
+        for want in 0..3 {
+            assert_eq!(rx.recv().await.unwrap(), want);
+        }
+    }
+}
