@@ -31,8 +31,9 @@ pub enum ProtocolError {
 pub const MAX_STRING: usize = 4096;
 /// Largest option payload accepted: a name, and meta-context queries.
 pub const MAX_OPTION: u32 = 16 * 1024;
-/// Requests up to this size are never treated as abuse.
-pub const MAX_PAYLOAD: u32 = 32 << 20;
+/// Largest READ or WRITE served (as nbdkit's; advertised in
+/// NBD_INFO_BLOCK_SIZE). A larger WRITE is refused with its payload drained.
+pub const MAX_PAYLOAD: u32 = 64 << 20;
 
 pub(crate) fn be16(b: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([b[at], b[at + 1]])

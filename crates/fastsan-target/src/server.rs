@@ -76,6 +76,11 @@ impl ServerHandle {
         self.env.stats.snapshot()
     }
 
+    /// Bytes of request and reply payload in flight now, all connections together.
+    pub fn payload_in_flight(&self) -> u64 {
+        self.env.budget.in_use() * 1024
+    }
+
     /// One volume's counters and latency histogram.
     pub fn volume_stats(&self, volume: &str) -> Option<VolumeStatsSnapshot> {
         self.catalog.get(volume).map(|v| v.stats())

@@ -10,7 +10,7 @@ use fastsan_nbd::consts::*;
 use fastsan_nbd::handshake::{InfoRequest, MetaContextRequest};
 use std::time::Duration;
 
-const VOLS: &[&str] = &["v=memory:64M", "ro=memory:16M,ro"];
+const VOLS: &[&str] = &["v=memory:128M", "ro=memory:16M,ro"];
 
 fn nbd_addr(s: &TestServer) -> std::net::SocketAddr {
     s.nbd.expect("NBD listener")
@@ -72,7 +72,7 @@ async fn handshake_options_answer_per_spec() {
             assert!(flags & TFLAG_READ_ONLY != 0 && flags & TFLAG_SEND_TRIM == 0, "{flags:#x}");
         }
         if kind == INFO_BLOCK_SIZE {
-            assert_eq!(&d[2..], &[0, 0, 0, 1, 0, 0, 16, 0, 2, 0, 0, 0], "min 1, preferred 4096, max 32 MiB");
+            assert_eq!(&d[2..], &[0, 0, 0, 1, 0, 0, 16, 0, 4, 0, 0, 0], "min 1, preferred 4096, max 64 MiB");
         }
         seen.push(kind);
     }
@@ -180,7 +180,7 @@ async fn transmission_errors_keep_the_connection() {
     let srv = TestServer::start(VOLS, |_| {}).await;
     let mut c = NbdRaw::connect(nbd_addr(&srv)).await;
     let (size, flags) = c.go("v", false, false).await;
-    assert_eq!(size, 64 << 20);
+    assert_eq!(size, 128 << 20);
     assert!(flags & TFLAG_SEND_DF == 0, "no DF without structured replies");
     // Each bad request gets its error; a good read follows on the same connection.
     let cases: &[(u16, u16, u64, u32, usize, u32)] = &[
@@ -193,7 +193,7 @@ async fn transmission_errors_keep_the_connection() {
         (CMD_READ, CMD_FLAG_DF, 0, 512, 0, EINVAL),         // DF without structured replies
         (CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 512, 512, EINVAL), // a flag that is not WRITE's
         (CMD_BLOCK_STATUS, 0, 0, 512, 0, EINVAL),           // no context negotiated
-        (CMD_READ, 0, 0, (32 << 20) + 1, 0, EINVAL),        // read over 32 MiB
+        (CMD_READ, 0, 0, (64 << 20) + 1, 0, EINVAL),        // read over 64 MiB
     ];
     for (i, &(cmd, fl, off, len, payload, errno)) in cases.iter().enumerate() {
         c.request(cmd, fl, 100 + i as u64, off, len, &vec![0xEE; payload]).await;
@@ -203,16 +203,16 @@ async fn transmission_errors_keep_the_connection() {
         let (e, cookie, d) = c.simple(512).await;
         assert_eq!((e, cookie, d.len()), (0, 7, 512), "after case {i}");
     }
-    // A WRITE over 32 MiB: refused, its 33 MiB payload read and dropped, the stream stays in sync.
-    let big = vec![0x5Au8; 33 << 20];
+    // A WRITE over 64 MiB: refused, its 65 MiB payload read and dropped, the stream stays in sync.
+    let big = vec![0x5Au8; 65 << 20];
     c.request(CMD_WRITE, 0, 200, 0, big.len() as u32, &big).await;
     c.request(CMD_READ, 0, 201, 0, 4096, &[]).await;
     assert_eq!(c.simple(0).await.0, EINVAL);
     let (e, cookie, d) = c.simple(4096).await;
     assert_eq!((e, cookie), (0, 201));
     assert!(d.iter().all(|&b| b == 0), "nothing of the refused write landed");
-    // Requests up to 32 MiB are served.
-    let max = vec![0x33u8; 32 << 20];
+    // Requests up to 64 MiB are served (nbdkit's limit; the reference server's is higher).
+    let max = vec![0x33u8; 64 << 20];
     c.request(CMD_WRITE, CMD_FLAG_FUA, 202, 0, max.len() as u32, &max).await;
     assert_eq!(c.simple(0).await.0, 0);
     c.request(CMD_READ, 0, 203, 0, max.len() as u32, &[]).await;
@@ -267,7 +267,7 @@ async fn structured_replies_and_block_status() {
     assert_eq!(u64::from_be_bytes(p[..8].try_into().unwrap()), 256 << 10);
     assert_eq!(p[8..], [7; 4096]);
     // Errors come as ERROR chunks.
-    c.request(CMD_READ, 0, 6, 64 << 20, 512, &[]).await;
+    c.request(CMD_READ, 0, 6, 128 << 20, 512, &[]).await;
     let (fl, ty, cookie, p) = c.chunk().await;
     assert_eq!((fl, ty, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6));
     assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EINVAL);

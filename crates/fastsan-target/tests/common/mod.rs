@@ -40,6 +40,12 @@ impl TestServer {
         format!("brp://{}/{}", self.addr, volume)
     }
 
+    /// Shuts down and gives what `Server::run` returned.
+    pub async fn stop_result(self) -> std::io::Result<()> {
+        self.handle.shutdown();
+        tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap()
+    }
+
     pub async fn stop(self) {
         self.handle.shutdown();
         tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap().unwrap();

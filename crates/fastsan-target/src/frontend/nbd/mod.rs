@@ -7,7 +7,7 @@
 //!
 //! Volumes are byte-granular here (NBD's minimum block size is 1) except
 //! O_DIRECT files, which need their block size; READ and WRITE go up to
-//! 32 MiB. A WRITE above that is refused with EINVAL and its payload is read
+//! 64 MiB. A WRITE above that is refused with EINVAL and its payload is read
 //! and dropped, so the connection goes on. Transmission flags come from the
 //! volume's capabilities ([`tflags`]).
 

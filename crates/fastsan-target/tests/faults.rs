@@ -1,0 +1,226 @@
+//! Data safety under faults, one test per failure found in review: a lost
+//! connection's write overtaking a newer one, a reply stream reused after a
+//! stalled write, a writeback error consumed by one client, a silent target,
+//! clients pinning memory, TRIM with FUA.
+
+mod common;
+
+use common::{pattern, NbdRaw, Raw, TestServer};
+use fastsan_brp::handshake::Message;
+use fastsan_brp::reply::parse_reply;
+use fastsan_brp::request::{RequestHeader, FLAG_FUA};
+use fastsan_brp::{Command, Status};
+use fastsan_nbd::consts::*;
+use fastsan_target::backend::BackendError;
+use fastsan_target::backend::{Effect, FaultOps, FaultRule};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+
+/// Whether the kernel still has the connection established (the peer has not closed it).
+fn established(s: &tokio::net::TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            &mut info as *mut _ as *mut _,
+            &mut len,
+        )
+    };
+    r == 0 && info.tcpi_state == 1 // TCP_ESTABLISHED
+}
+
+fn temp_file(name: &str, len: u64) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("fastsan-faults-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("v.img");
+    std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+    path
+}
+
+/// HELLO, then OPEN of `volume` as `slot` of `session`, without waiting for the answer.
+async fn open_in(raw: &mut Raw, volume: &str, session: u64, slot: u16) {
+    let hello = Message::Hello { min_version: 2, max_version: 2, features: 0 };
+    assert!(matches!(raw.ask(&hello).await, Message::HelloReply { .. }));
+    raw.send(&Message::Open { session, slot, name: volume.into() }.to_vec()).await;
+}
+
+/// Finding 1: connection C1 of a session has a WRITE running on a slow
+/// device and another buffered behind it (no credit); the initiator gives C1
+/// up and re-opens its slot. The target stops C1 at once (the buffered write
+/// never runs), answers the reconnect only once C1's running write is done,
+/// and a newer write acknowledged after that is the one that stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connections_writes_never_land_after_the_retry() {
+    let path = temp_file("fence", 1 << 20);
+    let spec = format!("v=file:{},faults=none", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |c| c.queue_depth = 1).await;
+    let faults = srv.handle.faults("v").unwrap();
+    let mut c1 = Raw::connect(srv.addr).await;
+    open_in(&mut c1, "v", 0, 0).await;
+    let Some(Message::OpenReply(info)) = c1.message().await else { panic!("OPEN_REPLY") };
+    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    // 'A' stalls on the device; 'A2' waits in C1's buffer for its credit.
+    c1.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &[b'A'; 4096]).await;
+    c1.request(RequestHeader::new(Command::Write, 0, 2, 0, 4096), &[b'Z'; 4096]).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The initiator gives C1 up (C1 stays open as far as the target knows) and re-opens slot 0.
+    let mut c1b = Raw::connect(srv.addr).await;
+    open_in(&mut c1b, "v", info.session, 0).await;
+    let early = tokio::time::timeout(Duration::from_millis(300), c1b.message()).await;
+    assert!(early.is_err(), "OPEN_REPLY must wait for the lost connection's running write");
+    faults.clear();
+    let Some(Message::OpenReply(again)) = c1b.message().await else { panic!("OPEN_REPLY after the fence") };
+    assert_eq!(again.session, info.session);
+    // The retry: 'B', acknowledged.
+    c1b.request(RequestHeader::new(Command::Write, 0, 3, 0, 4096), &[b'B'; 4096]).await;
+    assert_eq!(c1b.reply().await.0.status, Status::OK);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c1b.request(RequestHeader::new(Command::Read, 0, 4, 0, 4096), &[]).await;
+    let (r, data) = c1b.reply().await;
+    assert_eq!(r.status, Status::OK);
+    assert!(data.iter().all(|&b| b == b'B'), "the block holds {:?}, not the acknowledged B", data[0] as char);
+    assert!(c1.closed_within(Duration::from_secs(5)).await, "the replaced connection is closed");
+    assert_eq!(srv.handle.volume_stats("v").unwrap().writes, 2, "A and B ran; the buffered write never did");
+    srv.stop().await;
+}
+
+/// Finding 2: a client stops reading its replies; the target's write
+/// stalls in the middle of a reply and gives up. No reply may follow the cut
+/// one on that stream (the client would take it for READ data): the stream
+/// is whole replies, then at most one cut reply, then the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_reply_stream_is_closed_never_continued() {
+    let srv = TestServer::start(&["v=memory:256M"], |c| c.stall_timeout = Duration::from_millis(500)).await;
+    let (mut raw, _) = Raw::open(srv.addr, "v").await;
+    for tag in 1..=200u64 {
+        raw.request(RequestHeader::new(Command::Read, 0, tag, (tag % 128) << 20, 1 << 20), &[]).await;
+    }
+    // Read nothing for well past the stall timeout, then everything to the end.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut stream = Vec::new();
+    let got = tokio::time::timeout(Duration::from_secs(10), raw.s.read_to_end(&mut stream)).await;
+    assert!(got.is_ok(), "the target closed the connection");
+    let mut at = 0;
+    let mut whole = 0;
+    loop {
+        match parse_reply(&stream[at..], false) {
+            Ok(Some(f)) => {
+                assert_eq!(f.header.status, Status::OK);
+                assert!((1..=200).contains(&f.header.tag), "tag {}", f.header.tag);
+                assert_eq!(f.header.payload_len, 1 << 20);
+                at += f.frame_len;
+                whole += 1;
+            }
+            Ok(None) => break,
+            Err(e) => panic!("a reply followed a cut one after {whole} whole replies: {e}"),
+        }
+    }
+    assert!(whole < 200, "the client never read: the target cannot have sent all 200 ({whole})");
+    // Others go on.
+    let (mut other, _) = Raw::open(srv.addr, "v").await;
+    other.request(RequestHeader::new(Command::Read, 0, 1, 0, 4096), &[]).await;
+    assert_eq!(other.reply().await.0.status, Status::OK);
+    srv.stop().await;
+}
+
+/// Finding 3: a failed flush is reported once per open file by Linux, so
+/// after it the volume must fail every later FLUSH and FUA write, for every
+/// client, on every protocol, until reopened; plain reads and writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_flush_fails_every_later_flush_for_every_client() {
+    let path = temp_file("writeback", 1 << 20);
+    let spec = format!("v=file:{},faults=none", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let (mut a, _) = Raw::open(srv.addr, "v").await;
+    let (mut b, _) = Raw::open(srv.addr, "v").await;
+    b.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &pattern(1, 0, 4096)).await;
+    assert_eq!(b.reply().await.0.status, Status::OK);
+    // One writeback error, reported to A's FLUSH.
+    srv.handle
+        .faults("v")
+        .unwrap()
+        .add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::Io(libc::EIO))).times(1));
+    a.request(RequestHeader::new(Command::Flush, 0, 2, 0, 0), &[]).await;
+    assert_eq!(a.reply().await.0.status, Status::IO_ERROR);
+    // B's acknowledged write was in that writeback: B's FLUSH must not say OK.
+    b.request(RequestHeader::new(Command::Flush, 0, 3, 0, 0), &[]).await;
+    assert_eq!(b.reply().await.0.status, Status::IO_ERROR, "B's flush after the failed writeback");
+    b.request(RequestHeader::new(Command::Write, FLAG_FUA, 4, 4096, 4096), &[1; 4096]).await;
+    assert_eq!(b.reply().await.0.status, Status::IO_ERROR, "FUA promises durability too");
+    b.request(RequestHeader::new(Command::Write, 0, 5, 8192, 4096), &[2; 4096]).await;
+    assert_eq!(b.reply().await.0.status, Status::OK, "plain writes go on");
+    b.request(RequestHeader::new(Command::Read, 0, 6, 0, 4096), &[]).await;
+    let (r, d) = b.reply().await;
+    assert_eq!((r.status, d), (Status::OK, pattern(1, 0, 4096)));
+    // An NBD client is told the same.
+    let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
+    n.go("v", false, false).await;
+    n.request(CMD_FLUSH, 0, 7, 0, 0, &[]).await;
+    assert_eq!(n.simple(0).await.0, EIO);
+    // Shutdown cannot flush either, and says so.
+    let e = srv.stop_result().await.expect_err("a failed flush at shutdown is an error");
+    assert!(e.to_string().contains("could not flush volume(s) v"), "{e}");
+}
+
+/// Finding 8: TRIM with FUA over NBD is durable before its reply: the flush
+/// behind it runs (and its failure is reported).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbd_trim_with_fua_flushes_before_replying() {
+    let path = temp_file("trimfua", 1 << 20);
+    let spec = format!("v=file:{},faults=flush:eio", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
+    n.go("v", false, false).await;
+    n.request(CMD_TRIM, 0, 1, 0, 4096, &[]).await;
+    assert_eq!(n.simple(0).await.0, 0, "TRIM alone needs no flush");
+    n.request(CMD_TRIM, CMD_FLAG_FUA, 2, 0, 4096, &[]).await;
+    assert_eq!(n.simple(0).await.0, EIO, "TRIM with FUA flushed (and the flush failed)");
+    assert!(srv.stop_result().await.is_err(), "the flush at shutdown fails too");
+}
+
+/// Finding 6: clients that ask for large reads and never take the replies
+/// hold at most the server-wide budget; when they stall past the stall
+/// timeout they are dropped, and a bystander is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_replies_pin_no_more_than_the_budget() {
+    let budget = 128u64 << 20;
+    let srv = TestServer::start(&["v=memory:128M"], |c| {
+        c.memory_budget = budget;
+        c.stall_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let mut hogs = Vec::new();
+    for _ in 0..6 {
+        let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
+        n.go("v", false, false).await;
+        n.request(CMD_READ, 0, 1, 0, 32 << 20, &[]).await;
+        n.request(CMD_READ, 0, 2, 32 << 20, 32 << 20, &[]).await;
+        hogs.push(n);
+    }
+    let t = Instant::now();
+    let mut peak = 0;
+    while t.elapsed() < Duration::from_millis(500) {
+        peak = peak.max(srv.handle.payload_in_flight());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(peak > 0 && peak <= budget, "payload in flight {peak} within the budget {budget}");
+    // A bystander gets its read once the hogs are dropped for stalling.
+    let (mut raw, _) = Raw::open(srv.addr, "v").await;
+    raw.request(RequestHeader::new(Command::Read, 0, 9, 0, 1 << 20), &[]).await;
+    let (r, _) = raw.reply().await;
+    assert_eq!(r.status, Status::OK);
+    assert!(t.elapsed() < Duration::from_secs(8));
+    // Every hog is dropped for stalling (each in its turn on the budget);
+    // looked at without reading, which would end the stall.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while hogs.iter().any(|h| established(&h.s)) {
+        assert!(Instant::now() < deadline, "a client that stalls is dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(srv.handle.payload_in_flight(), 0, "their budget came back");
+    srv.stop().await;
+}
