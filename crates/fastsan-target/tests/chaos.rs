@@ -186,7 +186,7 @@ async fn connections_torn_down_at_random_lose_nothing_and_fail_nothing() {
                         }
                     })
                 };
-                if let Err(e) = result.and(if i % 16 == 0 { vol.flush().await } else { Ok(()) }) {
+                if let Err(e) = result.and(if i.is_multiple_of(16) { vol.flush().await } else { Ok(()) }) {
                     eprintln!("requester {r}: {e}");
                     errors.fetch_add(1, Relaxed);
                 }
