@@ -56,6 +56,15 @@ pub enum Error {
     /// if it were the old one's, so the session is refused.
     #[error("{}", replaced_text(volume, *restarted, *volatile))]
     VolumeReplaced { volume: String, restarted: bool, volatile: bool },
+    /// A reconnect met a refusal that will not change (the volume is gone,
+    /// the secret is wrong...): the session is over.
+    #[error("the session cannot be resumed: {0}")]
+    SessionEnded(String),
+    /// The target restarted while writes it had acknowledged were not yet
+    /// flushed: they may be lost, so no FLUSH (or FUA write) of this session
+    /// can promise durability any more. Reopen the volume.
+    #[error("the target of volume {volume:?} restarted with acknowledged writes not yet flushed: they may be lost; reopen the volume")]
+    UnflushedWritesLost { volume: String },
     #[error("request failed: {0}")]
     Status(Status),
     /// No connection to the target came back within the reconnect timeout
@@ -105,7 +114,9 @@ impl Error {
             | Error::UnknownTag(_)
             | Error::ShortRead { .. } => false,
             // The session's geometry is fixed; the volume behind the name is now another.
-            Error::VolumeChanged { .. } | Error::VolumeReplaced { .. } => false,
+            Error::VolumeChanged { .. } | Error::VolumeReplaced { .. } | Error::SessionEnded(_) => false,
+            // Durability was lost once; trying again does not bring it back.
+            Error::UnflushedWritesLost { .. } => false,
         }
     }
 }

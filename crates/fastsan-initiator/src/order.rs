@@ -13,8 +13,11 @@
 //! near its own range; a write spanning many buckets (a large TRIM) is kept
 //! on a short list every check reads.
 
+use crate::Error;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::Notify;
 
 const BUCKET_SHIFT: u32 = 20;
@@ -84,15 +87,17 @@ pub(crate) struct WriteOrder {
 }
 
 /// A write's place in the order; it leaves when dropped.
-pub(crate) struct Ticket<'a> {
-    order: &'a WriteOrder,
+pub(crate) struct Ticket {
+    order: Arc<WriteOrder>,
     entry: Entry,
 }
 
 impl WriteOrder {
     /// Enters a write of `[offset, offset + len)` and waits until no earlier
-    /// overlapping write is in flight.
-    pub async fn enter(&self, offset: u64, len: u64) -> Ticket<'_> {
+    /// overlapping write is in flight, or fails with
+    /// [`Error::ConnectionLost`] at `until` (an earlier write waits for a
+    /// target that does not come back).
+    pub async fn enter(self: Arc<Self>, offset: u64, len: u64, until: Instant) -> Result<Ticket, Error> {
         let (entry, blocked) = {
             let mut g = self.inner.lock();
             let seq = g.next;
@@ -109,22 +114,25 @@ impl WriteOrder {
             (e, g.blocked(&e))
         };
         let ticket = Ticket { order: self, entry };
+        let order = &ticket.order;
         if blocked {
             loop {
-                let left = self.left.notified();
+                let left = order.left.notified();
                 tokio::pin!(left);
                 left.as_mut().enable();
-                if !self.inner.lock().blocked(&entry) {
+                if !order.inner.lock().blocked(&entry) {
                     break;
                 }
-                left.await;
+                if tokio::time::timeout_at(until.into(), left).await.is_err() {
+                    return Err(Error::ConnectionLost);
+                }
             }
         }
-        ticket
+        Ok(ticket)
     }
 }
 
-impl Drop for Ticket<'_> {
+impl Drop for Ticket {
     fn drop(&mut self) {
         self.order.inner.lock().remove(&self.entry);
         self.order.left.notify_waiters();
@@ -134,21 +142,24 @@ impl Drop for Ticket<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use std::time::Duration;
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(60)
+    }
 
     #[tokio::test]
     async fn a_later_overlapping_write_waits_and_others_do_not() {
         let o = Arc::new(WriteOrder::default());
-        let first = o.enter(4096, 8192).await;
+        let first = o.clone().enter(4096, 8192, later()).await.unwrap();
         // Disjoint, in the same bucket and far away: no wait.
-        drop(o.enter(0, 4096).await);
-        drop(o.enter(1 << 30, 4096).await);
+        drop(o.clone().enter(0, 4096, later()).await.unwrap());
+        drop(o.clone().enter(1 << 30, 4096, later()).await.unwrap());
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for (i, (off, len)) in [(8192u64, 512u64), (0, 1 << 40)].into_iter().enumerate() {
             let (o, tx) = (o.clone(), tx.clone());
             tokio::spawn(async move {
-                let _t = o.enter(off, len).await;
+                let _t = o.enter(off, len, later()).await.unwrap();
                 tx.send(i).unwrap();
             });
         }
@@ -159,17 +170,21 @@ mod tests {
         got.sort();
         assert_eq!(got, [0, 1]);
         assert!(o.inner.lock().buckets.is_empty() && o.inner.lock().wide.is_empty());
+        // Behind a write that never leaves: an error at the deadline, not a hang.
+        let _stuck = o.clone().enter(0, 4096, later()).await.unwrap();
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert!(matches!(o.clone().enter(0, 512, soon).await, Err(Error::ConnectionLost)));
     }
 
     #[tokio::test]
     async fn overlapping_writes_leave_in_the_order_they_came() {
         let o = Arc::new(WriteOrder::default());
-        let first = o.enter(0, 4096).await;
+        let first = o.clone().enter(0, 4096, later()).await.unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for i in 0..3u64 {
             let (o, tx) = (o.clone(), tx.clone());
             tokio::spawn(async move {
-                let t = o.enter(0, 4096).await;
+                let t = o.enter(0, 4096, later()).await.unwrap();
                 tx.send(i).unwrap();
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 drop(t);

@@ -12,15 +12,15 @@
 
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
-use crate::order::WriteOrder;
+use crate::order::{Ticket, WriteOrder};
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::handshake::VOLUME_VOLATILE;
 use fastsan_brp::request::{RequestHeader, FLAG_FUA};
 use fastsan_brp::{Command, OpenInfo, Status, VolumeInfo};
-use parking_lot::RwLock;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use parking_lot::{Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
@@ -37,17 +37,34 @@ struct Shared {
     stats: Arc<Stats>,
     /// Woken when a connection comes back (or the session learns it cannot).
     changed: Notify,
-    /// Set when a reconnect found another volume behind the name: the
-    /// session is over, every request fails with it.
-    replaced: OnceLock<Replaced>,
-    order: WriteOrder,
+    /// Set when a reconnect cannot resume the session (another volume
+    /// behind the name, a refusal that will not change): every request
+    /// fails with it.
+    ended: OnceLock<Ended>,
+    order: Arc<WriteOrder>,
+    /// Write tickets of requests given up while their connection was not
+    /// yet fenced (their write may still land): kept, so that no later
+    /// overlapping write passes them, until their slot's epoch passes.
+    unfenced: Mutex<Vec<(usize, u64, Ticket)>>,
+    /// Writes (WRITE, TRIM, WRITE_ZEROES) acknowledged so far, and how many
+    /// of them the last successful FLUSH covered: the target restarting in
+    /// between may have lost the difference.
+    acked: AtomicU64,
+    flushed: AtomicU64,
+    /// A restarted target was resumed with acknowledged writes not yet
+    /// flushed: FLUSH cannot promise them any more.
+    unflushed_lost: AtomicBool,
+    /// The target instance last seen.
+    instance: AtomicU64,
 }
 
-/// Why a session cannot be resumed (see [`Error::VolumeReplaced`]).
+/// Why a session cannot be resumed.
 #[derive(Debug, Clone)]
-struct Replaced {
-    restarted: bool,
-    volatile: bool,
+enum Ended {
+    /// See [`Error::VolumeReplaced`].
+    Replaced { restarted: bool, volatile: bool },
+    /// Another error that a new try would meet again; its text.
+    Refused(String),
 }
 
 /// An opened volume. Cloning is cheap and shares the session.
@@ -91,8 +108,13 @@ impl Volume {
                 next_tag: AtomicU64::new(1),
                 stats,
                 changed: Notify::new(),
-                replaced: OnceLock::new(),
-                order: WriteOrder::default(),
+                ended: OnceLock::new(),
+                order: Arc::new(WriteOrder::default()),
+                unfenced: Mutex::new(Vec::new()),
+                acked: AtomicU64::new(0),
+                flushed: AtomicU64::new(0),
+                unflushed_lost: AtomicBool::new(false),
+                instance: AtomicU64::new(info.instance),
             }
         });
         for i in 1..shared.opts.connections {
@@ -201,16 +223,25 @@ impl Volume {
     /// no connection comes back within the reconnect timeout. Writes keep
     /// their order against earlier overlapping writes ([`WriteOrder`]).
     async fn call(&self, h: RequestHeader, payload: Bytes) -> Result<Option<Bytes>, Error> {
-        let _order = match h.command {
-            Command::Write | Command::Trim | Command::WriteZeroes => {
-                Some(self.shared.order.enter(h.offset, h.length as u64).await)
-            }
-            _ => None,
-        };
         let sh = &self.shared;
+        let until = Instant::now() + sh.opts.reconnect_timeout;
+        let writes = matches!(h.command, Command::Write | Command::Trim | Command::WriteZeroes);
+        let mut ticket = match writes {
+            true => Some(sh.order.clone().enter(h.offset, h.length as u64, until).await?),
+            false => None,
+        };
+        let flushed_upto = sh.acked.load(SeqCst);
         let mut deadline: Option<Instant> = None;
-        loop {
-            let (conn, credit) = self.pick(deadline).await?;
+        let mut unfenced: Option<(usize, u64)> = None;
+        let result = loop {
+            if h.command == Command::Flush || h.is_fua() {
+                self.check_unflushed()?;
+            }
+            let (conn, credit) = match self.pick(deadline).await {
+                Ok(c) => c,
+                Err(e) => break Err(e),
+            };
+            unfenced = None;
             let result = self.send(&conn, h, payload.clone(), credit).await;
             let lost = match &result {
                 Err(Error::ConnectionLost) => true,
@@ -218,19 +249,48 @@ impl Volume {
                 // in) or the reply's data broke on the way back: send again.
                 Err(Error::Status(s)) if *s == Status::DIGEST_MISMATCH => false,
                 Err(Error::DigestMismatch) => false,
-                // The target is going away: wait for it to come back.
-                Err(Error::Status(s)) if *s == Status::SHUTTING_DOWN => true,
-                _ => return result,
+                _ => break result,
             };
-            if sh.opts.reconnect_timeout.is_zero() {
-                return result;
+            if lost {
+                unfenced = Some((conn.slot, conn.epoch));
             }
             let until = *deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
+            if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
+                break result;
+            }
             if lost {
-                self.fence(&conn, until).await?;
+                if let Err(e) = self.fence(&conn, until).await {
+                    break Err(e);
+                }
+                unfenced = None;
             }
             sh.stats.retries.fetch_add(1, Relaxed);
+        };
+        match (&result, unfenced, ticket.take()) {
+            // A FUA write is durable already: nothing for a restart to lose.
+            (Ok(_), _, _) if writes && !h.is_fua() => {
+                sh.acked.fetch_add(1, SeqCst);
+            }
+            (Ok(_), _, _) if h.command == Command::Flush => {
+                sh.flushed.fetch_max(flushed_upto, SeqCst);
+                // A restart seen while this flush was on its way: it covered nothing of before.
+                self.check_unflushed()?;
+            }
+            // Given up while its connection was not fenced: its write may
+            // still land, so overlapping writes stay behind it until then.
+            (Err(_), Some((slot, epoch)), Some(t)) => sh.unfenced.lock().push((slot, epoch, t)),
+            _ => {}
         }
+        result
+    }
+
+    /// Fails when a restarted target was resumed with writes acknowledged
+    /// but not flushed: durability of those can no longer be promised.
+    fn check_unflushed(&self) -> Result<(), Error> {
+        if self.shared.unflushed_lost.load(SeqCst) {
+            return Err(Error::UnflushedWritesLost { volume: self.shared.url.volume.clone() });
+        }
+        Ok(())
     }
 
     /// Sends `h` on `conn` and waits for the reply.
@@ -260,10 +320,10 @@ impl Volume {
             let changed = sh.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(r) = sh.replaced.get() {
-                return Err(replaced_error(sh, r));
+            if let Some(e) = sh.ended.get() {
+                return Err(ended_error(sh, e));
             }
-            if sh.epochs[lost.slot].load(Relaxed) > lost.epoch {
+            if sh.epochs[lost.slot].load(SeqCst) > lost.epoch {
                 return Ok(());
             }
             let left = until.saturating_duration_since(Instant::now());
@@ -283,8 +343,8 @@ impl Volume {
             let changed = sh.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(r) = sh.replaced.get() {
-                return Err(replaced_error(sh, r));
+            if let Some(e) = sh.ended.get() {
+                return Err(ended_error(sh, e));
             }
             let best = sh
                 .slots
@@ -307,8 +367,26 @@ impl Volume {
     }
 }
 
-fn replaced_error(sh: &Shared, r: &Replaced) -> Error {
-    Error::VolumeReplaced { volume: sh.url.volume.clone(), restarted: r.restarted, volatile: r.volatile }
+fn ended_error(sh: &Shared, e: &Ended) -> Error {
+    match e {
+        Ended::Replaced { restarted, volatile } => Error::VolumeReplaced {
+            volume: sh.url.volume.clone(),
+            restarted: *restarted,
+            volatile: *volatile,
+        },
+        Ended::Refused(why) => Error::SessionEnded(why.clone()),
+    }
+}
+
+/// An error and its causes, for [`Error::SessionEnded`].
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s += &format!(": {c}");
+        cur = c.source();
+    }
+    s
 }
 
 /// Runs every future to its end (none is abandoned while in flight: a
@@ -384,8 +462,15 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
             new_block_size: info.block_size,
         });
     }
-    if info.instance != old.instance {
-        info!(url = %sh.url, slot, "the target restarted; the volume's data is the same one (same generation): resuming");
+    if sh.instance.swap(info.instance, SeqCst) != info.instance {
+        let unflushed = sh.acked.load(SeqCst) > sh.flushed.load(SeqCst);
+        if unflushed {
+            sh.unflushed_lost.store(true, SeqCst);
+            warn!(url = %sh.url, "the target restarted with writes acknowledged but not flushed: \
+                  they may be lost, and every FLUSH of this session fails from now on");
+        } else {
+            info!(url = %sh.url, slot, "the target restarted; the volume's data is the same one (same generation): resuming");
+        }
     }
     Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats))
 }
@@ -413,19 +498,27 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
     loop {
         tokio::time::sleep(backoff).await;
         let Some(sh) = weak.upgrade() else { return };
-        let epoch = sh.epochs[slot].load(Relaxed) + 1;
+        let epoch = sh.epochs[slot].load(SeqCst) + 1;
         match open_conn(&sh, slot, epoch).await {
             Ok(conn) => {
                 *sh.slots[slot].write() = Some(Arc::new(conn));
-                sh.epochs[slot].store(epoch, Relaxed);
+                sh.epochs[slot].store(epoch, SeqCst);
+                // Writes given up on that slot's lost connection are fenced now.
+                sh.unfenced.lock().retain(|(s, e, _)| *s != slot || *e >= epoch);
                 sh.stats.reconnects.fetch_add(1, Relaxed);
                 sh.changed.notify_waiters();
                 info!(url = %sh.url, slot, "connection re-established");
                 return;
             }
-            Err(e @ Error::VolumeReplaced { restarted, volatile, .. }) => {
+            Err(e) if !e.is_retryable() => {
                 error!(url = %sh.url, error = &e as &dyn std::error::Error, "session cannot be resumed");
-                let _ = sh.replaced.set(Replaced { restarted, volatile });
+                let ended = match e {
+                    Error::VolumeReplaced { restarted, volatile, .. } => {
+                        Ended::Replaced { restarted, volatile }
+                    }
+                    other => Ended::Refused(error_chain(&other)),
+                };
+                let _ = sh.ended.set(ended);
                 sh.changed.notify_waiters();
                 return;
             }

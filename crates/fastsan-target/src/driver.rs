@@ -93,6 +93,11 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         // A session's reconnect is answered once its lost connections are done (the fence).
         if let Some(fence) = conn.fence() {
             fence.await;
+            if conn.activity().is_stopped() {
+                return Err(HandshakeEnd::Refused(
+                    "replaced by a newer reconnect while waiting for its fence".into(),
+                ));
+            }
         }
         let Ok(slot) = env.slots.clone().try_acquire_owned() else {
             if let Some(msg) = frontend.busy() {
@@ -270,7 +275,6 @@ mod tests {
     use crate::backend::{Backend, MemoryBackend};
     use crate::catalog::Catalog;
     use crate::frontend::nbd::Nbd;
-    use crate::pool::IoPool;
     use fastsan_nbd::consts::*;
     use tokio_util::sync::CancellationToken;
 
@@ -282,7 +286,6 @@ mod tests {
         catalog.add(crate::volume::Volume::with_backend("v".into(), b, 1 << 16));
         let env = Arc::new(ConnEnv {
             stats: Arc::new(Stats::default()),
-            pool: IoPool::new(1),
             shutdown: CancellationToken::new(),
             queue_depth: 8,
             serial: false,

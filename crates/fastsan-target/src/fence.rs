@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Default)]
 pub struct Activity {
     stopped: AtomicBool,
+    abandoned: AtomicBool,
     stop_token: CancellationToken,
     running: AtomicUsize,
     idle: Notify,
@@ -45,6 +46,19 @@ impl Activity {
 
     pub fn is_stopped(&self) -> bool {
         self.stopped.load(SeqCst)
+    }
+
+    /// Stops the connection and gives up on its peer: nobody will read its
+    /// replies (a reconnect replaced it, or its reply stream broke), so the
+    /// replies still to write are dropped and what they hold (credits,
+    /// payload budget) comes back at once.
+    pub fn abandon(&self) {
+        self.abandoned.store(true, SeqCst);
+        self.stop();
+    }
+
+    pub fn is_abandoned(&self) -> bool {
+        self.abandoned.load(SeqCst)
     }
 
     /// Resolves when the connection is stopped.

@@ -13,14 +13,14 @@
 //! budget, in flight; when credits run out the reader simply stops reading.
 
 use crate::fence::Activity;
-use crate::pool::IoPool;
+use crate::pool::Job;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::stats::Stats;
 use crate::volume::{Op, Outcome, Volume};
 use bytes::Bytes;
 use std::io::{self, IoSlice};
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -49,7 +49,6 @@ const DEVICE_ERROR_EVERY: u32 = 1024;
 /// What every connection of a server shares, and nothing more.
 pub struct ConnEnv {
     pub stats: Arc<Stats>,
-    pub pool: IoPool,
     pub shutdown: CancellationToken,
     /// Requests in flight per connection (1 when serial).
     pub queue_depth: u32,
@@ -144,10 +143,17 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         if self.broken {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier"));
         }
+        if self.activity.is_abandoned() {
+            // Nobody reads them: drop the replies (and what they hold).
+            return Ok(());
+        }
+        // Broken until the write is whole: a write cancelled half-way (its
+        // caller gave up: shutdown, the connection stopped) leaves it broken.
+        self.broken = true;
         let r = self.write_now(batch).await;
-        if r.is_err() {
-            self.broken = true;
-            self.activity.stop();
+        match r {
+            Ok(()) => self.broken = false,
+            Err(_) => self.activity.abandon(),
         }
         r
     }
@@ -194,7 +200,49 @@ pub struct Dispatcher<W, E: Encoder> {
     pending: parking_lot::Mutex<Batch<E>>,
     logged: Arc<Logged>,
     activity: Arc<Activity>,
+    /// This connection, as the I/O pools' fair queues know it.
+    client: u64,
 }
+
+/// A validated request on its way through a volume's I/O pool, with what
+/// its reply needs. A long TRIM or WRITE_ZEROES runs one piece per turn.
+struct PoolJob<E: Encoder> {
+    volume: Arc<Volume>,
+    op: Op,
+    stats: Arc<Stats>,
+    peer: Arc<str>,
+    logged: Arc<Logged>,
+    tx: mpsc::UnboundedSender<Batch<E>>,
+    reply: (u64, E::Meta, Option<IoKind>, Credit),
+    running: crate::fence::Running,
+}
+
+impl<E: Encoder> PoolJob<E> {
+    fn into_job(self) -> Job {
+        Job::new(move || {
+            let PoolJob { volume, mut op, stats, peer, logged, tx, reply, running } = self;
+            let rest = op.split_off();
+            let (tag, meta, kind, credit) = reply;
+            let at = Where { peer: &peer, volume: volume.name(), tag, kind };
+            match (run(&volume, op, &stats, at, &logged), rest) {
+                (Ok(_), Some(rest)) => {
+                    let reply = (tag, meta, kind, credit);
+                    Some(
+                        PoolJob::<E> { volume, op: rest, stats, peer, logged, tx, reply, running }.into_job(),
+                    )
+                }
+                (result, _) => {
+                    drop(running);
+                    let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// Numbers the connections for the I/O pools' fair queues.
+static NEXT_CLIENT: AtomicU64 = AtomicU64::new(1);
 
 /// How many refusals and device errors a connection has logged.
 #[derive(Default)]
@@ -248,6 +296,7 @@ where
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
             logged: Arc::new(Logged::default()),
             activity,
+            client: NEXT_CLIENT.fetch_add(1, Relaxed),
         };
         (d, Writer { rx, sink })
     }
@@ -264,9 +313,10 @@ where
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
         let credit = tokio::select! {
+            biased;
+            _ = self.activity.stopped() => return Err(stopped()),
             c = self.credit(moves) => c?,
             _ = self.env.shutdown.cancelled() => return Ok(()),
-            _ = self.activity.stopped() => return Err(stopped()),
         };
         let stats = &self.env.stats;
         Stats::add(&stats.requests, 1);
@@ -283,18 +333,18 @@ where
         };
         // Counted as running before it may start: a fence waits for it.
         let Some(running) = self.activity.begin() else { return Err(stopped()) };
-        if !self.volume.runs_inline() && !self.env.serial {
-            let volume = self.volume.clone();
-            let tx = self.tx.clone();
-            // Not the whole env: a job must never hold the last reference to the pool it runs on.
-            let stats = self.env.stats.clone();
-            let (peer, logged) = (self.peer.clone(), self.logged.clone());
-            self.env.pool.submit(move || {
-                let at = Where { peer: &peer, volume: volume.name(), tag, kind };
-                let result = run(&volume, op, &stats, at, &logged);
-                drop(running);
-                let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
-            });
+        if let Some(pool) = self.volume.pool().filter(|_| !self.env.serial) {
+            let job = PoolJob::<E> {
+                volume: self.volume.clone(),
+                op,
+                stats: self.env.stats.clone(),
+                peer: self.peer.clone(),
+                logged: self.logged.clone(),
+                tx: self.tx.clone(),
+                reply: (tag, meta, kind, credit),
+                running,
+            };
+            pool.submit(self.client, job.into_job());
         } else {
             let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
             let result = run(&self.volume, op, &self.env.stats, at, &self.logged);

@@ -1,49 +1,114 @@
-//! Pools: the [`IoPool`] of threads that run blocking (file) device I/O, so
-//! a connection's reader never waits for the device and many I/Os are in
-//! flight; and [`PooledBuf`], recycled read buffers.
+//! Pools: the [`IoPool`] of threads that run a volume's blocking (file)
+//! device I/O, so a connection's reader never waits for the device and many
+//! I/Os are in flight; and [`PooledBuf`], recycled read buffers.
 
-type Job = Box<dyn FnOnce() + Send>;
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
-/// A fixed set of threads that run blocking device I/O, so that a
-/// connection's reader never waits for the device and many I/Os are in flight.
+/// A unit of device work. It may leave a continuation (the rest of a large
+/// TRIM or WRITE_ZEROES), which queues again behind the other clients' work.
+pub struct Job(Box<dyn FnOnce() -> Option<Job> + Send>);
+
+impl Job {
+    pub fn new(f: impl FnOnce() -> Option<Job> + Send + 'static) -> Job {
+        Job(Box::new(f))
+    }
+}
+
+/// Each client's jobs in its own queue, and the clients with work in a
+/// ring: threads take one job from the client at the front, which then goes
+/// to the back. A client with thousands of jobs queued gets one turn in
+/// each round, like everybody else. (Each client's queue is bounded by its
+/// credits: the queue depth of its connection.)
+#[derive(Default)]
+struct Queues {
+    ring: VecDeque<u64>,
+    jobs: HashMap<u64, VecDeque<Job>>,
+    closed: bool,
+}
+
+struct Shared {
+    queues: Mutex<Queues>,
+    ready: Condvar,
+}
+
+/// The threads of one volume: a device that stalls holds only its own
+/// threads, never another volume's I/O.
 pub struct IoPool {
-    tx: Option<crossbeam_channel::Sender<Job>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
 }
 
 impl IoPool {
-    pub fn new(threads: usize) -> Self {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let threads = (0..threads)
-            .map(|i| {
-                let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("fastsan-io-{i}"))
-                    .spawn(move || {
-                        for job in rx {
-                            job();
-                        }
-                    })
-                    .expect("spawn an I/O thread")
-            })
-            .collect();
-        IoPool { tx: Some(tx), threads }
+    /// `threads` threads named after `name` (the volume).
+    pub fn new(threads: usize, name: &str) -> Self {
+        let shared = Arc::new(Shared { queues: Mutex::new(Queues::default()), ready: Condvar::new() });
+        for i in 0..threads.max(1) {
+            let sh = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("fastsan-io-{name}-{i}"))
+                .spawn(move || worker(&sh))
+                .expect("spawn an I/O thread");
+        }
+        IoPool { shared }
     }
 
-    pub fn submit(&self, job: impl FnOnce() + Send + 'static) {
-        if let Some(tx) = &self.tx {
-            // The receivers live as long as the pool; send cannot fail before drop.
-            let _ = tx.send(Box::new(job));
+    /// Queues `job` as client `client`'s (a connection).
+    pub fn submit(&self, client: u64, job: Job) {
+        push(&self.shared, client, job);
+    }
+
+    /// Jobs waiting (not running), all clients together.
+    pub fn queued(&self) -> usize {
+        self.shared.queues.lock().jobs.values().map(VecDeque::len).sum()
+    }
+}
+
+fn push(sh: &Shared, client: u64, job: Job) {
+    let mut q = sh.queues.lock();
+    let mine = q.jobs.entry(client).or_default();
+    mine.push_back(job);
+    if mine.len() == 1 {
+        q.ring.push_back(client);
+    }
+    drop(q);
+    sh.ready.notify_one();
+}
+
+fn worker(sh: &Shared) {
+    loop {
+        let (client, job) = {
+            let mut q = sh.queues.lock();
+            let client = loop {
+                if let Some(c) = q.ring.pop_front() {
+                    break c;
+                }
+                if q.closed {
+                    return;
+                }
+                sh.ready.wait(&mut q);
+            };
+            let mine = q.jobs.get_mut(&client).expect("a client in the ring has jobs");
+            let job = mine.pop_front().expect("a client in the ring has jobs");
+            if mine.is_empty() {
+                q.jobs.remove(&client);
+            } else {
+                q.ring.push_back(client);
+            }
+            (client, job)
+        };
+        if let Some(rest) = (job.0)() {
+            push(sh, client, rest);
         }
     }
 }
 
 impl Drop for IoPool {
+    /// The threads finish what is queued, then exit. They are not joined: a
+    /// job may hold the last reference to the volume that owns this pool.
     fn drop(&mut self) {
-        self.tx = None;
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        self.shared.queues.lock().closed = true;
+        self.shared.ready.notify_all();
     }
 }
 
@@ -114,6 +179,51 @@ impl Drop for PooledBuf {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use std::sync::mpsc;
+
+    #[test]
+    fn clients_take_turns_and_continuations_queue_behind_others() {
+        let pool = IoPool::new(1, "t");
+        let (gate_tx, gate_rx) = mpsc::channel::<()>();
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        let (tx, rx) = mpsc::channel();
+        // Hold the one thread while the queues fill.
+        pool.submit(
+            0,
+            Job::new(move || {
+                started_tx.send(()).unwrap();
+                gate_rx.recv().unwrap();
+                None
+            }),
+        );
+        started_rx.recv().unwrap();
+        for i in 0..5 {
+            let tx = tx.clone();
+            pool.submit(
+                1,
+                Job::new(move || {
+                    tx.send((1, i)).unwrap();
+                    None
+                }),
+            );
+        }
+        let tx2 = tx.clone();
+        // Client 2: one job in two pieces.
+        pool.submit(
+            2,
+            Job::new(move || {
+                tx2.send((2, 0)).unwrap();
+                Some(Job::new(move || {
+                    tx2.send((2, 1)).unwrap();
+                    None
+                }))
+            }),
+        );
+        assert_eq!(pool.queued(), 6);
+        gate_tx.send(()).unwrap();
+        let order: Vec<_> = (0..7).map(|_| rx.recv().unwrap()).collect();
+        assert_eq!(order, [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (1, 3), (1, 4)]);
+    }
 
     #[test]
     fn pooled_buffers_have_the_asked_length_and_come_back() {

@@ -11,7 +11,6 @@ use crate::frontend::brp::Brp;
 use crate::frontend::nbd::Nbd;
 use crate::frontend::Frontend;
 use crate::pipeline::{Budget, ConnEnv};
-use crate::pool::IoPool;
 use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::volume::Volume;
@@ -101,7 +100,7 @@ impl Server {
         config.validate()?;
         let mut catalog = Catalog::default();
         for spec in &config.volumes {
-            let v = Volume::open(spec, config.max_transfer)
+            let v = Volume::open(spec, config.max_transfer, config.io_threads)
                 .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
             catalog.add(v);
@@ -122,7 +121,6 @@ impl Server {
         let queue_depth = if config.serial { 1 } else { config.queue_depth };
         let env = Arc::new(ConnEnv {
             stats: stats.clone(),
-            pool: IoPool::new(config.io_threads),
             shutdown: CancellationToken::new(),
             queue_depth,
             serial: config.serial,

@@ -78,7 +78,7 @@ impl Sessions {
         s.prune();
         let mut replaced = 0;
         for m in s.members.iter().filter(|m| m.slot == slot && m.open) {
-            m.activity.stop();
+            m.activity.abandon();
             replaced += 1;
         }
         let waits: Vec<Arc<Activity>> =

@@ -224,3 +224,49 @@ async fn clients_that_never_read_replies_pin_no_more_than_the_budget() {
     assert_eq!(srv.handle.payload_in_flight(), 0, "their budget came back");
     srv.stop().await;
 }
+
+/// Finding 5: a device that stalls holds only its own volume's threads;
+/// one client's thousands of queued jobs do not delay another client's
+/// request by more than a turn; a huge TRIM runs in pieces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_io_is_fair_between_volumes_and_clients() {
+    let (a, b) = (temp_file("pool-a", 1 << 30), temp_file("pool-b", 64 << 20));
+    let slow = format!("slow=file:{},faults=none", a.display());
+    let fast = format!("fast=file:{},delay=5ms", b.display());
+    let srv = TestServer::start(&[slow.as_str(), fast.as_str()], |c| c.io_threads = 2).await;
+    // 32 writes stuck on `slow`: more than all its threads.
+    srv.handle.faults("slow").unwrap().add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    let (mut stuck, _) = Raw::open(srv.addr, "slow").await;
+    for tag in 0..32 {
+        stuck.request(RequestHeader::new(Command::Write, 0, tag, tag * 4096, 4096), &[1; 4096]).await;
+    }
+    // A client with 200 writes queued on `fast` (two threads, 5 ms each: a second of work).
+    let (mut hog, _) = Raw::open(srv.addr, "fast").await;
+    for tag in 0..200 {
+        hog.request(RequestHeader::new(Command::Write, 0, tag, tag * 4096, 4096), &[2; 4096]).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (mut by, _) = Raw::open(srv.addr, "fast").await;
+    let t = Instant::now();
+    by.request(RequestHeader::new(Command::Read, 0, 1, 0, 4096), &[]).await;
+    assert_eq!(by.reply().await.0.status, Status::OK);
+    let waited = t.elapsed();
+    assert!(
+        waited < Duration::from_millis(300),
+        "the bystander waited {waited:?} behind the hog and the stuck volume"
+    );
+    for _ in 0..200 {
+        assert_eq!(hog.reply().await.0.status, Status::OK);
+    }
+    // A 1 GiB TRIM reaches the device in 64 MiB pieces, and gets one reply.
+    srv.handle.faults("slow").unwrap().clear();
+    for _ in 0..32 {
+        assert_eq!(stuck.reply().await.0.status, Status::OK);
+    }
+    let before = srv.handle.volume_stats("slow").unwrap().trims;
+    stuck.request(RequestHeader::new(Command::Trim, FLAG_FUA, 99, 0, 1 << 30), &[]).await;
+    let (r, _) = stuck.reply().await;
+    assert_eq!((r.tag, r.status), (99, Status::OK));
+    assert_eq!(srv.handle.volume_stats("slow").unwrap().trims - before, 16);
+    srv.stop().await;
+}

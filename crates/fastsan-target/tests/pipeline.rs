@@ -259,3 +259,33 @@ async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_
     srv2.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Writes acknowledged by a target that then restarted, and never flushed,
+/// may be lost (its host may have crashed): the resumed session's FLUSH
+/// says so instead of promising them. Flushed writes resume silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_unflushed_writes_fails_the_next_flush() {
+    let dir = std::env::temp_dir().join(format!("fastsan-unflushed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("v.img");
+    std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+    let spec = format!("v=file:{}", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let addr = srv.addr;
+    let opts = Options { connections: 1, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
+    let flushed = Volume::connect(&srv.url("v"), opts.clone()).await.unwrap();
+    let unflushed = Volume::connect(&srv.url("v"), opts).await.unwrap();
+    flushed.write_at(&[1; 4096], 0, false).await.unwrap();
+    flushed.flush().await.unwrap();
+    unflushed.write_at(&[2; 4096], 4096, false).await.unwrap();
+    srv.stop().await;
+    let srv2 = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    flushed.flush().await.expect("everything it wrote was flushed before the restart");
+    let e = unflushed.flush().await.expect_err("its write may be lost");
+    assert!(matches!(e, fastsan_initiator::Error::UnflushedWritesLost { .. }), "{e:?}");
+    assert!(unflushed.write_at(&[3; 4096], 8192, true).await.is_err(), "FUA cannot promise either");
+    assert_eq!(unflushed.read(0, 4096).await.unwrap()[..], [1; 4096][..], "reads go on");
+    drop((flushed, unflushed));
+    srv2.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

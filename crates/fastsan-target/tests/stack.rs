@@ -67,13 +67,18 @@ async fn an_injected_eio_reaches_brp_and_nbd_as_their_error_and_others_go_on() {
     faults.clear();
     n.request(CMD_READ, 0, 14, MIB, 4096, &[]).await;
     assert_eq!(n.simple(4096).await, (0, 14, vec![0; 4096]));
-    // A rule added at run time: an ENOSPC on flush reaches NBD as ENOSPC and BRP as NO_SPACE.
-    faults.add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::NoSpace)).times(2));
-    n.request(CMD_FLUSH, 0, 15, 0, 0, &[]).await;
+    // A rule added at run time: an ENOSPC on write reaches NBD as ENOSPC and BRP as NO_SPACE.
+    // (On flush it would be latched: tests/faults.rs.)
+    faults.add(
+        FaultRule::new(FaultOps::WRITE, Effect::Fail(BackendError::NoSpace))
+            .range(14 * MIB..15 * MIB)
+            .times(2),
+    );
+    n.request(CMD_WRITE, 0, 15, 14 * MIB, 512, &[1; 512]).await;
     assert_eq!(n.simple(0).await.0, ENOSPC);
-    b.request(RequestHeader::new(Command::Flush, 0, 5, 0, 0), &[]).await;
+    b.request(RequestHeader::new(Command::Write, 0, 5, 14 * MIB, 512), &[1; 512]).await;
     assert_eq!(b.reply().await.0.status, Status::NO_SPACE);
-    b.request(RequestHeader::new(Command::Flush, 0, 6, 0, 0), &[]).await;
+    b.request(RequestHeader::new(Command::Write, 0, 6, 14 * MIB, 512), &[1; 512]).await;
     assert_eq!(b.reply().await.0.status, Status::OK, "the rule fired twice and expired");
 
     tokio::time::timeout(std::time::Duration::from_secs(60), others).await.unwrap().unwrap();

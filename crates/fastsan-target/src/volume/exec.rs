@@ -15,8 +15,8 @@ pub enum Outcome {
 }
 
 impl Volume {
-    /// Runs a validated operation. FUA on a backend that cannot do it is a
-    /// write followed by a flush (a TRIM with FUA is always one); a volume that cannot map its extents
+    /// Runs a validated operation. FUA is a write followed by a flush where
+    /// the volume can flush (a TRIM with FUA always is one); a volume that cannot map its extents
     /// reports its range as one allocated extent.
     pub fn execute(&self, op: Op) -> Result<Outcome, Refusal> {
         let b = &*self.backend;
@@ -31,14 +31,15 @@ impl Volume {
                 b.write_at(&data, offset, false)?;
                 done
             }
+            // FUA: the write, then a flush, so that a failed write (ENOSPC)
+            // is told apart from a failed writeback (latched by `durable`).
+            OpKind::Write { offset, data, fua: true } if self.caps.flush => {
+                b.write_at(&data, offset, false)?;
+                self.durable(|| b.flush())?;
+                done
+            }
             OpKind::Write { offset, data, fua: true } => {
-                self.durable(|| {
-                    b.write_at(&data, offset, self.caps.fua)?;
-                    if !self.caps.fua {
-                        b.flush()?;
-                    }
-                    Ok(())
-                })?;
+                self.durable(|| b.write_at(&data, offset, true))?;
                 done
             }
             OpKind::Flush => {
@@ -52,16 +53,14 @@ impl Volume {
                 }
                 done
             }
-            OpKind::WriteZeroes { offset, len, mut flags } if flags.fua => {
-                let emulate_fua = !self.caps.fua;
-                flags.fua = !emulate_fua;
-                self.durable(|| {
-                    b.write_zeroes(offset, len, flags)?;
-                    if emulate_fua {
-                        b.flush()?;
-                    }
-                    Ok(())
-                })?;
+            OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
+                flags.fua = false;
+                b.write_zeroes(offset, len, flags)?;
+                self.durable(|| b.flush())?;
+                done
+            }
+            OpKind::WriteZeroes { offset, len, flags } if flags.fua => {
+                self.durable(|| b.write_zeroes(offset, len, flags))?;
                 done
             }
             OpKind::WriteZeroes { offset, len, flags } => {

@@ -10,6 +10,7 @@ pub use exec::Outcome;
 
 use crate::backend::{self, Backend, BlockSizes, Faults, VolumeStats, VolumeStatsSnapshot, ZeroFlags};
 use crate::config::VolumeSpec;
+use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use bytes::Bytes;
 use std::io;
@@ -42,8 +43,11 @@ pub struct Volume {
     description: String,
     stats: Arc<VolumeStats>,
     faults: Option<Faults>,
+    /// Its own I/O threads, when its calls may block.
+    pool: Option<IoPool>,
     /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
     writeback_lost: std::sync::atomic::AtomicBool,
+    durable_lock: parking_lot::Mutex<()>,
 }
 
 /// A request that passed [`Volume::validate`], ready for the device.
@@ -61,7 +65,31 @@ enum OpKind {
     BlockStatus { offset: u64, len: u64, one: bool },
 }
 
+/// The most one device call of a TRIM or WRITE_ZEROES covers: a larger one
+/// runs in pieces, each queued behind the other clients' work.
+pub const SPLIT: u64 = 64 << 20;
+
 impl Op {
+    /// Cuts a TRIM or WRITE_ZEROES longer than [`SPLIT`] after its first
+    /// piece: `self` becomes that piece (without FUA), the rest is returned
+    /// (with the FUA, so durability is promised when the last piece is done).
+    pub fn split_off(&mut self) -> Option<Op> {
+        match &mut self.kind {
+            OpKind::Trim { offset, len, fua } if *len > SPLIT => {
+                let rest = OpKind::Trim { offset: *offset + SPLIT, len: *len - SPLIT, fua: *fua };
+                (*len, *fua) = (SPLIT, false);
+                Some(Op { kind: rest })
+            }
+            OpKind::WriteZeroes { offset, len, flags } if *len > SPLIT => {
+                let rest = OpKind::WriteZeroes { offset: *offset + SPLIT, len: *len - SPLIT, flags: *flags };
+                *len = SPLIT;
+                flags.fua = false;
+                Some(Op { kind: rest })
+            }
+            _ => None,
+        }
+    }
+
     /// Bytes read and written by this op, for counters.
     pub fn moves(&self) -> (u64, u64) {
         match &self.kind {
@@ -74,16 +102,24 @@ impl Op {
 
 impl Volume {
     /// Builds the volume's backend stack from its spec and opens it.
-    pub fn open(spec: &VolumeSpec, max_transfer: u32) -> io::Result<Volume> {
+    /// A volume whose calls may block gets its own `io_threads` threads.
+    pub fn open(spec: &VolumeSpec, max_transfer: u32, io_threads: usize) -> io::Result<Volume> {
         let stack = backend::build(spec)?;
-        Ok(Volume::from_stack(spec.name.clone(), stack.top, stack.stats, stack.faults, max_transfer))
+        Ok(Volume::from_stack(
+            spec.name.clone(),
+            stack.top,
+            stack.stats,
+            stack.faults,
+            max_transfer,
+            io_threads,
+        ))
     }
 
     /// A volume over a ready backend (tests and embedders), with a stats layer on top.
     pub fn with_backend(name: String, b: Arc<dyn Backend>, max_transfer: u32) -> Volume {
         let stats = Arc::new(VolumeStats::default());
         let top = Arc::new(backend::StatsLayer::new(b, stats.clone()));
-        Volume::from_stack(name, top, stats, None, max_transfer)
+        Volume::from_stack(name, top, stats, None, max_transfer, 4)
     }
 
     fn from_stack(
@@ -92,6 +128,7 @@ impl Volume {
         stats: Arc<VolumeStats>,
         faults: Option<Faults>,
         max_transfer: u32,
+        io_threads: usize,
     ) -> Volume {
         let blocks = b.block_sizes();
         // The unit every front end can address: BRP's 512-byte sectors, or
@@ -109,9 +146,11 @@ impl Volume {
             extents: b.can_extents(),
             cache: b.can_cache(),
         };
+        let inline = !b.may_block();
         Volume {
+            pool: (!inline).then(|| IoPool::new(io_threads, &name)),
             name,
-            inline: !b.may_block(),
+            inline,
             volatile: b.volatile(),
             generation: b.generation(),
             description: b.describe(),
@@ -124,6 +163,7 @@ impl Volume {
             stats,
             faults,
             writeback_lost: Default::default(),
+            durable_lock: Default::default(),
         }
     }
 
@@ -164,6 +204,10 @@ impl Volume {
     pub fn runs_inline(&self) -> bool {
         self.inline
     }
+    /// The volume's I/O threads (none when it runs inline).
+    pub fn pool(&self) -> Option<&IoPool> {
+        self.pool.as_ref()
+    }
     pub fn describe(&self) -> &str {
         &self.description
     }
@@ -183,26 +227,28 @@ impl Volume {
     /// Runs `f`, which promises durability (a flush, a FUA write). Linux
     /// reports a writeback error once per open file: after one failure, a
     /// later flush may succeed although the writes it covered are lost. So
-    /// the first failure is latched: every later FLUSH and FUA fails too,
-    /// for every client, until the volume is reopened.
+    /// the first failure (whatever its errno: ENOSPC and EIO alike) is
+    /// latched: every later FLUSH and FUA fails too, for every client, until
+    /// the volume is reopened. Such calls run one at a time, so that of two
+    /// concurrent flushes the one the kernel tells nothing cannot answer OK
+    /// before the other has latched the failure.
     fn durable(
         &self,
         f: impl FnOnce() -> Result<(), backend::BackendError>,
     ) -> Result<(), backend::BackendError> {
         use std::sync::atomic::Ordering::SeqCst;
+        let _one_at_a_time = self.durable_lock.lock();
         if self.writeback_lost.load(SeqCst) {
             return Err(backend::BackendError::WritebackLost);
         }
         let r = f();
-        if let Err(backend::BackendError::Io(errno)) = r {
-            if !self.writeback_lost.swap(true, SeqCst) {
-                tracing::error!(
-                    volume = self.name,
-                    "flush failed ({}): writes since the last good flush may be lost; \
-                     the volume now fails every FLUSH and FUA write until it is reopened",
-                    std::io::Error::from_raw_os_error(errno)
-                );
-            }
+        if let Err(e) = &r {
+            self.writeback_lost.store(true, SeqCst);
+            tracing::error!(
+                volume = self.name,
+                "flush failed ({e}): writes since the last good flush may be lost; \
+                 the volume now fails every FLUSH and FUA write until it is reopened"
+            );
         }
         r
     }
