@@ -15,7 +15,7 @@
 pub mod nbd_client;
 
 use bytes::Bytes;
-use fastsan_initiator::{BrpUrl, MergeMode, Options, Volume};
+use fastsan_initiator::{BrpUrl, Options, Volume};
 use hdrhistogram::Histogram;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use nbd_client::NbdClient;
@@ -64,11 +64,9 @@ pub struct JobSpec {
     /// Write a pattern that depends on the offset and check every read of a
     /// block this run has written.
     pub verify: bool,
-    /// BRP: connections per session.
-    pub connections: usize,
-    /// BRP: temporal merge mode.
-    pub merge: MergeMode,
-    pub secret: Option<Vec<u8>>,
+    /// BRP: the session's options (connections, merge mode, secret,
+    /// digests, reconnect and request timeouts).
+    pub brp: Options,
     /// Show a live progress line on a terminal.
     pub progress: bool,
 }
@@ -147,6 +145,12 @@ pub struct Report {
     pub frames: u64,
     pub batches: u64,
     pub batched_requests: u64,
+    /// BRP, the whole run: requests sent again after their connection was
+    /// lost (after the target's fence), connections re-established, and
+    /// connections dropped for a request without a reply in time.
+    pub retries: u64,
+    pub reconnects: u64,
+    pub timeouts: u64,
 }
 
 enum Target {
@@ -220,13 +224,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     }
     let open_err = |e: ClientError| BenchError::Open { url: spec.url.clone(), source: e };
     let target = if BrpUrl::has_scheme(&spec.url) {
-        let opts = Options {
-            connections: spec.connections,
-            merge: spec.merge,
-            secret: spec.secret.clone(),
-            ..Default::default()
-        };
-        Target::Brp(Volume::connect(&spec.url, opts).await.map_err(|e| open_err(e.into()))?)
+        Target::Brp(Volume::connect(&spec.url, spec.brp.clone()).await.map_err(|e| open_err(e.into()))?)
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
         for _ in 0..spec.jobs {
@@ -356,6 +354,10 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         line.finish_and_clear();
     }
     let after_stats = brp_stats(&target);
+    let faults = match &*target {
+        Target::Brp(v) => v.stats(),
+        Target::Nbd(_) => Default::default(),
+    };
     let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
     for h in &hists {
         hist.add(&*h.lock()).expect("same bounds");
@@ -371,8 +373,8 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         iodepth: spec.iodepth,
         jobs: spec.jobs,
         requesters: spec.iodepth * spec.jobs,
-        connections: if matches!(*target, Target::Brp(_)) { spec.connections } else { spec.jobs },
-        merge: format!("{:?}", spec.merge).to_lowercase(),
+        connections: if matches!(*target, Target::Brp(_)) { spec.brp.connections } else { spec.jobs },
+        merge: format!("{:?}", spec.brp.merge).to_lowercase(),
         runtime_s: secs,
         ios,
         reads,
@@ -391,6 +393,9 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         frames: after_stats.0 - before_stats.0,
         batches: after_stats.1 - before_stats.1,
         batched_requests: after_stats.2 - before_stats.2,
+        retries: faults.retries,
+        reconnects: faults.reconnects,
+        timeouts: faults.timeouts,
     })
 }
 
@@ -475,6 +480,12 @@ impl Report {
                 self.frames, self.batches, self.batched_requests, avg
             );
         }
+        if self.retries + self.reconnects + self.timeouts > 0 {
+            s += &format!(
+                "  connections lost and re-established {}  requests retried {}  request timeouts {}\n",
+                self.reconnects, self.retries, self.timeouts
+            );
+        }
         if self.errors > 0 || self.verify_mismatches > 0 {
             s += &format!("  ERRORS {}  verify mismatches {}\n", self.errors, self.verify_mismatches);
         }
@@ -498,9 +509,11 @@ mod tests {
             size: None,
             rwmixread: 50,
             verify: false,
-            connections: 1,
-            merge: MergeMode::Adaptive,
-            secret: None,
+            brp: Options {
+                connections: 1,
+                merge: fastsan_initiator::MergeMode::Adaptive,
+                ..Default::default()
+            },
             progress: false,
         }
     }

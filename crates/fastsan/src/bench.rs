@@ -8,7 +8,10 @@ use std::time::Duration;
 ///
 /// Reports IOPS, bandwidth, latency (mean, p50, p99, p99.9 from an HDR
 /// histogram), client CPU and, over BRP, how many requests travelled in
-/// BATCH frames.
+/// BATCH frames. Over BRP it behaves as a block device: a request whose
+/// connection is lost is retried (after the target's fence) and fails only
+/// when no connection comes back within --reconnect-timeout; the report says
+/// how many retries and reconnections it saw.
 ///
 /// Examples:
 ///   fastsan bench brp://127.0.0.1:10810/vol0 --rw randread --bs 4k --iodepth 32 --jobs 4
@@ -74,9 +77,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         size: a.size.as_deref().map(parse_size).transpose()?,
         rwmixread: a.rwmixread,
         verify: a.verify,
-        connections: a.client.connections,
-        merge: a.client.merge,
-        secret: a.client.options()?.secret,
+        brp: a.client.options()?,
         progress: !a.json,
     };
     let report = fastsan_bench::run(spec).await?;

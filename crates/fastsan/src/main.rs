@@ -46,6 +46,14 @@ pub struct ClientArgs {
     /// Ask for CRC32C digests of headers and data.
     #[arg(long)]
     pub digests: bool,
+    /// Seconds a request waits for a lost connection to come back (it is
+    /// retried meanwhile) before it fails; 0 turns reconnection off.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub reconnect_timeout: f64,
+    /// Seconds a request may wait for its reply before its connection is
+    /// taken for lost.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub request_timeout: f64,
 }
 
 impl ClientArgs {
@@ -54,11 +62,22 @@ impl ClientArgs {
             Some(p) => Some(fastsan_target::config::read_secret(p)?),
             None => None,
         };
+        let secs = |s: f64, what: &str| {
+            anyhow::ensure!(
+                s.is_finite() && (0.0..=86400.0).contains(&s),
+                "--{what} must be 0..=86400 seconds"
+            );
+            Ok(std::time::Duration::from_secs_f64(s))
+        };
+        let request_timeout = secs(self.request_timeout, "request-timeout")?;
+        anyhow::ensure!(!request_timeout.is_zero(), "--request-timeout must be more than 0");
         Ok(fastsan_initiator::Options {
             connections: self.connections,
             merge: self.merge,
             secret,
             digests: self.digests,
+            reconnect_timeout: secs(self.reconnect_timeout, "reconnect-timeout")?,
+            request_timeout,
             ..Default::default()
         })
     }

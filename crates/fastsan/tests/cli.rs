@@ -108,7 +108,27 @@ fn bad_command_lines_get_clear_errors() {
         (&["cp", "/nonexistent/file", "brp://127.0.0.1:1/v"], "/nonexistent/file"),
         (&["ls", "http://x"], "brp://"),
         (&["cp", "a", "b", "--merge", "sometimes"], "possible values: off, adaptive, always"),
+        (&["serve", "--brp", "127.0.0.1:0", "--max-connections", "0"], "max connections must be at least 1"),
+        (&["serve", "--brp", "127.0.0.1:0", "--max-handshakes", "0"], "max handshakes must be at least 1"),
+        (
+            &["serve", "--brp", "127.0.0.1:0", "--handshake-timeout", "0"],
+            "handshake timeout must be more than 0",
+        ),
+        (&["serve", "--brp", "127.0.0.1:0", "--stall-timeout", "0"], "stall timeout must be more than 0"),
+        (
+            &["serve", "--brp", "127.0.0.1:0", "--memory-budget", "1M"],
+            "memory budget must be at least 128 MiB",
+        ),
+        (
+            &["bench", "brp://127.0.0.1:1/v", "--request-timeout", "0"],
+            "--request-timeout must be more than 0",
+        ),
     ];
+    let dir = temp_dir("badconf");
+    let zero = dir.join("zero.toml");
+    std::fs::write(&zero, "brp = \"127.0.0.1:0\"\nhandshake_timeout_ms = 0\nmax_connections = 0\n").unwrap();
+    let zero_args = ["serve", "--config", zero.to_str().unwrap()];
+    let cases = cases.iter().copied().chain([(&zero_args[..], "handshake timeout must be more than 0")]);
     for (args, needle) in cases {
         let out = fastsan(args);
         assert!(!out.status.success(), "{args:?} should fail");
@@ -116,6 +136,7 @@ fn bad_command_lines_get_clear_errors() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -171,4 +192,190 @@ fn bench_measures_and_verifies_over_brp_and_nbd() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("brp://"));
     let out = fastsan(&["bench", &s.url("v"), "--bs", "1000"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("multiple of 512"));
+}
+
+/// kill -9 of the target in the middle of a write load with FLUSH and FUA,
+/// restart, verify: every write acknowledged and then flushed (or written
+/// with FUA) is there, in every round. Rounds: `FASTSAN_KILL9_ROUNDS`
+/// (default 20; docs/faults.md records a run of 100).
+#[test]
+fn kill_9_during_a_write_load_loses_no_flushed_write() {
+    use rand::{Rng, SeedableRng};
+    use std::sync::{Arc, Mutex};
+    const WRITERS: u64 = 8;
+    const BLOCKS: u64 = 256; // per writer
+    const BS: u64 = 4096;
+    let rounds: u64 = std::env::var("FASTSAN_KILL9_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let dir = temp_dir("kill9-rounds");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(WRITERS * BLOCKS * BS).unwrap();
+    let spec = format!("v=file:{}", img.display());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // Per block: the version known durable, and the newest version sent.
+    let state: Arc<Mutex<Vec<(u64, u64)>>> = Arc::new(Mutex::new(vec![(0, 0); (WRITERS * BLOCKS) as usize]));
+    let block = |w: u64, b: u64, version: u64| -> Vec<u8> {
+        let mut v = Vec::with_capacity(BS as usize);
+        while v.len() < BS as usize {
+            v.extend_from_slice(&(w * BLOCKS + b).to_le_bytes());
+            v.extend_from_slice(&version.to_le_bytes());
+        }
+        v
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let (mut lost, mut checked) = (0u64, 0u64);
+    for round in 0..rounds {
+        let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+        let url = s.url("v");
+        // The load: each writer writes versioned blocks of its own; every few
+        // writes a FLUSH, or a FUA write. No reconnection: the kill ends it.
+        let opts = Options { reconnect_timeout: std::time::Duration::ZERO, ..Default::default() };
+        let vol = rt.block_on(fastsan_initiator::Volume::connect(&url, opts)).unwrap();
+        let tasks: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let (vol, state) = (vol.clone(), state.clone());
+                let seed = round * 100 + w;
+                rt.spawn(async move {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+                    let mut unflushed: Vec<(usize, u64)> = Vec::new();
+                    loop {
+                        let b = rng.gen_range(0..BLOCKS);
+                        let i = (w * BLOCKS + b) as usize;
+                        let version = {
+                            let mut st = state.lock().unwrap();
+                            st[i].1 += 1;
+                            st[i].1
+                        };
+                        let fua = rng.gen_bool(0.1);
+                        if vol.write_at(&block(w, b, version), i as u64 * BS, fua).await.is_err() {
+                            return;
+                        }
+                        if fua {
+                            let mut st = state.lock().unwrap();
+                            st[i].0 = st[i].0.max(version);
+                        } else {
+                            unflushed.push((i, version));
+                        }
+                        if rng.gen_bool(0.15) {
+                            if vol.flush().await.is_err() {
+                                return;
+                            }
+                            let mut st = state.lock().unwrap();
+                            for (i, v) in unflushed.drain(..) {
+                                st[i].0 = st[i].0.max(v);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(rng.gen_range(100..400)));
+        let (status, _) = s.signal("KILL");
+        assert!(!status.success());
+        for t in tasks {
+            rt.block_on(t).unwrap();
+        }
+        drop(vol);
+        // Restart and verify: each block holds its durable version or a newer one sent.
+        let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+        let vol = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+        let mut all = vec![0u8; (WRITERS * BLOCKS * BS) as usize];
+        vol.read_at(&mut all, 0).unwrap();
+        let st = state.lock().unwrap();
+        for (i, &(durable, sent)) in st.iter().enumerate() {
+            if sent == 0 {
+                continue;
+            }
+            let at = i * BS as usize;
+            let id = u64::from_le_bytes(all[at..at + 8].try_into().unwrap());
+            let version = u64::from_le_bytes(all[at + 8..at + 16].try_into().unwrap());
+            let whole = all[at..at + BS as usize].chunks(16).all(|c| c == &all[at..at + 16]);
+            checked += 1;
+            if durable > 0 && (id != i as u64 || version < durable || version > sent || !whole) {
+                eprintln!("round {round}: block {i} holds id {id} version {version}; durable {durable}, sent {sent}");
+                lost += 1;
+            }
+        }
+        drop(vol);
+        drop(s);
+    }
+    eprintln!("kill -9: {rounds} rounds, {checked} block checks, {lost} flushed writes lost");
+    assert_eq!(lost, 0, "acknowledged and flushed writes lost");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `fastsan bench` over BRP behaves as a block device: the target killed
+/// and restarted in the middle of a verified run costs no error and no
+/// mismatch (the report counts the reconnections and retries); a target
+/// that never comes back fails the run once the reconnect timeout passes.
+#[test]
+fn bench_rides_out_a_target_restart_and_fails_only_past_the_reconnect_timeout() {
+    let dir = temp_dir("bench-restart");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
+    let spec = format!("v=file:{}", img.display());
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+    let (addr, url) = (s.addr.clone(), s.url("v"));
+    let args = |runtime: &str, reconnect: &str| -> Vec<String> {
+        [
+            "bench",
+            &url,
+            "--rw",
+            "randrw",
+            "--bs",
+            "4k",
+            "--iodepth",
+            "16",
+            "--jobs",
+            "2",
+            "--runtime",
+            runtime,
+            "--ramp",
+            "0",
+            "--size",
+            "16M",
+            "--verify",
+            "--json",
+            "--reconnect-timeout",
+            reconnect,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let bench = std::process::Command::new(BIN)
+        .args(args("3", "20"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let (status, _) = s.signal("KILL");
+    assert!(!status.success());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let s = Served::start(&["--brp", &addr, "--volume", &spec]);
+    let out = bench.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let get = |k: &str| -> u64 {
+        let at = text.find(&format!("\"{k}\": ")).unwrap_or_else(|| panic!("{k} in {text}")) + k.len() + 4;
+        text[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    assert_eq!((get("errors"), get("verify_mismatches")), (0, 0), "{text}");
+    assert!(get("reconnects") >= 1 && get("retries") >= 1, "{text}");
+    // Killed for good: the run fails after its reconnect timeout, with a clear error.
+    let bench = std::process::Command::new(BIN)
+        .args(args("5", "1"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t = std::time::Instant::now();
+    let (status, _) = s.signal("KILL");
+    assert!(!status.success());
+    let out = bench.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("requests failed"), "{err}");
+    assert!(t.elapsed() >= std::time::Duration::from_millis(900), "not before the reconnect timeout");
+    std::fs::remove_dir_all(dir).unwrap();
 }
