@@ -76,7 +76,7 @@ enum End {
 }
 
 /// Serves one connection of front end `F` from its first byte to its close.
-/// The handshake runs on `ticket` (a place at the [`HandshakeGate`]); the
+/// The handshake runs on `ticket` (a place at the [`crate::server::HandshakeGate`]); the
 /// transmission phase needs one of the server's connection slots.
 pub async fn serve_connection<F: Frontend, S: Transport>(
     frontend: Arc<F>,
