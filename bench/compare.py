@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Compares two fastsan binaries side by side in one run (a change's
 before and after): both serve a 1 GiB memory volume on loopback; each point
-is run `--reps` times with the two systems alternating, by the same clients
-(fio's nbd engine for NBD, the NEW binary's `fastsan bench` for BRP); the
-report gives medians, server CPU per I/O and the ratio new/old.
+is run `--reps` times with the two systems alternating, by the same client
+for NBD (fio's nbd engine) and by each binary's own `fastsan bench` for BRP
+(the two may speak different BRP versions); the report gives medians,
+server CPU per I/O and the ratio new/old.
 
   bench/compare.py OLD_BINARY [NEW_BINARY] [--quick] [--reps N]
   bench/run --compare OLD_BINARY [--quick]      (the same, after a release build)
@@ -63,7 +64,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     raw = []
     run = suite.Runner(args.quick, raw)
-    systems = {"old": start("old", args.old), "new": start("new", args.new)}
+    binaries = {"old": args.old, "new": args.new}
+    systems = {label: start(label, b) for label, b in binaries.items()}
     rows = []
     try:
         for (name, proto, rw, bs, qd, jobs) in POINTS:
@@ -75,7 +77,7 @@ def main():
                 if proto == "nbd":
                     fn = lambda s=s: run.fio(s.url, rw, bs, qd, jobs)
                 else:
-                    fn = lambda s=s: run.fastsan_bench(s.brp_url, rw, bs, qd, jobs)
+                    fn = lambda s=s, b=binaries[label]: run.fastsan_bench(s.brp_url, rw, bs, qd, jobs, binary=b)
                 fns[label] = suite.with_cpu(fn, s.pid)
             med = suite.run_point(run, args.reps, "compare", {"point": name}, fns)
             rows.append((name, med.get("old"), med.get("new")))

@@ -216,8 +216,8 @@ class Runner:
                "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
         return cmd, res
 
-    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2):
-        cmd = [FASTSAN, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
+    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN):
+        cmd = [binary, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
                f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
                f"--connections={connections}", "--json"]
         p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)

@@ -1,4 +1,4 @@
-//! BRP v1, the Block Remote Protocol of fastsan: a sans-IO codec.
+//! BRP v2, the Block Remote Protocol of fastsan: a sans-IO codec.
 //!
 //! This crate owns the bytes on the wire and nothing else. It never touches a
 //! socket or a file: it turns byte slices into typed frames and back, and it

@@ -121,6 +121,17 @@ impl Error {
     }
 }
 
+/// An error and its causes, each once: what `anyhow`'s `{:#}` prints.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s += &format!(": {c}");
+        cur = c.source();
+    }
+    s
+}
+
 fn replaced_text(volume: &str, restarted: bool, volatile: bool) -> String {
     match (restarted, volatile) {
         (true, true) => format!(
@@ -141,17 +152,6 @@ fn replaced_text(volume: &str, restarted: bool, volatile: bool) -> String {
 mod tests {
     use super::*;
     use std::error::Error as _;
-
-    /// Every cause appears once in the chain `anyhow` prints with `{:#}`.
-    fn chain(e: &dyn std::error::Error) -> String {
-        let mut s = e.to_string();
-        let mut cur = e.source();
-        while let Some(c) = cur {
-            s += &format!(": {c}");
-            cur = c.source();
-        }
-        s
-    }
 
     #[test]
     fn wrapped_errors_appear_once_in_the_chain() {

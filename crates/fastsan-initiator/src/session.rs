@@ -315,30 +315,33 @@ impl Volume {
     /// reconnect only after everything the lost connection had started is
     /// finished, so a request sent after this cannot be overtaken by it.
     async fn fence(&self, lost: &Conn, until: Instant) -> Result<(), Error> {
-        let sh = &self.shared;
-        loop {
-            let changed = sh.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if let Some(e) = sh.ended.get() {
-                return Err(ended_error(sh, e));
-            }
-            if sh.epochs[lost.slot].load(SeqCst) > lost.epoch {
-                return Ok(());
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::ConnectionLost);
-            }
-            let _ = tokio::time::timeout(left, changed).await;
-        }
+        self.wait_until(until, |sh| (sh.epochs[lost.slot].load(SeqCst) > lost.epoch).then_some(())).await
     }
 
     /// The least-loaded live connection and a credit on it; waits for one to
     /// come back until `deadline` (or the reconnect timeout from now).
     async fn pick(&self, deadline: Option<Instant>) -> Result<(Arc<Conn>, OwnedSemaphorePermit), Error> {
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + self.shared.opts.reconnect_timeout);
+        loop {
+            let best = |sh: &Shared| {
+                sh.slots
+                    .iter()
+                    .filter_map(|s| s.read().clone())
+                    .filter(|c| c.is_alive())
+                    .max_by_key(|c| c.credits.available_permits())
+            };
+            let c = self.wait_until(deadline, best).await?;
+            match c.credits.clone().acquire_owned().await {
+                Ok(permit) => return Ok((c, permit)),
+                Err(_) => continue, // it died while we waited: pick again
+            }
+        }
+    }
+
+    /// Waits until `check` finds what it looks for, re-checking whenever a
+    /// connection comes or goes; fails at `until`, or when the session ended.
+    async fn wait_until<T>(&self, until: Instant, check: impl Fn(&Shared) -> Option<T>) -> Result<T, Error> {
         let sh = &self.shared;
-        let deadline = deadline.unwrap_or_else(|| Instant::now() + sh.opts.reconnect_timeout);
         loop {
             let changed = sh.changed.notified();
             tokio::pin!(changed);
@@ -346,19 +349,10 @@ impl Volume {
             if let Some(e) = sh.ended.get() {
                 return Err(ended_error(sh, e));
             }
-            let best = sh
-                .slots
-                .iter()
-                .filter_map(|s| s.read().clone())
-                .filter(|c| c.is_alive())
-                .max_by_key(|c| c.credits.available_permits());
-            if let Some(c) = best {
-                match c.credits.clone().acquire_owned().await {
-                    Ok(permit) => return Ok((c, permit)),
-                    Err(_) => continue, // it died while we waited: pick again
-                }
+            if let Some(found) = check(sh) {
+                return Ok(found);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::ConnectionLost);
             }
@@ -376,17 +370,6 @@ fn ended_error(sh: &Shared, e: &Ended) -> Error {
         },
         Ended::Refused(why) => Error::SessionEnded(why.clone()),
     }
-}
-
-/// An error and its causes, for [`Error::SessionEnded`].
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s += &format!(": {c}");
-        cur = c.source();
-    }
-    s
 }
 
 /// Runs every future to its end (none is abandoned while in flight: a
@@ -516,7 +499,7 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                     Error::VolumeReplaced { restarted, volatile, .. } => {
                         Ended::Replaced { restarted, volatile }
                     }
-                    other => Ended::Refused(error_chain(&other)),
+                    other => Ended::Refused(crate::error::chain(&other)),
                 };
                 let _ = sh.ended.set(ended);
                 sh.changed.notify_waiters();

@@ -157,7 +157,7 @@ pub struct ServerConfig {
     pub queue_depth: u32,
     /// Largest single transfer.
     pub max_transfer: u32,
-    /// Threads that run blocking (file) device I/O.
+    /// Threads that run blocking (file) device I/O, for each volume.
     pub io_threads: usize,
     /// Process each connection's requests one at a time, end to end (the
     /// paper's BRP-1, "parallelism off"), for comparison only.

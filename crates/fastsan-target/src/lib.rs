@@ -17,14 +17,19 @@
 //!    **validated** by [`volume::Volume::validate`] (the only place volume
 //!    rules live, the only maker of a [`volume::Op`]), **executed** by
 //!    [`volume::Volume::execute`] (the only place a request touches the
-//!    backend: inline for memory and null, on the [`pool::IoPool`] otherwise),
+//!    backend: inline for memory and null, on the volume's own
+//!    [`pool::IoPool`] otherwise, fair between connections),
 //!    **answered** by [`pipeline::Dispatcher::flush`] and [`pipeline::Writer`]
 //!    (every ready reply in one `writev`). Refusals are logged there, once.
 //!
 //! Around it:
-//! - [`server`] - [`Server`]: binds, accepts within a cap, shuts down gracefully.
+//! - [`server`] - [`Server`]: binds, admits handshakes within caps (per
+//!   address too), shuts down gracefully.
 //! - [`config`] - volume specs, sizes, durations, the TOML file, [`config::ServerConfig`].
-//! - [`catalog`] - the volumes by name; [`sessions`] - BRP sessions.
+//! - [`catalog`] - the volumes by name; [`sessions`] - BRP sessions, their
+//!   slots and the fence; [`fence`] - what a connection has started on the
+//!   device, and the switch that stops it (a lost connection never lands a
+//!   write after the initiator's retry).
 //! - [`backend`] - the backend stack: stores (memory, file, null) and layers
 //!   (stats, faults, delay, read-only), with capabilities; built in [`backend::build`].
 //! - [`request`] - protocol-neutral requests and refusals (with their context).

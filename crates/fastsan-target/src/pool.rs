@@ -2,7 +2,7 @@
 //! device I/O, so a connection's reader never waits for the device and many
 //! I/Os are in flight; and [`PooledBuf`], recycled read buffers.
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -25,81 +25,79 @@ impl Job {
 struct Queues {
     ring: VecDeque<u64>,
     jobs: HashMap<u64, VecDeque<Job>>,
-    closed: bool,
 }
 
-struct Shared {
-    queues: Mutex<Queues>,
-    ready: Condvar,
+impl Queues {
+    fn push(&mut self, client: u64, job: Job) {
+        let mine = self.jobs.entry(client).or_default();
+        mine.push_back(job);
+        if mine.len() == 1 {
+            self.ring.push_back(client);
+        }
+    }
+
+    fn pop(&mut self) -> Option<(u64, Job)> {
+        let client = self.ring.pop_front()?;
+        let mine = self.jobs.get_mut(&client).expect("a client in the ring has jobs");
+        let job = mine.pop_front().expect("a client in the ring has jobs");
+        if mine.is_empty() {
+            self.jobs.remove(&client);
+        } else {
+            self.ring.push_back(client);
+        }
+        Some((client, job))
+    }
 }
 
 /// The threads of one volume: a device that stalls holds only its own
-/// threads, never another volume's I/O.
+/// threads, never another volume's I/O. The fair queues say which job runs
+/// next; a channel of tokens (one per job queued) wakes the threads, so
+/// that idle threads park and wake as cheaply as on a plain channel.
 pub struct IoPool {
-    shared: Arc<Shared>,
+    queues: Arc<Mutex<Queues>>,
+    tokens: Option<crossbeam_channel::Sender<()>>,
 }
 
 impl IoPool {
     /// `threads` threads named after `name` (the volume).
     pub fn new(threads: usize, name: &str) -> Self {
-        let shared = Arc::new(Shared { queues: Mutex::new(Queues::default()), ready: Condvar::new() });
+        let queues = Arc::new(Mutex::new(Queues::default()));
+        let (tx, rx) = crossbeam_channel::unbounded::<()>();
         for i in 0..threads.max(1) {
-            let sh = shared.clone();
+            let (queues, rx) = (queues.clone(), rx.clone());
             std::thread::Builder::new()
                 .name(format!("fastsan-io-{name}-{i}"))
-                .spawn(move || worker(&sh))
+                .spawn(move || {
+                    // One token, one job. A job's continuation is queued behind
+                    // the others, and this thread takes the next job in its
+                    // place (the continuation has no token of its own).
+                    for () in rx {
+                        let mut next = queues.lock().pop();
+                        while let Some((client, job)) = next {
+                            next = (job.0)().and_then(|rest| {
+                                let mut q = queues.lock();
+                                q.push(client, rest);
+                                q.pop()
+                            });
+                        }
+                    }
+                })
                 .expect("spawn an I/O thread");
         }
-        IoPool { shared }
+        IoPool { queues, tokens: Some(tx) }
     }
 
     /// Queues `job` as client `client`'s (a connection).
     pub fn submit(&self, client: u64, job: Job) {
-        push(&self.shared, client, job);
+        self.queues.lock().push(client, job);
+        if let Some(tx) = &self.tokens {
+            let _ = tx.send(());
+        }
     }
 
     /// Jobs waiting (not running), all clients together.
     pub fn queued(&self) -> usize {
-        self.shared.queues.lock().jobs.values().map(VecDeque::len).sum()
-    }
-}
-
-fn push(sh: &Shared, client: u64, job: Job) {
-    let mut q = sh.queues.lock();
-    let mine = q.jobs.entry(client).or_default();
-    mine.push_back(job);
-    if mine.len() == 1 {
-        q.ring.push_back(client);
-    }
-    drop(q);
-    sh.ready.notify_one();
-}
-
-fn worker(sh: &Shared) {
-    loop {
-        let (client, job) = {
-            let mut q = sh.queues.lock();
-            let client = loop {
-                if let Some(c) = q.ring.pop_front() {
-                    break c;
-                }
-                if q.closed {
-                    return;
-                }
-                sh.ready.wait(&mut q);
-            };
-            let mine = q.jobs.get_mut(&client).expect("a client in the ring has jobs");
-            let job = mine.pop_front().expect("a client in the ring has jobs");
-            if mine.is_empty() {
-                q.jobs.remove(&client);
-            } else {
-                q.ring.push_back(client);
-            }
-            (client, job)
-        };
-        if let Some(rest) = (job.0)() {
-            push(sh, client, rest);
-        }
+        self.queues.lock().jobs.values().map(VecDeque::len).sum()
     }
 }
 
@@ -107,8 +105,7 @@ impl Drop for IoPool {
     /// The threads finish what is queued, then exit. They are not joined: a
     /// job may hold the last reference to the volume that owns this pool.
     fn drop(&mut self) {
-        self.shared.queues.lock().closed = true;
-        self.shared.ready.notify_all();
+        self.tokens = None;
     }
 }
 

@@ -140,10 +140,7 @@ const LOAD: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_torn_down_at_random_lose_nothing_and_fail_nothing() {
-    let dir = std::env::temp_dir().join(format!("fastsan-chaos-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("v.img");
-    std::fs::File::create(&path).unwrap().set_len(REQUESTERS * REGION).unwrap();
+    let (dir, path) = common::temp_file("chaos", REQUESTERS * REGION);
     // Writes to the first requesters' regions are slow: a lost connection's
     // write is then often still running on the target when the initiator retries.
     let spec = format!("v=file:{},faults=write:delay=3ms@0-8M", path.display());

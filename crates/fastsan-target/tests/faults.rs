@@ -34,11 +34,7 @@ fn established(s: &tokio::net::TcpStream) -> bool {
 }
 
 fn temp_file(name: &str, len: u64) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("fastsan-faults-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("v.img");
-    std::fs::File::create(&path).unwrap().set_len(len).unwrap();
-    path
+    common::temp_file(&format!("faults-{name}"), len).1
 }
 
 /// HELLO, then OPEN of `volume` as `slot` of `session`, without waiting for the answer.

@@ -229,10 +229,7 @@ async fn a_restarted_target_with_an_empty_memory_volume_is_refused() {
 /// on the restarted target with the data intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_it() {
-    let dir = std::env::temp_dir().join(format!("fastsan-restart-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("v.img");
-    std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+    let (dir, path) = common::temp_file("restart", 4 << 20);
     let spec = format!("v=file:{}", path.display());
     let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
     let addr = srv.addr;
@@ -265,10 +262,7 @@ async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_
 /// says so instead of promising them. Flushed writes resume silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_with_unflushed_writes_fails_the_next_flush() {
-    let dir = std::env::temp_dir().join(format!("fastsan-unflushed-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("v.img");
-    std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+    let (dir, path) = common::temp_file("unflushed", 4 << 20);
     let spec = format!("v=file:{}", path.display());
     let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
     let addr = srv.addr;

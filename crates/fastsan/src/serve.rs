@@ -59,7 +59,7 @@ pub struct Args {
     /// Largest single transfer, e.g. 8M [default: 8M].
     #[arg(long, value_name = "SIZE")]
     max_transfer: Option<String>,
-    /// Threads running blocking device I/O for file volumes [default: 16].
+    /// Threads running blocking device I/O, for each file volume [default: 16].
     #[arg(long, value_name = "N")]
     io_threads: Option<usize>,
     /// Seconds a client has to finish the handshake [default: 10].

@@ -166,6 +166,16 @@ impl Raw {
     }
 }
 
+/// A sparse file of `len` bytes in a directory of its own under the
+/// system's temp dir (never the source tree): `(dir, file)`.
+pub fn temp_file(name: &str, len: u64) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("fastsan-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("v.img");
+    std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+    (dir, path)
+}
+
 /// A pattern that differs by offset and seed, so misplaced data is caught.
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
     (0..len as u64).map(|i| ((offset + i).wrapping_mul(31) ^ seed.wrapping_mul(0x9E37_79B9)) as u8).collect()
