@@ -90,6 +90,7 @@ fn main() {
             flags: 0,
             instance: 0x5eed,
             generation: 1,
+            boot: 1,
         }),
         Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume".into() },
     ];

@@ -58,6 +58,9 @@ pub struct OpenInfo {
     /// start; a file keeps its own). A resumed session whose volume changed
     /// generation must not be adopted.
     pub generation: u64,
+    /// Identity of the target host's boot (0: unknown): when it changed, the
+    /// host went down, and writes not flushed before may be lost with it.
+    pub boot: u64,
 }
 
 impl OpenInfo {
@@ -204,6 +207,7 @@ impl Message {
                 out.extend_from_slice(&i.flags.to_le_bytes());
                 out.extend_from_slice(&i.instance.to_le_bytes());
                 out.extend_from_slice(&i.generation.to_le_bytes());
+                out.extend_from_slice(&i.boot.to_le_bytes());
             }
             Message::Error { status, message } => {
                 out.extend_from_slice(&status.0.to_le_bytes());
@@ -367,6 +371,7 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
                 flags,
                 instance: r.u64()?,
                 generation: r.u64()?,
+                boot: r.u64()?,
             })
         }
         kind::ERROR => {
@@ -413,6 +418,7 @@ mod tests {
                 flags: 0,
                 instance: 0x1234_5678_9abc_def0,
                 generation: 7,
+                boot: 9,
             }),
             Message::Error { status: Status::NO_SUCH_VOLUME, message: "no volume 'x'".into() },
         ]

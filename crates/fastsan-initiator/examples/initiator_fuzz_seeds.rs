@@ -30,6 +30,7 @@ fn main() {
         flags: 0,
         instance: 0x5eed,
         generation: 1,
+        boot: 1,
     });
     let refuse = |status, message: &str| Message::Error { status, message: message.into() };
     let seeds: [(&str, Vec<Message>); 6] = [

@@ -106,13 +106,17 @@ pub(crate) struct Conn {
     /// slot was re-established before it.
     pub slot: usize,
     pub epoch: u64,
+    /// The target it was opened on: (instance, host boot).
+    pub target: (u64, u64),
 }
 
-/// Where a connection sits in its session, and its request timeout.
+/// Where a connection sits in its session, its request timeout, and the
+/// target it was opened on.
 pub(crate) struct Place {
     pub slot: usize,
     pub epoch: u64,
     pub request_timeout: std::time::Duration,
+    pub target: (u64, u64),
 }
 
 /// What an opened connection's loops run on: the socket's owned halves,
@@ -208,7 +212,7 @@ impl Conn {
         };
         tokio::spawn(sender);
         tokio::spawn(receiver);
-        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch }
+        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch, target: place.target }
     }
 
     pub fn is_alive(&self) -> bool {

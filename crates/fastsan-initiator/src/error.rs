@@ -60,10 +60,10 @@ pub enum Error {
     /// the secret is wrong...): the session is over.
     #[error("the session cannot be resumed: {0}")]
     SessionEnded(String),
-    /// The target restarted while writes it had acknowledged were not yet
-    /// flushed: they may be lost, so no FLUSH (or FUA write) of this session
-    /// can promise durability any more. Reopen the volume.
-    #[error("the target of volume {volume:?} restarted with acknowledged writes not yet flushed: they may be lost; reopen the volume")]
+    /// The target's host restarted while writes it had acknowledged were not
+    /// yet flushed: they may be lost, so no FLUSH of this session can promise
+    /// durability any more. Reopen the volume.
+    #[error("the target of volume {volume:?} went down with its host while acknowledged writes were not yet flushed: they may be lost; reopen the volume")]
     UnflushedWritesLost { volume: String },
     #[error("request failed: {0}")]
     Status(Status),

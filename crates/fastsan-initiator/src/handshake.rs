@@ -335,6 +335,7 @@ mod tests {
             flags: 0,
             instance: 1,
             generation: 1,
+            boot: 1,
         }
     }
 

@@ -54,8 +54,8 @@ struct Shared {
     /// A restarted target was resumed with acknowledged writes not yet
     /// flushed: FLUSH cannot promise them any more.
     unflushed_lost: AtomicBool,
-    /// The target instance last seen.
-    instance: AtomicU64,
+    /// The target last seen: its instance and its host's boot.
+    target: Mutex<(u64, u64)>,
 }
 
 /// Why a session cannot be resumed.
@@ -114,7 +114,7 @@ impl Volume {
                 acked: AtomicU64::new(0),
                 flushed: AtomicU64::new(0),
                 unflushed_lost: AtomicBool::new(false),
-                instance: AtomicU64::new(info.instance),
+                target: Mutex::new((info.instance, info.boot)),
             }
         });
         for i in 1..shared.opts.connections {
@@ -224,7 +224,9 @@ impl Volume {
     /// their order against earlier overlapping writes ([`WriteOrder`]).
     async fn call(&self, h: RequestHeader, payload: Bytes) -> Result<Option<Bytes>, Error> {
         let sh = &self.shared;
-        let until = Instant::now() + sh.opts.reconnect_timeout;
+        // An earlier overlapping write may be in flight (a reply on its way)
+        // or waiting for its fence: both end within these two timeouts.
+        let until = Instant::now() + sh.opts.request_timeout + sh.opts.reconnect_timeout;
         let writes = matches!(h.command, Command::Write | Command::Trim | Command::WriteZeroes);
         let mut ticket = match writes {
             true => Some(sh.order.clone().enter(h.offset, h.length as u64, until).await?),
@@ -233,8 +235,9 @@ impl Volume {
         let flushed_upto = sh.acked.load(SeqCst);
         let mut deadline: Option<Instant> = None;
         let mut unfenced: Option<(usize, u64)> = None;
+        let mut answered_by = (0, 0);
         let result = loop {
-            if h.command == Command::Flush || h.is_fua() {
+            if h.command == Command::Flush {
                 self.check_unflushed()?;
             }
             let (conn, credit) = match self.pick(deadline).await {
@@ -242,6 +245,7 @@ impl Volume {
                 Err(e) => break Err(e),
             };
             unfenced = None;
+            answered_by = conn.target;
             let result = self.send(&conn, h, payload.clone(), credit).await;
             let lost = match &result {
                 Err(Error::ConnectionLost) => true,
@@ -270,15 +274,30 @@ impl Volume {
             // A FUA write is durable already: nothing for a restart to lose.
             (Ok(_), _, _) if writes && !h.is_fua() => {
                 sh.acked.fetch_add(1, SeqCst);
+                // Acknowledged by a host that has rebooted since (and the
+                // reconnect that saw it counted before this write).
+                let now = *sh.target.lock();
+                if answered_by != now && host_rebooted(answered_by.1, now.1) {
+                    sh.unflushed_lost.store(true, SeqCst);
+                }
             }
             (Ok(_), _, _) if h.command == Command::Flush => {
-                sh.flushed.fetch_max(flushed_upto, SeqCst);
-                // A restart seen while this flush was on its way: it covered nothing of before.
+                // Only a flush by the target of now covers what it holds.
+                if answered_by == *sh.target.lock() {
+                    sh.flushed.fetch_max(flushed_upto, SeqCst);
+                }
                 self.check_unflushed()?;
             }
             // Given up while its connection was not fenced: its write may
-            // still land, so overlapping writes stay behind it until then.
-            (Err(_), Some((slot, epoch)), Some(t)) => sh.unfenced.lock().push((slot, epoch, t)),
+            // still land, so overlapping writes stay behind it until its slot
+            // is fenced (checked under the lock: the reconnect that fences it
+            // may have run already). Without reconnection nothing ever fences it.
+            (Err(_), Some((slot, epoch)), Some(t)) if !sh.opts.reconnect_timeout.is_zero() => {
+                let mut parked = sh.unfenced.lock();
+                if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
+                    parked.push((slot, epoch, t));
+                }
+            }
             _ => {}
         }
         result
@@ -361,6 +380,14 @@ impl Volume {
     }
 }
 
+/// Whether the target's host went down between two boots seen: a process
+/// restart keeps the kernel's page cache (a kill -9 loses no acknowledged
+/// write, a graceful stop flushes), a reboot may not. An unknown boot (0)
+/// is taken for a reboot.
+fn host_rebooted(before: u64, now: u64) -> bool {
+    before != now || now == 0
+}
+
 fn ended_error(sh: &Shared, e: &Ended) -> Error {
     match e {
         Ended::Replaced { restarted, volatile } => Error::VolumeReplaced {
@@ -420,7 +447,8 @@ fn start_conn(
             }
         }
     });
-    let place = Place { slot, epoch, request_timeout: opts.request_timeout };
+    let place =
+        Place { slot, epoch, request_timeout: opts.request_timeout, target: (info.instance, info.boot) };
     Conn::start(hs, place, limits, stats.clone(), on_dead)
 }
 
@@ -445,16 +473,19 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
             new_block_size: info.block_size,
         });
     }
-    if sh.instance.swap(info.instance, SeqCst) != info.instance {
-        let unflushed = sh.acked.load(SeqCst) > sh.flushed.load(SeqCst);
-        if unflushed {
+    let mut target = sh.target.lock();
+    if *target != (info.instance, info.boot) {
+        let rebooted = host_rebooted(target.1, info.boot);
+        *target = (info.instance, info.boot);
+        if rebooted && sh.acked.load(SeqCst) > sh.flushed.load(SeqCst) {
             sh.unflushed_lost.store(true, SeqCst);
-            warn!(url = %sh.url, "the target restarted with writes acknowledged but not flushed: \
+            warn!(url = %sh.url, "the target's host restarted with writes acknowledged but not flushed: \
                   they may be lost, and every FLUSH of this session fails from now on");
         } else {
-            info!(url = %sh.url, slot, "the target restarted; the volume's data is the same one (same generation): resuming");
+            info!(url = %sh.url, slot, rebooted, "the target restarted; the volume's data is the same one (same generation): resuming");
         }
     }
+    drop(target);
     Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats))
 }
 
@@ -502,6 +533,8 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                     other => Ended::Refused(crate::error::chain(&other)),
                 };
                 let _ = sh.ended.set(ended);
+                // Nothing will fence the writes given up: let overlapping ones fail on.
+                sh.unfenced.lock().clear();
                 sh.changed.notify_waiters();
                 return;
             }

@@ -46,6 +46,7 @@ async fn serve(mut s: TcpStream, answer_open: bool) {
                     flags: 0,
                     instance: 1,
                     generation: 1,
+                    boot: 1,
                 }),
                 _ => continue, // silent
             };

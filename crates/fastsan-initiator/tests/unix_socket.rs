@@ -40,6 +40,7 @@ async fn fake_target(mut s: UnixStream) {
             flags: 0,
             instance: 1,
             generation: 1,
+            boot: 1,
         }),
     ] {
         while parse_message(&buf).unwrap().is_none() {

@@ -164,6 +164,9 @@ pub struct ServerConfig {
     pub serial: bool,
     /// How long shutdown waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// The host's boot identity as OPEN_REPLY tells it; `None` reads Linux's
+    /// boot_id. Tests set it to play a host that rebooted.
+    pub boot_id: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -186,6 +189,7 @@ impl Default for ServerConfig {
             io_threads: 16,
             serial: false,
             drain_timeout: Duration::from_secs(30),
+            boot_id: None,
         }
     }
 }

@@ -231,6 +231,10 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     env: &ConnEnv,
     activity: &Activity,
 ) -> End {
+    // Registered once for the connection, not at every read.
+    let stopped = activity.stopped();
+    let shutdown = env.shutdown.cancelled();
+    tokio::pin!(stopped, shutdown);
     loop {
         let need = loop {
             match conn.decode(&mut buf) {
@@ -257,8 +261,8 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         buf.reserve(read_room(buf.len(), need));
         let n = tokio::select! {
             r = rd.read_buf(&mut buf) => r,
-            _ = env.shutdown.cancelled() => return End::Shutdown,
-            _ = activity.stopped() => return End::Stopped,
+            _ = &mut shutdown => return End::Shutdown,
+            _ = &mut stopped => return End::Stopped,
         };
         match n {
             Ok(0) if conn.mid_frame(&buf) => return End::Truncated,

@@ -103,6 +103,13 @@ impl Activity {
     }
 }
 
+impl Running {
+    /// The activity of the connection this call belongs to.
+    pub fn activity(&self) -> &Activity {
+        &self.0
+    }
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
         if self.0.running.fetch_sub(1, SeqCst) == 1 {

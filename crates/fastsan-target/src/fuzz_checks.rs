@@ -55,6 +55,7 @@ pub fn brp_handshake(data: &[u8]) {
         queue_depth: 8,
         stats: Arc::new(Stats::default()),
         instance: 1,
+        boot: 1,
     };
     feed(BrpHandshake::new(brp, [7; 32]), data.get(1..).unwrap_or_default());
 }

@@ -225,6 +225,14 @@ impl<E: Encoder> PoolJob<E> {
             let (tag, meta, kind, credit) = reply;
             let at = Where { peer: &peer, volume: volume.name(), tag, kind };
             match (run(&volume, op, &stats, at, &logged), rest) {
+                // Nobody will read the reply: the rest is not worth running
+                // (and a reconnect's fence would wait for it).
+                (Ok(_), Some(_)) if running.activity().is_abandoned() => {
+                    drop(running);
+                    let result = Err(Refusal::Device(crate::backend::BackendError::Io(libc::ECANCELED)));
+                    let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
+                    None
+                }
                 (Ok(_), Some(rest)) => {
                     let reply = (tag, meta, kind, credit);
                     Some(
@@ -312,12 +320,19 @@ where
         });
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
-        let credit = tokio::select! {
-            biased;
-            _ = self.activity.stopped() => return Err(stopped()),
-            c = self.credit(moves) => c?,
-            _ = self.env.shutdown.cancelled() => return Ok(()),
+        let credit = match self.credit_now(moves) {
+            // The usual case: credit at hand, no waiting, no wake-up registered.
+            Some(c) => c,
+            None => tokio::select! {
+                biased;
+                _ = self.activity.stopped() => return Err(stopped()),
+                c = self.credit(moves) => c?,
+                _ = self.env.shutdown.cancelled() => return Ok(()),
+            },
         };
+        if self.activity.is_stopped() {
+            return Err(stopped());
+        }
         let stats = &self.env.stats;
         Stats::add(&stats.requests, 1);
         let kind = req.as_ref().ok().map(|r| r.kind);
@@ -370,6 +385,22 @@ where
                 Ok(())
             }
         }
+    }
+
+    /// A queue slot and, for requests that move data, byte budget, if all
+    /// are free now.
+    fn credit_now(&self, bytes: u64) -> Option<Credit> {
+        let slot = self.credits.clone().try_acquire_owned().ok()?;
+        let bytes = if bytes > 0 {
+            let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
+            let mine = self.budget.clone().try_acquire_many_owned(units).ok()?;
+            let global = &self.env.budget;
+            let all = global.units.clone().try_acquire_many_owned(global.units(bytes)).ok()?;
+            Some((mine, all))
+        } else {
+            None
+        };
+        Some(Credit { _slot: slot, _bytes: bytes })
     }
 
     /// Waits for a queue slot and, for requests that move data, byte budget.

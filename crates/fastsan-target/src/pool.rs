@@ -36,6 +36,16 @@ impl Queues {
         }
     }
 
+    /// A job's continuation: first in its client's queue (a client's own
+    /// requests finish in order), the client still behind the others.
+    fn push_front(&mut self, client: u64, job: Job) {
+        let mine = self.jobs.entry(client).or_default();
+        mine.push_front(job);
+        if mine.len() == 1 {
+            self.ring.push_back(client);
+        }
+    }
+
     fn pop(&mut self) -> Option<(u64, Job)> {
         let client = self.ring.pop_front()?;
         let mine = self.jobs.get_mut(&client).expect("a client in the ring has jobs");
@@ -74,9 +84,15 @@ impl IoPool {
                     for () in rx {
                         let mut next = queues.lock().pop();
                         while let Some((client, job)) = next {
-                            next = (job.0)().and_then(|rest| {
+                            // A job that panics (a bug) loses its reply, never the thread.
+                            let rest = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job.0))
+                                .unwrap_or_else(|_| {
+                                    tracing::error!("an I/O job panicked; its request gets no reply");
+                                    None
+                                });
+                            next = rest.and_then(|rest| {
                                 let mut q = queues.lock();
-                                q.push(client, rest);
+                                q.push_front(client, rest);
                                 q.pop()
                             });
                         }
@@ -205,7 +221,7 @@ mod tests {
             );
         }
         let tx2 = tx.clone();
-        // Client 2: one job in two pieces.
+        // Client 2: one job in two pieces, and one more after it.
         pool.submit(
             2,
             Job::new(move || {
@@ -216,10 +232,19 @@ mod tests {
                 }))
             }),
         );
-        assert_eq!(pool.queued(), 6);
+        let tx3 = tx.clone();
+        pool.submit(
+            2,
+            Job::new(move || {
+                tx3.send((2, 2)).unwrap();
+                None
+            }),
+        );
+        assert_eq!(pool.queued(), 7);
         gate_tx.send(()).unwrap();
-        let order: Vec<_> = (0..7).map(|_| rx.recv().unwrap()).collect();
-        assert_eq!(order, [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (1, 3), (1, 4)]);
+        let order: Vec<_> = (0..8).map(|_| rx.recv().unwrap()).collect();
+        // Clients alternate; client 2's second piece comes before its next job.
+        assert_eq!(order, [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (1, 4)]);
     }
 
     #[test]

@@ -257,14 +257,15 @@ async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Writes acknowledged by a target that then restarted, and never flushed,
-/// may be lost (its host may have crashed): the resumed session's FLUSH
-/// says so instead of promising them. Flushed writes resume silently.
+/// Writes acknowledged and never flushed survive a target process restart
+/// (the host's page cache keeps them: the session resumes silently), but
+/// may be lost when the target's host rebooted: then the resumed session's
+/// FLUSH says so instead of promising them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_with_unflushed_writes_fails_the_next_flush() {
+async fn a_host_reboot_with_unflushed_writes_fails_the_next_flush() {
     let (dir, path) = common::temp_file("unflushed", 4 << 20);
     let spec = format!("v=file:{}", path.display());
-    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let srv = TestServer::start(&[spec.as_str()], |c| c.boot_id = Some(1)).await;
     let addr = srv.addr;
     let opts = Options { connections: 1, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
     let flushed = Volume::connect(&srv.url("v"), opts.clone()).await.unwrap();
@@ -272,14 +273,21 @@ async fn a_restart_with_unflushed_writes_fails_the_next_flush() {
     flushed.write_at(&[1; 4096], 0, false).await.unwrap();
     flushed.flush().await.unwrap();
     unflushed.write_at(&[2; 4096], 4096, false).await.unwrap();
+    // The process restarts on the same boot: nothing lost, nothing said.
     srv.stop().await;
-    let srv2 = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
-    flushed.flush().await.expect("everything it wrote was flushed before the restart");
+    let srv = TestServer::start(&[spec.as_str()], |c| (c.brp, c.boot_id) = (addr, Some(1))).await;
+    unflushed.flush().await.expect("a process restart keeps the page cache");
+    unflushed.write_at(&[3; 4096], 4096, false).await.unwrap();
+    // The host reboots.
+    srv.stop().await;
+    let srv = TestServer::start(&[spec.as_str()], |c| (c.brp, c.boot_id) = (addr, Some(2))).await;
+    flushed.flush().await.expect("everything it wrote was flushed before the reboot");
     let e = unflushed.flush().await.expect_err("its write may be lost");
     assert!(matches!(e, fastsan_initiator::Error::UnflushedWritesLost { .. }), "{e:?}");
-    assert!(unflushed.write_at(&[3; 4096], 8192, true).await.is_err(), "FUA cannot promise either");
+    assert!(unflushed.flush().await.is_err(), "and stays so for the session");
+    unflushed.write_at(&[4; 4096], 8192, true).await.expect("a FUA write promises only itself");
     assert_eq!(unflushed.read(0, 4096).await.unwrap()[..], [1; 4096][..], "reads go on");
     drop((flushed, unflushed));
-    srv2.stop().await;
+    srv.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -35,7 +35,7 @@ impl Volume {
             // is told apart from a failed writeback (latched by `durable`).
             OpKind::Write { offset, data, fua: true } if self.caps.flush => {
                 b.write_at(&data, offset, false)?;
-                self.durable(|| b.flush())?;
+                self.flush_durable()?;
                 done
             }
             OpKind::Write { offset, data, fua: true } => {
@@ -43,20 +43,20 @@ impl Volume {
                 done
             }
             OpKind::Flush => {
-                self.durable(|| b.flush())?;
+                self.flush_durable()?;
                 done
             }
             OpKind::Trim { offset, len, fua } => {
                 b.trim(offset, len)?;
                 if fua {
-                    self.durable(|| b.flush())?;
+                    self.flush_durable()?;
                 }
                 done
             }
             OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
                 flags.fua = false;
                 b.write_zeroes(offset, len, flags)?;
-                self.durable(|| b.flush())?;
+                self.flush_durable()?;
                 done
             }
             OpKind::WriteZeroes { offset, len, flags } if flags.fua => {

@@ -14,6 +14,7 @@ use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use bytes::Bytes;
 use std::io;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
 /// What a volume can do, read once from its stack when it opens.
@@ -47,7 +48,22 @@ pub struct Volume {
     pool: Option<IoPool>,
     /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
     writeback_lost: std::sync::atomic::AtomicBool,
-    durable_lock: parking_lot::Mutex<()>,
+    flusher: Flusher,
+}
+
+/// Flushes in groups (see [`Volume::flush_durable`]).
+#[derive(Default)]
+struct Flusher {
+    state: parking_lot::Mutex<FlushState>,
+    done: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct FlushState {
+    /// Flushes started and finished so far; whether one runs now.
+    started: u64,
+    completed: u64,
+    running: bool,
 }
 
 /// A request that passed [`Volume::validate`], ready for the device.
@@ -163,7 +179,7 @@ impl Volume {
             stats,
             faults,
             writeback_lost: Default::default(),
-            durable_lock: Default::default(),
+            flusher: Default::default(),
         }
     }
 
@@ -221,36 +237,71 @@ impl Volume {
 
     /// Makes every completed write durable (at shutdown).
     pub fn flush(&self) -> Result<(), backend::BackendError> {
-        self.durable(|| self.backend.flush())
+        self.flush_durable()
     }
 
-    /// Runs `f`, which promises durability (a flush, a FUA write). Linux
-    /// reports a writeback error once per open file: after one failure, a
-    /// later flush may succeed although the writes it covered are lost. So
-    /// the first failure (whatever its errno: ENOSPC and EIO alike) is
-    /// latched: every later FLUSH and FUA fails too, for every client, until
-    /// the volume is reopened. Such calls run one at a time, so that of two
-    /// concurrent flushes the one the kernel tells nothing cannot answer OK
-    /// before the other has latched the failure.
+    /// A flush of the backend, in a group: the calls that arrive while one
+    /// flush runs share the next one (the kernel would merge their journal
+    /// commits anyway), and none returns OK from a flush that started before
+    /// it arrived. Linux reports a writeback error once per open file, so
+    /// after one failure a later flush may succeed although the writes it
+    /// covered are lost: the first failure (whatever its errno) is latched
+    /// before anyone waiting is told, and every later FLUSH and FUA fails
+    /// too, for every client, until the volume is reopened.
+    pub(crate) fn flush_durable(&self) -> Result<(), backend::BackendError> {
+        let f = &self.flusher;
+        let mut st = f.state.lock();
+        // A flush already running may have started before this caller's writes completed.
+        let need = st.started + 1;
+        loop {
+            if self.writeback_lost.load(SeqCst) {
+                return Err(backend::BackendError::WritebackLost);
+            }
+            if st.completed >= need {
+                return Ok(());
+            }
+            if !st.running {
+                st.running = true;
+                st.started += 1;
+                let generation = st.started;
+                let r = parking_lot::MutexGuard::unlocked(&mut st, || self.backend.flush());
+                if let Err(e) = &r {
+                    self.latch(e);
+                }
+                st.completed = generation;
+                st.running = false;
+                f.done.notify_all();
+                r?;
+                continue;
+            }
+            f.done.wait(&mut st);
+        }
+    }
+
+    /// Runs `f`, which promises durability by itself (a native FUA write on
+    /// a store that cannot flush), under the same latch as flushes.
     fn durable(
         &self,
         f: impl FnOnce() -> Result<(), backend::BackendError>,
     ) -> Result<(), backend::BackendError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        let _one_at_a_time = self.durable_lock.lock();
         if self.writeback_lost.load(SeqCst) {
             return Err(backend::BackendError::WritebackLost);
         }
         let r = f();
         if let Err(e) = &r {
-            self.writeback_lost.store(true, SeqCst);
+            self.latch(e);
+        }
+        r
+    }
+
+    fn latch(&self, e: &backend::BackendError) {
+        if !self.writeback_lost.swap(true, SeqCst) {
             tracing::error!(
                 volume = self.name,
                 "flush failed ({e}): writes since the last good flush may be lost; \
                  the volume now fails every FLUSH and FUA write until it is reopened"
             );
         }
-        r
     }
 
     /// Checks a decoded request against the volume (size, capabilities,

@@ -103,6 +103,7 @@ impl BrpHandshake {
                     flags: volume_flags(volume),
                     instance: brp.instance,
                     generation: volume.generation(),
+                    boot: brp.boot,
                 };
                 // The driver sends this only after the fence.
                 Message::OpenReply(info).encode(out);
@@ -160,6 +161,7 @@ mod tests {
             queue_depth: 32,
             stats: Arc::new(Stats::default()),
             instance: 5,
+            boot: 6,
         }
     }
 

@@ -38,6 +38,8 @@ pub struct Brp {
     pub stats: Arc<Stats>,
     /// Random per process start (OPEN_REPLY's `instance`).
     pub instance: u64,
+    /// The host's boot (OPEN_REPLY's `boot`).
+    pub boot: u64,
 }
 
 impl Frontend for Brp {
