@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -188,35 +188,32 @@ impl Server {
             info!(path = %u.path.display(), "NBD unix socket ready");
         }
         let (brp, nbd) = (Arc::new(brp), Arc::new(nbd));
-        let accept = Acceptor { env: &env, tracker: &tracker, gate: &gate };
-        tokio::join!(
+        // The listeners stay bound (refusing) until everything is drained and
+        // flushed: a new target started meanwhile on the same address cannot
+        // resume sessions while this one's writes may still land.
+        let drained = CancellationToken::new();
+        let accept = Acceptor { env: &env, tracker: &tracker, gate: &gate, drained: &drained };
+        let drain = async {
+            env.shutdown.cancelled().await;
+            tracker.close();
+            info!(
+                connections = tracker.len(),
+                "shutting down: no new connections; finishing in-flight requests"
+            );
+            if tokio::time::timeout(drain_timeout, tracker.wait()).await.is_err() {
+                warn!("some connections did not finish within {drain_timeout:?}");
+            }
+            let unflushed = flush_all(&catalog, drain_timeout).await;
+            drained.cancel();
+            unflushed
+        };
+        let (_, _, _, _, unflushed) = tokio::join!(
             accept.run(brp_tcp, brp.clone()),
             accept.run_opt(brp_unix, brp),
             accept.run_opt(nbd_tcp, nbd.clone()),
             accept.run_opt(nbd_unix, nbd),
+            drain,
         );
-        tracker.close();
-        info!(connections = tracker.len(), "shutting down: no new connections; finishing in-flight requests");
-        if tokio::time::timeout(drain_timeout, tracker.wait()).await.is_err() {
-            warn!("some connections did not finish within {drain_timeout:?}");
-        }
-        let mut unflushed = Vec::new();
-        for v in catalog.iter() {
-            // Off the runtime, and bounded: a stalled device must not hold the exit forever.
-            let vol = v.clone();
-            let flush = tokio::task::spawn_blocking(move || vol.flush());
-            let failed = match tokio::time::timeout(drain_timeout, flush).await {
-                Ok(Ok(Ok(()))) => {
-                    info!(volume = v.name(), "flushed");
-                    continue;
-                }
-                Ok(Ok(Err(e))) => e.to_string(),
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => format!("did not finish within {drain_timeout:?}"),
-            };
-            error!(volume = v.name(), "flush at shutdown failed: {failed}; acknowledged writes may be lost");
-            unflushed.push(v.name().to_owned());
-        }
         let s = env.stats.snapshot();
         info!(
             requests = s.requests,
@@ -231,6 +228,28 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// Flushes every volume, off the runtime and bounded (a stalled device must
+/// not hold the exit forever); the names of those that failed.
+async fn flush_all(catalog: &Catalog, limit: Duration) -> Vec<String> {
+    let mut unflushed = Vec::new();
+    for v in catalog.iter() {
+        let vol = v.clone();
+        let flush = tokio::task::spawn_blocking(move || vol.flush());
+        let failed = match tokio::time::timeout(limit, flush).await {
+            Ok(Ok(Ok(()))) => {
+                info!(volume = v.name(), "flushed");
+                continue;
+            }
+            Ok(Ok(Err(e))) => e.to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("did not finish within {limit:?}"),
+        };
+        error!(volume = v.name(), "flush at shutdown failed: {failed}; acknowledged writes may be lost");
+        unflushed.push(v.name().to_owned());
+    }
+    unflushed
 }
 
 /// A listening socket of any kind.
@@ -291,6 +310,8 @@ struct Acceptor<'a> {
     env: &'a Arc<ConnEnv>,
     tracker: &'a TaskTracker,
     gate: &'a Arc<HandshakeGate>,
+    /// Shutdown is complete: the listeners may close.
+    drained: &'a CancellationToken,
 }
 
 impl Acceptor<'_> {
@@ -303,7 +324,7 @@ impl Acceptor<'_> {
     async fn run<F: Frontend, L: Listener>(&self, l: L, frontend: Arc<F>) {
         loop {
             let (stream, peer, ip) = tokio::select! {
-                _ = self.env.shutdown.cancelled() => return,
+                _ = self.env.shutdown.cancelled() => return self.refuse_until_drained(&l).await,
                 r = l.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
@@ -324,6 +345,19 @@ impl Acceptor<'_> {
                 };
                 serve_connection(frontend, stream, peer.into(), env, ticket).await
             });
+        }
+    }
+
+    /// After shutdown: keeps the address, closing every new connection,
+    /// until the drain and the final flush are done.
+    async fn refuse_until_drained<L: Listener>(&self, l: &L) {
+        loop {
+            tokio::select! {
+                _ = self.drained.cancelled() => return,
+                r = l.accept() => if let Ok((_, peer, _)) = r {
+                    debug!(%peer, "connection closed: shutting down");
+                },
+            }
         }
     }
 }

@@ -266,3 +266,31 @@ async fn device_io_is_fair_between_volumes_and_clients() {
     assert_eq!(srv.handle.volume_stats("slow").unwrap().trims - before, 16);
     srv.stop().await;
 }
+
+/// A target shutting down keeps its address until its last write has
+/// landed and its volumes are flushed: a new target on the same address
+/// cannot resume a session under a write of the old one still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_target_keeps_its_address_until_its_writes_land() {
+    let path = temp_file("drain", 1 << 20);
+    let spec = format!("v=file:{},faults=none", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let (addr, handle) = (srv.addr, srv.handle.clone());
+    let faults = handle.faults("v").unwrap();
+    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    let (mut raw, _) = Raw::open(addr, "v").await;
+    raw.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &[7; 4096]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    handle.shutdown();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        tokio::net::TcpListener::bind(addr).await.is_err(),
+        "the address is still held while a write runs"
+    );
+    let mut late = Raw::connect(addr).await;
+    assert!(late.closed_within(Duration::from_secs(5)).await, "new connections are closed meanwhile");
+    faults.clear();
+    assert_eq!(raw.reply().await.0.status, Status::OK, "the running write finishes and is answered");
+    srv.stop().await;
+    assert!(tokio::net::TcpListener::bind(addr).await.is_ok(), "then the address is free");
+}

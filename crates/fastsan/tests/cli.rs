@@ -91,6 +91,12 @@ fn sigterm_drains_flushes_and_exits_cleanly() {
     assert!(status.success(), "{log}");
     assert!(log.contains("SIGTERM received") && log.contains("flushed") && log.contains("stopped"), "{log}");
     assert_eq!(&std::fs::read(&img).unwrap()[..8192], &[5; 8192][..]);
+    // A volume that cannot be flushed: the target says so and exits non-zero.
+    let spec = format!("v=file:{},faults=flush:eio", img.display());
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+    let (status, log) = s.signal("TERM");
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("flush at shutdown failed") && log.contains("could not flush volume(s) v"), "{log}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
