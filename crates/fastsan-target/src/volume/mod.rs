@@ -376,6 +376,77 @@ mod tests {
 
     const BRP: Limits = Limits { align: 512, max_io: 65536 };
 
+    /// A store whose flushes take 100 ms, the first one failing.
+    struct SlowFlush {
+        next: Arc<dyn Backend>,
+        calls: std::sync::atomic::AtomicU32,
+    }
+
+    impl backend::Layer for SlowFlush {
+        fn next(&self) -> &dyn Backend {
+            &*self.next
+        }
+        fn flush(&self) -> backend::Result<()> {
+            let n = self.calls.fetch_add(1, SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if n == 0 {
+                Err(BackendError::Io(libc::EIO))
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    #[test]
+    fn flushes_run_in_groups_and_none_answers_ok_past_a_failure() {
+        let layer =
+            Arc::new(SlowFlush { next: Arc::new(MemoryBackend::new(1 << 20)), calls: Default::default() });
+        let v = Arc::new(Volume::with_backend("v".into(), layer.clone(), 65536));
+        // A starts the failing flush; B..J arrive while it runs: none may answer OK.
+        let a = std::thread::spawn({
+            let v = v.clone();
+            move || v.flush()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let later: Vec<_> = (0..8)
+            .map(|_| {
+                let v = v.clone();
+                std::thread::spawn(move || v.flush())
+            })
+            .collect();
+        assert_eq!(a.join().unwrap(), Err(BackendError::Io(libc::EIO)));
+        for t in later {
+            assert_eq!(
+                t.join().unwrap(),
+                Err(BackendError::WritebackLost),
+                "latched before they were answered"
+            );
+        }
+        assert_eq!(v.flush(), Err(BackendError::WritebackLost), "and stays so");
+        assert!(layer.calls.load(SeqCst) <= 2, "the later ones shared a flush: {}", layer.calls.load(SeqCst));
+    }
+
+    #[test]
+    fn concurrent_flushes_share_one_device_flush() {
+        let layer = Arc::new(SlowFlush { next: Arc::new(MemoryBackend::new(1 << 20)), calls: 1.into() });
+        let v = Arc::new(Volume::with_backend("v".into(), layer.clone(), 65536));
+        let all: Vec<_> = (0..8)
+            .map(|_| {
+                let v = v.clone();
+                std::thread::spawn(move || v.flush())
+            })
+            .collect();
+        for t in all {
+            assert_eq!(t.join().unwrap(), Ok(()));
+        }
+        // The first runs alone; all that arrive while it runs share the next.
+        assert!(
+            layer.calls.load(SeqCst) - 1 <= 2,
+            "{} device flushes for 8 calls",
+            layer.calls.load(SeqCst) - 1
+        );
+    }
+
     fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
         let payload =
             if kind == IoKind::Write { Bytes::from(vec![0u8; length as usize]) } else { Bytes::new() };
