@@ -4,6 +4,7 @@
 //! protocol or storage logic lives here: not the wire format, not retries,
 //! not block alignment.
 
+mod attach;
 mod bench;
 mod cp;
 mod ls;
@@ -29,6 +30,7 @@ enum Cmd {
     Ls(ls::Args),
     Cp(cp::Args),
     Bench(bench::Args),
+    Attach(attach::Args),
 }
 
 /// Options every client subcommand shares.
@@ -101,6 +103,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Ls(a) => ls::run(a).await,
             Cmd::Cp(a) => cp::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::Attach(a) => attach::run(a).await,
         }
     });
     match r {
@@ -115,7 +118,7 @@ fn main() -> std::process::ExitCode {
 /// The target logs what it does; client commands stay quiet unless warned.
 fn default_log(cmd: &Cmd) -> &'static str {
     match cmd {
-        Cmd::Serve(_) => "info",
+        Cmd::Serve(_) | Cmd::Attach(_) => "info",
         _ => "warn",
     }
 }

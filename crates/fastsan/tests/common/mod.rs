@@ -91,3 +91,26 @@ impl Served {
         format!("nbd://{}/{export}", self.nbd)
     }
 }
+
+/// Runs a tool (bounded to two minutes); returns success and its output. It runs in the
+/// temporary directory, so nothing a tool leaves behind (fio state files) lands in the source tree.
+pub fn tool(name: &str, args: &[&str]) -> (bool, String) {
+    let found = Command::new("sh").args(["-c", &format!("command -v {name}")]).output().unwrap();
+    assert!(found.status.success(), "{name} is missing: scripts/test.sh installs it");
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(name)
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// Runs a tool that must succeed; its output.
+pub fn ok(name: &str, args: &[&str]) -> String {
+    let (success, text) = tool(name, args);
+    assert!(success, "{name} {args:?} failed:\n{text}");
+    text
+}

@@ -1,0 +1,391 @@
+//! `fastsan attach URL --fuse DIR`: a volume as one file, with the
+//! initiator underneath (merging, several connections, retries after the
+//! fence), for `losetup`, `mkfs` and databases where the kernel has no NBD
+//! driver. The kernel NBD path (`/dev/nbdN`) is not built yet.
+
+use crate::ClientArgs;
+use anyhow::Context;
+use bytes::{Bytes, BytesMut};
+use fastsan_initiator::{Error, Status, Volume};
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, LockOwner, MountOption,
+    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, Request, WriteFlags,
+};
+use parking_lot::RwLock;
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+use tracing::{info, warn};
+
+/// Attach a volume as a local file, over FUSE.
+///
+/// Mounts DIR holding one file named after the volume, backed by the
+/// volume through the initiator (its merging, connections and transparent
+/// retries: while the target is away, I/O waits up to --reconnect-timeout).
+/// fsync is FLUSH; fallocate punch-hole is TRIM, zero-range WRITE_ZEROES;
+/// O_DIRECT works. SIGINT or SIGTERM flushes and unmounts.
+/// Examples:
+///   fastsan attach brp://127.0.0.1:10810/vol0 --fuse /mnt/fastsan
+///   losetup -f --show /mnt/fastsan/vol0
+#[derive(clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
+    url: String,
+    /// Directory to mount the volume's file in (it must exist).
+    #[arg(long, value_name = "DIR")]
+    fuse: Option<PathBuf>,
+    /// FUSE threads serving requests concurrently.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    threads: usize,
+    #[command(flatten)]
+    client: ClientArgs,
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let Some(dir) = a.fuse else {
+        anyhow::bail!("attaching as a kernel block device (/dev/nbdN) is not built yet: use --fuse DIR");
+    };
+    anyhow::ensure!(
+        std::path::Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: load the fuse module (modprobe fuse) or use a machine with FUSE"
+    );
+    anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
+    anyhow::ensure!((1..=64).contains(&a.threads), "--threads must be 1..=64");
+    let vol = Volume::connect(&a.url, a.client.options()?)
+        .await
+        .with_context(|| format!("cannot open {}", a.url))?;
+    let name = fastsan_initiator::BrpUrl::parse(&a.url)?.volume;
+    let fs = VolumeFile::new(vol.clone(), name.clone(), tokio::runtime::Handle::current());
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options =
+        vec![MountOption::FSName(format!("fastsan:{name}")), MountOption::Subtype("fastsan".into())];
+    cfg.n_threads = Some(a.threads);
+    let mount = dir.clone();
+    let session = tokio::task::spawn_blocking(move || fuser::spawn_mount(fs, &mount, &cfg))
+        .await?
+        .with_context(|| format!("cannot mount FUSE at {}", dir.display()))?;
+    info!(url = %a.url, file = %dir.join(&name).display(), "attached");
+    println!("fastsan: {} attached as {}", a.url, dir.join(&name).display());
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+        _ = term.recv() => info!("SIGTERM received"),
+    }
+    let flushed = vol.flush().await;
+    // Unmounting joins the FUSE threads: off the runtime they call into.
+    tokio::task::spawn_blocking(move || drop(session)).await?;
+    info!(file = %dir.join(&name).display(), "detached");
+    flushed.context("the final flush failed: writes may be lost")?;
+    Ok(())
+}
+
+const DIR: INodeNo = INodeNo::ROOT;
+const FILE: INodeNo = INodeNo(2);
+const TTL: Duration = Duration::from_secs(1);
+
+/// The volume as one file in one directory.
+struct VolumeFile {
+    vol: Volume,
+    name: String,
+    rt: tokio::runtime::Handle,
+    /// Writes that cover whole blocks share it; a write of part of a block
+    /// (read, merge, write back) holds it alone, so no other write to that
+    /// block can slip in between its read and its write.
+    partial: RwLock<()>,
+    started: SystemTime,
+    uid: u32,
+    gid: u32,
+}
+
+impl VolumeFile {
+    fn new(vol: Volume, name: String, rt: tokio::runtime::Handle) -> Self {
+        // SAFETY: getuid and getgid cannot fail.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        VolumeFile { vol, name, rt, partial: RwLock::new(()), started: SystemTime::now(), uid, gid }
+    }
+
+    fn attr(&self, ino: INodeNo) -> FileAttr {
+        let file = ino == FILE;
+        let size = if file { self.vol.size() } else { 0 };
+        let perm = match (file, self.vol.read_only()) {
+            (false, _) => 0o755,
+            (true, false) => 0o644,
+            (true, true) => 0o444,
+        };
+        FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.started,
+            mtime: self.started,
+            ctime: self.started,
+            crtime: self.started,
+            kind: if file { FileType::RegularFile } else { FileType::Directory },
+            perm,
+            nlink: if file { 1 } else { 2 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            flags: 0,
+            blksize: self.vol.block_size(),
+        }
+    }
+
+    fn block(&self) -> u64 {
+        self.vol.block_size() as u64
+    }
+
+    /// `[offset, offset + len)` widened to whole blocks.
+    fn widen(&self, offset: u64, len: u64) -> (u64, u64) {
+        let bs = self.block();
+        let start = offset / bs * bs;
+        (start, (offset + len).div_ceil(bs) * bs - start)
+    }
+
+    fn read(&self, offset: u64, size: u64) -> Result<Bytes, Errno> {
+        let end = (offset + size).min(self.vol.size());
+        if offset >= end {
+            return Ok(Bytes::new());
+        }
+        let (start, len) = self.widen(offset, end - offset);
+        let data = self.rt.block_on(self.vol.read(start, len)).map_err(errno)?;
+        Ok(data.slice((offset - start) as usize..(end - start) as usize))
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), Errno> {
+        if offset + data.len() as u64 > self.vol.size() {
+            return Err(Errno::ENOSPC);
+        }
+        let bs = self.block();
+        if offset.is_multiple_of(bs) && (data.len() as u64).is_multiple_of(bs) {
+            let _shared = self.partial.read();
+            return self.rt.block_on(self.vol.write_at(data, offset, fua)).map_err(errno);
+        }
+        // Part of a block: read the whole blocks, merge, write them back.
+        let _alone = self.partial.write();
+        let (start, len) = self.widen(offset, data.len() as u64);
+        let old = self.rt.block_on(self.vol.read(start, len)).map_err(errno)?;
+        let mut merged = BytesMut::from(&old[..]);
+        let at = (offset - start) as usize;
+        merged[at..at + data.len()].copy_from_slice(data);
+        self.rt.block_on(self.vol.write_bytes(merged.freeze(), start, fua)).map_err(errno)
+    }
+
+    /// fallocate: PUNCH_HOLE (with KEEP_SIZE) is TRIM, ZERO_RANGE is
+    /// WRITE_ZEROES (whole blocks; the edges of partial blocks are written
+    /// with zeros); plain allocation inside the volume has nothing to do.
+    fn fallocate(&self, offset: u64, len: u64, mode: i32) -> Result<(), Errno> {
+        if offset + len > self.vol.size() {
+            return Err(Errno::ENOSPC);
+        }
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        let zero = libc::FALLOC_FL_ZERO_RANGE;
+        let trim = match mode {
+            0 | libc::FALLOC_FL_KEEP_SIZE => return Ok(()),
+            m if m == punch => true,
+            m if m & !libc::FALLOC_FL_KEEP_SIZE == zero => false,
+            _ => return Err(Errno::EOPNOTSUPP),
+        };
+        let bs = self.block();
+        let (first, last) = (offset.div_ceil(bs) * bs, (offset + len) / bs * bs);
+        if first >= last {
+            return self.write(offset, &vec![0; len as usize], false);
+        }
+        if offset < first {
+            self.write(offset, &vec![0; (first - offset) as usize], false)?;
+        }
+        if offset + len > last {
+            self.write(last, &vec![0; (offset + len - last) as usize], false)?;
+        }
+        let _shared = self.partial.read();
+        let r = if trim {
+            self.rt.block_on(self.vol.trim(first, last - first))
+        } else {
+            self.rt.block_on(self.vol.write_zeroes(first, last - first, false))
+        };
+        r.map_err(errno)
+    }
+}
+
+/// The errno a caller of the file sees for an initiator error.
+fn errno(e: Error) -> Errno {
+    let code = match &e {
+        Error::Status(s) if *s == Status::READ_ONLY => libc::EROFS,
+        Error::Status(s) if *s == Status::NO_SPACE => libc::ENOSPC,
+        Error::Status(s) if *s == Status::UNSUPPORTED => libc::EOPNOTSUPP,
+        Error::Status(s) if *s == Status::OUT_OF_RANGE => libc::ENOSPC,
+        _ => libc::EIO,
+    };
+    warn!(error = &e as &dyn std::error::Error, "I/O on the attached volume failed");
+    Errno::from_i32(code)
+}
+
+impl Filesystem for VolumeFile {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if parent == DIR && name.to_str() == Some(self.name.as_str()) {
+            reply.entry(&TTL, &self.attr(FILE), fuser::Generation(0));
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match ino {
+            DIR | FILE => reply.attr(&TTL, &self.attr(ino)),
+            _ => reply.error(Errno::ENOENT),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        // A volume's size is fixed: truncating to it is a no-op, to anything else refused.
+        match size {
+            Some(s) if ino == FILE && s != self.vol.size() => reply.error(Errno::EPERM),
+            _ => reply.attr(&TTL, &self.attr(ino)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if ino != FILE {
+            return reply.error(Errno::EISDIR);
+        }
+        let writes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+        if writes && self.vol.read_only() {
+            return reply.error(Errno::EROFS);
+        }
+        // O_DIRECT: every read and write goes to the volume, none through the page cache.
+        let direct = flags.0 & libc::O_DIRECT != 0;
+        let mut f = if direct { FopenFlags::FOPEN_DIRECT_IO } else { FopenFlags::empty() };
+        f |= FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
+        reply.opened(FileHandle(0), f);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.read(offset, size as u64) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        // O_SYNC and O_DSYNC: the write is durable when it returns.
+        let fua = flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        match self.write(offset, data, fua) {
+            Ok(()) => reply.written(data.len() as u32),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // close(2): nothing buffered here; durability is fsync's.
+        reply.ok();
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.rt.block_on(self.vol.flush()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        if ino != DIR {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let entries = [
+            (DIR, FileType::Directory, "."),
+            (DIR, FileType::Directory, ".."),
+            (FILE, FileType::RegularFile, self.name.as_str()),
+        ];
+        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+            if reply.add(ino, (i + 1) as u64, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: fuser::ReplyXattr) {
+        reply.error(Errno::NO_XATTR);
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
+        if size == 0 {
+            reply.size(0);
+        } else {
+            reply.data(&[]);
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let bs = self.vol.block_size();
+        let blocks = self.vol.size() / bs as u64;
+        reply.statfs(blocks, 0, 0, 2, 0, bs, 255, bs);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        match self.fallocate(offset, length, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! `fastsan attach --fuse`: a volume as one file, under a loop device and
+//! ext4, through a target restart; fallocate and O_DIRECT on the file; and
+//! the errors a user meets.
+
+mod common;
+
+use common::*;
+use fastsan_initiator::{BlockingVolume, Options};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `fastsan attach`, and what the test stacked on it; taken
+/// down in order when dropped, whatever happened.
+struct Attached {
+    child: Option<Child>,
+    fuse: PathBuf,
+    mnt: PathBuf,
+    loopdev: Option<String>,
+}
+
+impl Attached {
+    /// Attaches `url` in `dir/fuse` and waits for the file to appear with `size` bytes.
+    fn start(url: &str, dir: &Path, size: u64) -> Attached {
+        let (fuse, mnt) = (dir.join("fuse"), dir.join("mnt"));
+        std::fs::create_dir_all(&fuse).unwrap();
+        std::fs::create_dir_all(&mnt).unwrap();
+        let child = Command::new(BIN)
+            .args(["attach", url, "--fuse", fuse.to_str().unwrap(), "--reconnect-timeout", "30"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let a = Attached { child: Some(child), fuse, mnt, loopdev: None };
+        let file = a.file(url);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) != size {
+            assert!(Instant::now() < deadline, "{} did not appear", file.display());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        a
+    }
+
+    fn file(&self, url: &str) -> PathBuf {
+        self.fuse.join(url.rsplit('/').next().unwrap())
+    }
+
+    /// SIGTERM: flushes and unmounts; its exit status and log.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        self.take_down_stack();
+        let mut child = self.child.take().unwrap();
+        assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+        let out = wait_exit(&mut child);
+        let mut log = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut log).unwrap();
+        (out, log)
+    }
+
+    fn take_down_stack(&mut self) {
+        let _ = Command::new("umount").arg(&self.mnt).output();
+        if let Some(l) = self.loopdev.take() {
+            let _ = Command::new("losetup").args(["-d", &l]).output();
+        }
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.take_down_stack();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+            let _ = Command::new("fusermount3").arg("-u").arg(&self.fuse).output();
+        }
+    }
+}
+
+fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "fastsan attach did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn random(len: usize) -> Vec<u8> {
+    let mut d = vec![0u8; len];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut d);
+    d
+}
+
+/// ext4 on a loop device on the attached file: files written, synced,
+/// checked by fsck, read back after a remount; then the target restarts
+/// while the filesystem is mounted and idle, and it keeps working.
+#[test]
+fn ext4_on_an_attached_volume_survives_remount_fsck_and_a_target_restart() {
+    let dir = temp_dir("attach-ext4");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(128 << 20).unwrap();
+    let spec = format!("disk=file:{}", img.display());
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+    let (addr, url) = (s.addr.clone(), s.url("disk"));
+    let mut a = Attached::start(&url, &dir, 128 << 20);
+    let dev = ok("losetup", &["-f", "--show", a.file(&url).to_str().unwrap()]).trim().to_owned();
+    a.loopdev = Some(dev.clone());
+    ok("mkfs.ext4", &["-q", &dev]);
+    let m = a.mnt.to_str().unwrap().to_owned();
+    ok("mount", &[&dev, &m]);
+    let mut files: Vec<(String, Vec<u8>)> =
+        (0..6).map(|i| (format!("f{i}"), random((i + 1) * 900_001))).collect();
+    for (name, d) in &files {
+        std::fs::write(a.mnt.join(name), d).unwrap();
+    }
+    ok("sync", &[]);
+    ok("umount", &[&m]);
+    let fsck = ok("fsck.ext4", &["-fn", &dev]);
+    assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
+    ok("mount", &[&dev, &m]);
+    for (name, d) in &files {
+        assert!(std::fs::read(a.mnt.join(name)).unwrap() == *d, "{name} differs after remount");
+    }
+    // The target restarts while the filesystem is mounted and idle.
+    let (status, _) = s.signal("TERM");
+    assert!(status.success());
+    let s = Served::start(&["--brp", &addr, "--volume", &spec]);
+    for i in 6..9 {
+        let d = random(500_000 + i * 1000);
+        std::fs::write(a.mnt.join(format!("f{i}")), &d).unwrap();
+        files.push((format!("f{i}"), d));
+    }
+    ok("sync", &[]);
+    ok("umount", &[&m]);
+    // Dropped caches or not, the bytes come from the volume: read them back after a remount.
+    ok("mount", &[&dev, &m]);
+    for (name, d) in &files {
+        assert!(std::fs::read(a.mnt.join(name)).unwrap() == *d, "{name} differs after the target restart");
+    }
+    ok("umount", &[&m]);
+    let fsck = ok("fsck.ext4", &["-fn", &dev]);
+    assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
+    let (status, log) = a.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("connection re-established") && log.contains("detached"), "{log}");
+    assert!(
+        !Command::new("mountpoint").arg("-q").arg(dir.join("fuse")).status().unwrap().success(),
+        "unmounted"
+    );
+    // Attached afresh (no page cache of the old mount or loop device): the bytes are the volume's.
+    let mut a = Attached::start(&url, &dir, 128 << 20);
+    let dev = ok("losetup", &["-f", "--show", a.file(&url).to_str().unwrap()]).trim().to_owned();
+    a.loopdev = Some(dev.clone());
+    ok("mount", &["-o", "ro", &dev, &m]);
+    for (name, d) in &files {
+        assert!(std::fs::read(a.mnt.join(name)).unwrap() == *d, "{name} differs when attached again");
+    }
+    let (status, log) = a.stop();
+    assert!(status.success(), "{log}");
+    drop(s);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The file as a program uses it: unaligned writes, O_DIRECT, fsync,
+/// fallocate punch-hole (TRIM) and zero-range (WRITE_ZEROES), each seen
+/// through BRP; a read-only volume refuses writes.
+#[test]
+fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let dir = temp_dir("attach-file");
+    let s =
+        Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M", "--volume", "ro=memory:1M,ro"]);
+    let url = s.url("v");
+    let a = Attached::start(&url, &dir, 16 << 20);
+    let vol = BlockingVolume::connect(&url, Options::default()).unwrap();
+    let peek = |off: u64, len: usize| {
+        let mut b = vec![0u8; len];
+        vol.read_at(&mut b, off).unwrap();
+        b
+    };
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(a.file(&url)).unwrap();
+    // Unaligned: 1000 bytes at 100, inside blocks that keep their other bytes.
+    vol.write_at(&[9; 4096], 0, false).unwrap();
+    f.write_all_at(&[1; 1000], 100).unwrap();
+    f.sync_all().unwrap();
+    let back = peek(0, 4096);
+    assert!(back[..100].iter().all(|&b| b == 9) && back[100..1100].iter().all(|&b| b == 1));
+    assert!(back[1100..].iter().all(|&b| b == 9), "the rest of the blocks is kept");
+    // O_DIRECT.
+    let mut d = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(a.file(&url))
+        .unwrap();
+    let layout = std::alloc::Layout::from_size_align(65536, 4096).unwrap();
+    // SAFETY: a 64 KiB buffer aligned for O_DIRECT, filled before use, freed below.
+    let buf = unsafe { std::slice::from_raw_parts_mut(std::alloc::alloc(layout), 65536) };
+    buf.fill(0x77);
+    d.seek(SeekFrom::Start(1 << 20)).unwrap();
+    d.write_all(buf).unwrap();
+    assert!(peek(1 << 20, 65536).iter().all(|&b| b == 0x77), "a direct write reaches the volume at once");
+    vol.write_at(&[0x55; 65536], 2 << 20, false).unwrap();
+    d.read_exact_at(buf, 2 << 20).unwrap();
+    assert!(buf.iter().all(|&b| b == 0x55), "a direct read sees the volume, not a cache");
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(buf.as_mut_ptr(), layout) };
+    // fallocate: punch a hole, zero a range (with unaligned edges).
+    vol.write_at(&[0xEE; 1 << 20], 4 << 20, false).unwrap();
+    let p = a.file(&url);
+    ok("fallocate", &["-p", "-o", &(4u64 << 20).to_string(), "-l", "65536", p.to_str().unwrap()]);
+    ok("fallocate", &["-z", "-o", &((5u64 << 20) - 1000).to_string(), "-l", "70000", p.to_str().unwrap()]);
+    let back = peek(4 << 20, 1 << 20);
+    assert!(back[..65536].iter().all(|&b| b == 0), "the punched hole reads zeros");
+    assert!(back[65536..(1 << 20) - 1000].iter().all(|&b| b == 0xEE), "only the hole");
+    // From 1536 bytes before 5 MiB (a block boundary): 536 bytes kept, then 70000 zeros.
+    let z = peek((5 << 20) - 1536, 142 * 512);
+    assert!(z[..536].iter().all(|&b| b == 0xEE) && z[536..536 + 70000].iter().all(|&b| b == 0));
+    // Beyond the end: an error, nothing written.
+    assert!(f.write_all_at(&[1; 512], 16 << 20).is_err());
+    f.flush().unwrap();
+    drop((f, d));
+    let (status, log) = a.stop();
+    assert!(status.success(), "{log}");
+    // Read-only: opening for writing is refused.
+    let ro = s.url("ro");
+    let a = Attached::start(&ro, &dir.join("ro"), 1 << 20);
+    let e = std::fs::OpenOptions::new().write(true).open(a.file(&ro)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    assert!(std::fs::read(a.file(&ro)).unwrap().iter().all(|&b| b == 0));
+    drop(a);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn attach_errors_are_clear() {
+    let dir = temp_dir("attach-errors");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:1M"]);
+    let d = dir.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["attach", &s.url("v")], "not built yet: use --fuse DIR"),
+        (&["attach", &s.url("nope"), "--fuse", d], "no such volume"),
+        (&["attach", &s.url("v"), "--fuse", "/nonexistent/dir"], "is not a directory"),
+        (&["attach", "brp://127.0.0.1:1/v", "--fuse", d, "--reconnect-timeout", "0"], "cannot connect"),
+    ];
+    for (args, needle) in cases {
+        let out = fastsan(args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
