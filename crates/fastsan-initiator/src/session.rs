@@ -195,7 +195,9 @@ impl Volume {
         self.call(RequestHeader::new(Command::Flush, 0, 0, 0, 0), Bytes::new()).await.map(drop)
     }
 
-    /// Tells the target the range is no longer needed; it reads as zeros after.
+    /// Tells the target the range is no longer needed; what it reads after
+    /// is unspecified (zeros on memory volumes and files that can punch
+    /// holes): use [`Volume::write_zeroes`] for zeros.
     pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
         self.ranged(Command::Trim, 0, offset, len).await
     }

@@ -23,8 +23,9 @@ use tracing::{info, warn};
 /// Mounts DIR holding one file named after the volume, backed by the
 /// volume through the initiator (its merging, connections and transparent
 /// retries: while the target is away, I/O waits up to --reconnect-timeout).
-/// fsync is FLUSH; fallocate punch-hole is TRIM, zero-range WRITE_ZEROES;
-/// O_DIRECT works. SIGINT or SIGTERM flushes and unmounts.
+/// fsync is FLUSH; fallocate punch-hole and zero-range are WRITE_ZEROES;
+/// O_DIRECT works. SIGINT or SIGTERM unmounts (not while a loop device or an
+/// open file holds it: it says so and keeps serving) and flushes.
 /// Examples:
 ///   fastsan attach brp://127.0.0.1:10810/vol0 --fuse /mnt/fastsan
 ///   losetup -f --show /mnt/fastsan/vol0
@@ -69,16 +70,49 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     info!(url = %a.url, file = %dir.join(&name).display(), "attached");
     println!("fastsan: {} attached as {}", a.url, dir.join(&name).display());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
-        _ = term.recv() => info!("SIGTERM received"),
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+            _ = term.recv() => info!("SIGTERM received"),
+        }
+        // Unmount first: writes may arrive until then. A busy mount (a loop
+        // device, an open file) stays attached and served: cutting it would
+        // fail the I/O of whatever uses it.
+        match umount(&dir) {
+            Ok(()) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                warn!(dir = %dir.display(), "still in use (a loop device, an open file, a shell in it): \
+                      detach that first, then signal again; still serving")
+            }
+            Err(e) => {
+                // Not root: fusermount does it (lazily).
+                info!(dir = %dir.display(), "umount: {e}; leaving it to fusermount");
+                tokio::task::spawn_blocking(move || session.umount_and_join()).await??;
+                return finish(&vol, &dir, &name).await;
+            }
+        }
     }
-    let flushed = vol.flush().await;
-    // Unmounting joins the FUSE threads: off the runtime they call into.
-    tokio::task::spawn_blocking(move || drop(session)).await?;
-    info!(file = %dir.join(&name).display(), "detached");
-    flushed.context("the final flush failed: writes may be lost")?;
+    // Unmounted: the FUSE thread sees it and ends.
+    tokio::task::spawn_blocking(move || session.join()).await??;
+    finish(&vol, &dir, &name).await
+}
+
+/// After the unmount: the final flush, and the last word.
+async fn finish(vol: &Volume, dir: &std::path::Path, name: &str) -> anyhow::Result<()> {
+    vol.flush().await.context("the final flush failed: writes may be lost")?;
+    info!(file = %dir.join(name).display(), "detached");
     Ok(())
+}
+
+fn umount(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: a valid NUL-terminated path; no flags.
+    if unsafe { libc::umount2(path.as_ptr(), 0) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 const DIR: INodeNo = INodeNo::ROOT;
@@ -129,7 +163,8 @@ impl VolumeFile {
             gid: self.gid,
             rdev: 0,
             flags: 0,
-            blksize: self.vol.block_size(),
+            // What stdio buffers by: at least a page, never the 512-byte sector.
+            blksize: self.vol.block_size().max(4096),
         }
     }
 
@@ -173,25 +208,38 @@ impl VolumeFile {
         self.rt.block_on(self.vol.write_bytes(merged.freeze(), start, fua)).map_err(errno)
     }
 
-    /// fallocate: PUNCH_HOLE (with KEEP_SIZE) is TRIM, ZERO_RANGE is
-    /// WRITE_ZEROES (whole blocks; the edges of partial blocks are written
-    /// with zeros); plain allocation inside the volume has nothing to do.
+    /// fallocate: PUNCH_HOLE (with KEEP_SIZE) and ZERO_RANGE are both
+    /// WRITE_ZEROES (a punched hole must read as zeros, which BRP's TRIM does
+    /// not promise; without NO_HOLE the target may still free the space);
+    /// the edges of partial blocks are written with zeros. With KEEP_SIZE a
+    /// range past the end is cut at the end, as files do; plain allocation
+    /// inside the volume has nothing to do.
     fn fallocate(&self, offset: u64, len: u64, mode: i32) -> Result<(), Errno> {
-        if offset + len > self.vol.size() {
-            return Err(Errno::ENOSPC);
-        }
-        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        let zero = libc::FALLOC_FL_ZERO_RANGE;
-        let trim = match mode {
-            0 | libc::FALLOC_FL_KEEP_SIZE => return Ok(()),
-            m if m == punch => true,
-            m if m & !libc::FALLOC_FL_KEEP_SIZE == zero => false,
-            _ => return Err(Errno::EOPNOTSUPP),
+        let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+        let size = self.vol.size();
+        let len = match offset.checked_add(len) {
+            Some(end) if end <= size => len,
+            Some(_) | None if keep => size.saturating_sub(offset),
+            _ => return Err(Errno::ENOSPC),
         };
+        match mode & !libc::FALLOC_FL_KEEP_SIZE {
+            0 => return Ok(()),
+            libc::FALLOC_FL_PUNCH_HOLE if keep => {}
+            libc::FALLOC_FL_ZERO_RANGE => {}
+            _ => return Err(Errno::EOPNOTSUPP),
+        }
+        if len == 0 {
+            return Ok(());
+        }
         let bs = self.block();
         let (first, last) = (offset.div_ceil(bs) * bs, (offset + len) / bs * bs);
         if first >= last {
             return self.write(offset, &vec![0; len as usize], false);
+        }
+        // The whole blocks first: if the volume cannot, nothing has changed.
+        {
+            let _shared = self.partial.read();
+            self.rt.block_on(self.vol.write_zeroes(first, last - first, false)).map_err(errno)?;
         }
         if offset < first {
             self.write(offset, &vec![0; (first - offset) as usize], false)?;
@@ -199,13 +247,7 @@ impl VolumeFile {
         if offset + len > last {
             self.write(last, &vec![0; (offset + len - last) as usize], false)?;
         }
-        let _shared = self.partial.read();
-        let r = if trim {
-            self.rt.block_on(self.vol.trim(first, last - first))
-        } else {
-            self.rt.block_on(self.vol.write_zeroes(first, last - first, false))
-        };
-        r.map_err(errno)
+        Ok(())
     }
 }
 
@@ -257,11 +299,10 @@ impl Filesystem for VolumeFile {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        // A volume's size is fixed: truncating to it is a no-op, to anything else refused.
-        match size {
-            Some(s) if ino == FILE && s != self.vol.size() => reply.error(Errno::EPERM),
-            _ => reply.attr(&TTL, &self.attr(ino)),
-        }
+        // A volume's size is fixed: like a block device, the file ignores
+        // truncation (O_TRUNC) and keeps its size and its data.
+        let _ = size;
+        reply.attr(&TTL, &self.attr(ino))
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -274,8 +315,11 @@ impl Filesystem for VolumeFile {
         }
         // O_DIRECT: every read and write goes to the volume, none through the page cache.
         let direct = flags.0 & libc::O_DIRECT != 0;
-        let mut f = if direct { FopenFlags::FOPEN_DIRECT_IO } else { FopenFlags::empty() };
-        f |= FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
+        let f = if direct {
+            FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
+        } else {
+            FopenFlags::empty()
+        };
         reply.opened(FileHandle(0), f);
     }
 
@@ -355,19 +399,17 @@ impl Filesystem for VolumeFile {
     }
 
     fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: fuser::ReplyXattr) {
-        reply.error(Errno::NO_XATTR);
+        // ENOSYS, not ENODATA: the kernel then stops asking before every write.
+        reply.error(Errno::ENOSYS);
     }
 
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        if size == 0 {
-            reply.size(0);
-        } else {
-            reply.data(&[]);
-        }
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
+        reply.error(Errno::ENOSYS);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let bs = self.vol.block_size();
+        // The space is all the file's: reported as used, none free.
+        let bs = self.vol.block_size().max(4096);
         let blocks = self.vol.size() / bs as u64;
         reply.statfs(blocks, 0, 0, 2, 0, bs, 255, bs);
     }

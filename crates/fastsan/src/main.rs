@@ -118,7 +118,9 @@ fn main() -> std::process::ExitCode {
 /// The target logs what it does; client commands stay quiet unless warned.
 fn default_log(cmd: &Cmd) -> &'static str {
     match cmd {
-        Cmd::Serve(_) | Cmd::Attach(_) => "info",
+        Cmd::Serve(_) => "info",
+        // fuser warns when its own unmount finds the mount already gone (ours).
+        Cmd::Attach(_) => "info,fuser=error",
         _ => "warn",
     }
 }

@@ -45,15 +45,27 @@ impl Attached {
         self.fuse.join(url.rsplit('/').next().unwrap())
     }
 
-    /// SIGTERM: flushes and unmounts; its exit status and log.
+    /// SIGTERM: unmounts and flushes; its exit status and log. A loop
+    /// device may let go of the file a moment after `losetup -d` (the mount
+    /// is busy until then, and attach keeps serving): signalled again.
     fn stop(mut self) -> (std::process::ExitStatus, String) {
         self.take_down_stack();
         let mut child = self.child.take().unwrap();
-        assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
-        let out = wait_exit(&mut child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            assert!(Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status()
+                .unwrap()
+                .success());
+            if let Some(s) = wait_exit(&mut child, Duration::from_secs(1)) {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "fastsan attach did not exit");
+        };
         let mut log = String::new();
         std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut log).unwrap();
-        (out, log)
+        (status, log)
     }
 
     fn take_down_stack(&mut self) {
@@ -75,13 +87,16 @@ impl Drop for Attached {
     }
 }
 
-fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(20);
+/// The child's exit status, if it exits within `t`.
+fn wait_exit(child: &mut Child, t: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + t;
     loop {
         if let Some(s) = child.try_wait().unwrap() {
-            return s;
+            return Some(s);
         }
-        assert!(Instant::now() < deadline, "fastsan attach did not exit");
+        if Instant::now() >= deadline {
+            return None;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -173,7 +188,7 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     let s =
         Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M", "--volume", "ro=memory:1M,ro"]);
     let url = s.url("v");
-    let a = Attached::start(&url, &dir, 16 << 20);
+    let mut a = Attached::start(&url, &dir, 16 << 20);
     let vol = BlockingVolume::connect(&url, Options::default()).unwrap();
     let peek = |off: u64, len: usize| {
         let mut b = vec![0u8; len];
@@ -211,6 +226,9 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     vol.write_at(&[0xEE; 1 << 20], 4 << 20, false).unwrap();
     let p = a.file(&url);
     ok("fallocate", &["-p", "-o", &(4u64 << 20).to_string(), "-l", "65536", p.to_str().unwrap()]);
+    // Truncation is ignored, as on a block device.
+    drop(std::fs::OpenOptions::new().write(true).truncate(true).open(&p).unwrap());
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 16 << 20);
     ok("fallocate", &["-z", "-o", &((5u64 << 20) - 1000).to_string(), "-l", "70000", p.to_str().unwrap()]);
     let back = peek(4 << 20, 1 << 20);
     assert!(back[..65536].iter().all(|&b| b == 0), "the punched hole reads zeros");
@@ -221,9 +239,19 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     // Beyond the end: an error, nothing written.
     assert!(f.write_all_at(&[1; 512], 16 << 20).is_err());
     f.flush().unwrap();
-    drop((f, d));
+    drop(d);
+    // Signalled while a file is open: it stays attached and serving.
+    let pid = a.child.as_ref().unwrap().id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(a.child.as_mut().unwrap().try_wait().unwrap().is_none(), "a busy mount is not cut");
+    f.write_all_at(&[3; 4096], 8192).unwrap();
+    f.sync_all().unwrap();
+    assert!(peek(8192, 4096).iter().all(|&b| b == 3), "still serving");
+    drop(f);
     let (status, log) = a.stop();
     assert!(status.success(), "{log}");
+    assert!(log.contains("still in use") && log.contains("detached"), "{log}");
     // Read-only: opening for writing is refused.
     let ro = s.url("ro");
     let a = Attached::start(&ro, &dir.join("ro"), 1 << 20);
