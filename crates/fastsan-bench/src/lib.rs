@@ -354,10 +354,6 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         line.finish_and_clear();
     }
     let after_stats = brp_stats(&target);
-    let faults = match &*target {
-        Target::Brp(v) => v.stats(),
-        Target::Nbd(_) => Default::default(),
-    };
     let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
     for h in &hists {
         hist.add(&*h.lock()).expect("same bounds");
@@ -390,22 +386,20 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         client_cpu_us_per_io: if ios > 0 { cpu * 1e6 / ios as f64 } else { 0.0 },
         errors: shared.errors.load(Relaxed),
         verify_mismatches: shared.mismatches.load(Relaxed),
-        frames: after_stats.0 - before_stats.0,
-        batches: after_stats.1 - before_stats.1,
-        batched_requests: after_stats.2 - before_stats.2,
-        retries: faults.retries,
-        reconnects: faults.reconnects,
-        timeouts: faults.timeouts,
+        frames: after_stats.frames - before_stats.frames,
+        batches: after_stats.batches - before_stats.batches,
+        batched_requests: after_stats.batched_requests - before_stats.batched_requests,
+        retries: after_stats.retries,
+        reconnects: after_stats.reconnects,
+        timeouts: after_stats.timeouts,
     })
 }
 
-fn brp_stats(t: &Target) -> (u64, u64, u64) {
+/// The initiator's counters (all zero over NBD).
+fn brp_stats(t: &Target) -> fastsan_initiator::InitiatorStats {
     match t {
-        Target::Brp(v) => {
-            let s = v.stats();
-            (s.frames, s.batches, s.batched_requests)
-        }
-        Target::Nbd(_) => (0, 0, 0),
+        Target::Brp(v) => v.stats(),
+        Target::Nbd(_) => Default::default(),
     }
 }
 

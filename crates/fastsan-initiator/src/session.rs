@@ -54,8 +54,11 @@ struct Shared {
     /// A restarted target was resumed with acknowledged writes not yet
     /// flushed: FLUSH cannot promise them any more.
     unflushed_lost: AtomicBool,
-    /// The target last seen: its instance and its host's boot.
+    /// The target last seen: its instance and its host's boot; and the
+    /// instance alone, read without the lock on every acknowledgement (an
+    /// instance is drawn at random per process: equal means the same target).
     target: Mutex<(u64, u64)>,
+    instance: AtomicU64,
 }
 
 /// Why a session cannot be resumed.
@@ -115,6 +118,7 @@ impl Volume {
                 flushed: AtomicU64::new(0),
                 unflushed_lost: AtomicBool::new(false),
                 target: Mutex::new((info.instance, info.boot)),
+                instance: AtomicU64::new(info.instance),
             }
         });
         for i in 1..shared.opts.connections {
@@ -278,14 +282,15 @@ impl Volume {
                 sh.acked.fetch_add(1, SeqCst);
                 // Acknowledged by a host that has rebooted since (and the
                 // reconnect that saw it counted before this write).
-                let now = *sh.target.lock();
-                if answered_by != now && host_rebooted(answered_by.1, now.1) {
+                if answered_by.0 != sh.instance.load(SeqCst)
+                    && host_rebooted(answered_by.1, sh.target.lock().1)
+                {
                     sh.unflushed_lost.store(true, SeqCst);
                 }
             }
             (Ok(_), _, _) if h.command == Command::Flush => {
                 // Only a flush by the target of now covers what it holds.
-                if answered_by == *sh.target.lock() {
+                if answered_by.0 == sh.instance.load(SeqCst) {
                     sh.flushed.fetch_max(flushed_upto, SeqCst);
                 }
                 self.check_unflushed()?;
@@ -479,6 +484,7 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
     if *target != (info.instance, info.boot) {
         let rebooted = host_rebooted(target.1, info.boot);
         *target = (info.instance, info.boot);
+        sh.instance.store(info.instance, SeqCst);
         if rebooted && sh.acked.load(SeqCst) > sh.flushed.load(SeqCst) {
             sh.unflushed_lost.store(true, SeqCst);
             warn!(url = %sh.url, "the target's host restarted with writes acknowledged but not flushed: \

@@ -63,10 +63,11 @@ pub struct ConnEnv {
     pub budget: Budget,
 }
 
-/// Bytes of payload in flight across the whole server, counted in KiB: a
-/// request that moves data holds its share from dispatch to its reply's
-/// write, on top of its connection's own budget, so that many clients that
-/// ask for large reads and never take the replies cannot exhaust memory.
+/// Bytes of payload in flight, counted in KiB: a request that moves data
+/// holds its share from dispatch to its reply's write. Each connection has
+/// one (64 MiB) and the server one for all of them, so that many
+/// clients that ask for large reads and never take the replies cannot
+/// exhaust memory.
 pub struct Budget {
     units: Arc<Semaphore>,
     max_units: u32,
@@ -83,9 +84,19 @@ impl Budget {
         (bytes / BUDGET_UNIT as u64).clamp(1, self.max_units as u64) as u32
     }
 
-    /// KiB in flight now.
+    /// Bytes in flight now.
     pub fn in_use(&self) -> u64 {
-        self.max_units as u64 - self.units.available_permits() as u64
+        (self.max_units as u64 - self.units.available_permits() as u64) * BUDGET_UNIT as u64
+    }
+
+    /// The share of a request moving `bytes`, if it is free now.
+    fn take_now(&self, bytes: u64) -> Option<OwnedSemaphorePermit> {
+        self.units.clone().try_acquire_many_owned(self.units(bytes)).ok()
+    }
+
+    /// The share of a request moving `bytes`, when it is free.
+    async fn take(&self, bytes: u64) -> OwnedSemaphorePermit {
+        self.units.clone().acquire_many_owned(self.units(bytes)).await.expect("never closed")
     }
 }
 
@@ -194,7 +205,7 @@ pub struct Dispatcher<W, E: Encoder> {
     tx: mpsc::UnboundedSender<Batch<E>>,
     sink: Sink<W, E>,
     credits: Arc<Semaphore>,
-    budget: Arc<Semaphore>,
+    budget: Budget,
     /// Replies of requests run inline, held until the reader has dispatched
     /// everything one read brought, then written together in one `writev`.
     pending: parking_lot::Mutex<Batch<E>>,
@@ -224,27 +235,20 @@ impl<E: Encoder> PoolJob<E> {
             let rest = op.split_off();
             let (tag, meta, kind, credit) = reply;
             let at = Where { peer: &peer, volume: volume.name(), tag, kind };
-            match (run(&volume, op, &stats, at, &logged), rest) {
+            let result = match (run(&volume, op, &stats, at, &logged), rest) {
+                (Ok(_), Some(rest)) if !running.activity().is_abandoned() => {
+                    let reply = (tag, meta, kind, credit);
+                    let next = PoolJob::<E> { volume, op: rest, stats, peer, logged, tx, reply, running };
+                    return Some(next.into_job());
+                }
                 // Nobody will read the reply: the rest is not worth running
                 // (and a reconnect's fence would wait for it).
-                (Ok(_), Some(_)) if running.activity().is_abandoned() => {
-                    drop(running);
-                    let result = Err(Refusal::Device(crate::backend::BackendError::Io(libc::ECANCELED)));
-                    let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
-                    None
-                }
-                (Ok(_), Some(rest)) => {
-                    let reply = (tag, meta, kind, credit);
-                    Some(
-                        PoolJob::<E> { volume, op: rest, stats, peer, logged, tx, reply, running }.into_job(),
-                    )
-                }
-                (result, _) => {
-                    drop(running);
-                    let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
-                    None
-                }
-            }
+                (Ok(_), Some(_)) => Err(Refusal::Device(crate::backend::BackendError::Io(libc::ECANCELED))),
+                (result, _) => result,
+            };
+            drop(running);
+            let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
+            None
         })
     }
 }
@@ -300,7 +304,7 @@ where
             tx,
             sink: sink.clone(),
             credits: Arc::new(Semaphore::new(depth)),
-            budget: Arc::new(Semaphore::new((BYTE_BUDGET / BUDGET_UNIT) as usize)),
+            budget: Budget::new(BYTE_BUDGET as u64),
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
             logged: Arc::new(Logged::default()),
             activity,
@@ -392,11 +396,7 @@ where
     fn credit_now(&self, bytes: u64) -> Option<Credit> {
         let slot = self.credits.clone().try_acquire_owned().ok()?;
         let bytes = if bytes > 0 {
-            let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
-            let mine = self.budget.clone().try_acquire_many_owned(units).ok()?;
-            let global = &self.env.budget;
-            let all = global.units.clone().try_acquire_many_owned(global.units(bytes)).ok()?;
-            Some((mine, all))
+            Some((self.budget.take_now(bytes)?, self.env.budget.take_now(bytes)?))
         } else {
             None
         };
@@ -413,26 +413,20 @@ where
             }
         };
         let bytes = if bytes > 0 {
-            let units = (bytes / BUDGET_UNIT as u64).clamp(1, (BYTE_BUDGET / BUDGET_UNIT) as u64) as u32;
-            let mine = self.units(&self.budget, units).await?;
-            let global = &self.env.budget;
-            let all = self.units(&global.units, global.units(bytes)).await?;
-            Some((mine, all))
+            Some((self.share(&self.budget, bytes).await?, self.share(&self.env.budget, bytes).await?))
         } else {
             None
         };
         Ok(Credit { _slot: slot, _bytes: bytes })
     }
 
-    /// `n` units of a byte budget; the replies held are sent first when it must wait.
-    async fn units(&self, budget: &Arc<Semaphore>, n: u32) -> io::Result<OwnedSemaphorePermit> {
-        Ok(match budget.clone().try_acquire_many_owned(n) {
-            Ok(b) => b,
-            Err(_) => {
-                self.flush().await?;
-                budget.clone().acquire_many_owned(n).await.expect("never closed")
-            }
-        })
+    /// A share of `budget`; the replies held are sent first when it must wait.
+    async fn share(&self, budget: &Budget, bytes: u64) -> io::Result<OwnedSemaphorePermit> {
+        if let Some(p) = budget.take_now(bytes) {
+            return Ok(p);
+        }
+        self.flush().await?;
+        Ok(budget.take(bytes).await)
     }
 }
 

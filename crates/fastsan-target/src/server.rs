@@ -77,7 +77,7 @@ impl ServerHandle {
 
     /// Bytes of request and reply payload in flight now, all connections together.
     pub fn payload_in_flight(&self) -> u64 {
-        self.env.budget.in_use() * 1024
+        self.env.budget.in_use()
     }
 
     /// One volume's counters and latency histogram.

@@ -32,10 +32,10 @@ impl Volume {
                 done
             }
             // FUA: the write, then a flush, so that a failed write (ENOSPC)
-            // is told apart from a failed writeback (latched by `durable`).
+            // is told apart from a failed writeback (latched by `Volume::flush`).
             OpKind::Write { offset, data, fua: true } if self.caps.flush => {
                 b.write_at(&data, offset, false)?;
-                self.flush_durable()?;
+                self.flush()?;
                 done
             }
             OpKind::Write { offset, data, fua: true } => {
@@ -43,20 +43,20 @@ impl Volume {
                 done
             }
             OpKind::Flush => {
-                self.flush_durable()?;
+                self.flush()?;
                 done
             }
             OpKind::Trim { offset, len, fua } => {
                 b.trim(offset, len)?;
                 if fua {
-                    self.flush_durable()?;
+                    self.flush()?;
                 }
                 done
             }
             OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
                 flags.fua = false;
                 b.write_zeroes(offset, len, flags)?;
-                self.flush_durable()?;
+                self.flush()?;
                 done
             }
             OpKind::WriteZeroes { offset, len, flags } if flags.fua => {

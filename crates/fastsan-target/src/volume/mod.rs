@@ -38,7 +38,6 @@ pub struct Volume {
     max_transfer: u32,
     blocks: BlockSizes,
     caps: Caps,
-    inline: bool,
     volatile: bool,
     generation: u64,
     description: String,
@@ -51,7 +50,7 @@ pub struct Volume {
     flusher: Flusher,
 }
 
-/// Flushes in groups (see [`Volume::flush_durable`]).
+/// Flushes in groups (see [`Volume::flush`]).
 #[derive(Default)]
 struct Flusher {
     state: parking_lot::Mutex<FlushState>,
@@ -60,10 +59,9 @@ struct Flusher {
 
 #[derive(Default)]
 struct FlushState {
-    /// Flushes started and finished so far; whether one runs now.
+    /// Flushes started and finished so far (one runs while they differ).
     started: u64,
     completed: u64,
-    running: bool,
 }
 
 /// A request that passed [`Volume::validate`], ready for the device.
@@ -162,11 +160,9 @@ impl Volume {
             extents: b.can_extents(),
             cache: b.can_cache(),
         };
-        let inline = !b.may_block();
         Volume {
-            pool: (!inline).then(|| IoPool::new(io_threads, &name)),
+            pool: b.may_block().then(|| IoPool::new(io_threads, &name)),
             name,
-            inline,
             volatile: b.volatile(),
             generation: b.generation(),
             description: b.describe(),
@@ -218,7 +214,7 @@ impl Volume {
     /// Whether requests run on the connection's task (memory, null) rather
     /// than on the I/O pool.
     pub fn runs_inline(&self) -> bool {
-        self.inline
+        self.pool.is_none()
     }
     /// The volume's I/O threads (none when it runs inline).
     pub fn pool(&self) -> Option<&IoPool> {
@@ -235,12 +231,7 @@ impl Volume {
         self.faults.as_ref()
     }
 
-    /// Makes every completed write durable (at shutdown).
-    pub fn flush(&self) -> Result<(), backend::BackendError> {
-        self.flush_durable()
-    }
-
-    /// A flush of the backend, in a group: the calls that arrive while one
+    /// Makes every completed write durable: a flush of the backend, in a group: the calls that arrive while one
     /// flush runs share the next one (the kernel would merge their journal
     /// commits anyway), and none returns OK from a flush that started before
     /// it arrived. Linux reports a writeback error once per open file, so
@@ -248,7 +239,7 @@ impl Volume {
     /// covered are lost: the first failure (whatever its errno) is latched
     /// before anyone waiting is told, and every later FLUSH and FUA fails
     /// too, for every client, until the volume is reopened.
-    pub(crate) fn flush_durable(&self) -> Result<(), backend::BackendError> {
+    pub fn flush(&self) -> Result<(), backend::BackendError> {
         let f = &self.flusher;
         let mut st = f.state.lock();
         // A flush already running may have started before this caller's writes completed.
@@ -260,8 +251,8 @@ impl Volume {
             if st.completed >= need {
                 return Ok(());
             }
-            if !st.running {
-                st.running = true;
+            if st.started == st.completed {
+                // None runs now: this caller runs the next one.
                 st.started += 1;
                 let generation = st.started;
                 let r = parking_lot::MutexGuard::unlocked(&mut st, || self.backend.flush());
@@ -269,7 +260,6 @@ impl Volume {
                     self.latch(e);
                 }
                 st.completed = generation;
-                st.running = false;
                 f.done.notify_all();
                 r?;
                 continue;
