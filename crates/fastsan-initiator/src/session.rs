@@ -147,6 +147,18 @@ impl Volume {
         self.shared.stats.snapshot()
     }
 
+    /// Connections up now, and the session's number of connections.
+    pub fn connections(&self) -> (usize, usize) {
+        let sh = &self.shared;
+        let up = sh.slots.iter().filter(|s| s.read().as_ref().is_some_and(|c| c.is_alive())).count();
+        (up, sh.slots.len())
+    }
+
+    /// The URL the volume was opened with.
+    pub fn url(&self) -> String {
+        self.shared.url.to_string()
+    }
+
     /// Reads `len` bytes at `offset`.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
         let max = self.shared.info.max_transfer as u64;

@@ -1,433 +1,340 @@
-//! `fastsan attach URL --fuse DIR`: a volume as one file, with the
-//! initiator underneath (merging, several connections, retries after the
-//! fence), for `losetup`, `mkfs` and databases where the kernel has no NBD
-//! driver. The kernel NBD path (`/dev/nbdN`) is not built yet.
+//! `fastsan attach` and `fastsan detach`: arguments, the process's life
+//! (signals, the registry entry, the last word). The device and the file
+//! are `fastsan_attach`'s.
 
 use crate::ClientArgs;
 use anyhow::Context;
-use bytes::{Bytes, BytesMut};
-use fastsan_initiator::{Error, Status, Volume};
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, LockOwner, MountOption,
-    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, Request, WriteFlags,
-};
-use parking_lot::RwLock;
-use std::ffi::OsStr;
-use std::path::PathBuf;
-use std::time::{Duration, SystemTime};
+use fastsan_attach::kernel::{self, DetachError, Interface, KernelOptions};
+use fastsan_attach::registry::{self, Entry, Registration};
+use fastsan_initiator::Volume;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
 use tracing::{info, warn};
 
-/// Attach a volume as a local file, over FUSE.
+/// Attach a volume as a local block device (/dev/nbdN) or file (FUSE).
 ///
-/// Mounts DIR holding one file named after the volume, backed by the
-/// volume through the initiator (its merging, connections and transparent
-/// retries: while the target is away, I/O waits up to --reconnect-timeout).
-/// fsync is FLUSH; fallocate punch-hole and zero-range are WRITE_ZEROES;
-/// O_DIRECT works. SIGINT or SIGTERM unmounts (not while a loop device or an
-/// open file holds it: it says so and keeps serving) and flushes.
+/// The kernel's NBD client sends its requests to this process over a local
+/// socket pair per queue; each goes through the initiator (merging,
+/// connections, retries: while the target is away, I/O waits up to
+/// --reconnect-timeout, so a filesystem on top survives a target restart).
+/// With --fuse DIR (where the kernel has no NBD driver), DIR holds one file
+/// named after the volume instead: fsync is FLUSH, fallocate punch-hole and
+/// zero-range are WRITE_ZEROES, O_DIRECT works.
+/// It runs until SIGINT or SIGTERM (or `fastsan detach`), which detach
+/// after writing what the kernel caches and flushing; not while the device
+/// is mounted or the file in use: it says so and keeps serving.
 /// Examples:
+///   fastsan attach brp://10.0.0.5:10810/vol0                # prints /dev/nbdN
+///   fastsan attach brp://10.0.0.5:10810/vol0 --device /dev/nbd3 --queues 2
 ///   fastsan attach brp://127.0.0.1:10810/vol0 --fuse /mnt/fastsan
-///   losetup -f --show /mnt/fastsan/vol0
+///   fastsan attach --list
+///   fastsan detach /dev/nbd3
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
     /// brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
-    url: String,
-    /// Directory to mount the volume's file in (it must exist).
+    #[arg(required_unless_present = "list")]
+    url: Option<String>,
+    /// The NBD device to use (default: the first free one).
+    #[arg(long, value_name = "/dev/nbdN", conflicts_with = "fuse")]
+    device: Option<PathBuf>,
+    /// Socket pairs to the kernel (its queues); default the number of CPUs, at most 4.
+    #[arg(long, value_name = "N", conflicts_with = "fuse")]
+    queues: Option<usize>,
+    /// How the NBD device is configured.
+    #[arg(long, value_enum, default_value = "auto", value_name = "HOW", conflicts_with = "fuse")]
+    interface: Interface,
+    /// Attach as a file in DIR over FUSE instead (DIR must exist).
     #[arg(long, value_name = "DIR")]
     fuse: Option<PathBuf>,
     /// FUSE threads serving requests concurrently.
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    #[arg(long, default_value_t = 4, value_name = "N", requires = "fuse")]
     threads: usize,
+    /// List what is attached on this host (device, URL, state, connections).
+    #[arg(long, conflicts_with_all = ["device", "fuse"])]
+    list: bool,
     #[command(flatten)]
     client: ClientArgs,
 }
 
+/// Detach what `fastsan attach` attached: a device or a FUSE directory.
+///
+/// Signals the attaching process and waits until it has written the
+/// kernel's cached data, flushed and let go. A device attached by another
+/// tool (nbd-client) is disconnected directly. Refused while the device is
+/// mounted or the file in use.
+/// Examples:
+///   fastsan detach /dev/nbd0
+///   fastsan detach /mnt/fastsan
+#[derive(clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct DetachArgs {
+    /// /dev/nbdN, or the FUSE directory (or its file).
+    target: PathBuf,
+    /// Seconds to wait for the attaching process to finish.
+    #[arg(long, default_value_t = 120, value_name = "SECS")]
+    timeout: u64,
+}
+
 pub async fn run(a: Args) -> anyhow::Result<()> {
-    let Some(dir) = a.fuse else {
-        anyhow::bail!("attaching as a kernel block device (/dev/nbdN) is not built yet: use --fuse DIR");
+    if a.list {
+        return list();
+    }
+    let url = a.url.clone().expect("clap requires a URL unless --list");
+    let opts = a.client.options()?;
+    if let Some(dir) = &a.fuse {
+        anyhow::ensure!((1..=64).contains(&a.threads), "--threads must be 1..=64");
+        check_fuse()?;
+        anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
+    }
+    let queues =
+        a.queues.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(4));
+    anyhow::ensure!((1..=16).contains(&queues), "--queues must be 1..=16");
+    let vol = Volume::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
+    match a.fuse {
+        Some(dir) => attach_fuse(vol, &url, dir, a.threads).await,
+        None => {
+            let kopts = KernelOptions { device: a.device, queues, interface: a.interface };
+            attach_kernel(vol, &url, &kopts).await
+        }
+    }
+}
+
+fn check_fuse() -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata("/dev/fuse") {
+        Ok(m) if m.file_type().is_char_device() => Ok(()),
+        Ok(_) => anyhow::bail!("/dev/fuse is not the FUSE device (not a character device)"),
+        Err(e) => anyhow::bail!(
+            "no /dev/fuse ({e}): load the fuse module (modprobe fuse) or use a machine with FUSE"
+        ),
+    }
+}
+
+async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
+    let dev = kernel::attach(vol.clone(), opts).await?;
+    let path = dev.path.display().to_string();
+    let entry = |state: &str, refusals: u64| {
+        let s = vol.stats();
+        let (up, all) = vol.connections();
+        Entry {
+            pid: std::process::id(),
+            url: url.to_owned(),
+            device: path.clone(),
+            kind: "nbd".into(),
+            state: state_of(state, up, all),
+            connections_up: up,
+            connections: all,
+            requests: dev.stats.requests.load(Relaxed),
+            errors: dev.stats.errors.load(Relaxed),
+            retries: s.retries,
+            reconnects: s.reconnects,
+            refusals,
+        }
     };
-    anyhow::ensure!(
-        std::path::Path::new("/dev/fuse").exists(),
-        "/dev/fuse is missing: load the fuse module (modprobe fuse) or use a machine with FUSE"
-    );
-    anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
-    anyhow::ensure!((1..=64).contains(&a.threads), "--threads must be 1..=64");
-    let vol = Volume::connect(&a.url, a.client.options()?)
-        .await
-        .with_context(|| format!("cannot open {}", a.url))?;
-    let name = fastsan_initiator::BrpUrl::parse(&a.url)?.volume;
-    let fs = VolumeFile::new(vol.clone(), name.clone(), tokio::runtime::Handle::current());
-    let mut cfg = fuser::Config::default();
-    cfg.mount_options =
-        vec![MountOption::FSName(format!("fastsan:{name}")), MountOption::Subtype("fastsan".into())];
-    cfg.n_threads = Some(a.threads);
-    let mount = dir.clone();
-    let session = tokio::task::spawn_blocking(move || fuser::spawn_mount(fs, &mount, &cfg))
-        .await?
-        .with_context(|| format!("cannot mount FUSE at {}", dir.display()))?;
-    info!(url = %a.url, file = %dir.join(&name).display(), "attached");
-    println!("fastsan: {} attached as {}", a.url, dir.join(&name).display());
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let reg = Registration::new(&entry("attached", 0)).context("cannot write the registry entry")?;
+    println!("fastsan: {url} attached as {path}");
+    let mut signals = Signals::new()?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut refusals = 0;
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
-            _ = term.recv() => info!("SIGTERM received"),
+            _ = signals.next() => {}
+            _ = tick.tick() => {
+                let _ = reg.update(&entry("attached", refusals));
+                if dev.finished() {
+                    // Disconnected from outside (nbd-client -d, an error).
+                    warn!(device = %path, "the kernel disconnected the device");
+                    vol.flush().await.context("the final flush failed: writes may be lost")?;
+                    info!(device = %path, "detached");
+                    return Ok(());
+                }
+                continue;
+            }
+        }
+        match dev.claim() {
+            Ok(claimed) => {
+                let _ = reg.update(&entry("detaching", refusals));
+                let r = dev.detach(claimed).await;
+                drop(reg);
+                return match r {
+                    Ok(()) => {
+                        info!(device = %path, "detached");
+                        Ok(())
+                    }
+                    Err(e @ DetachError::Flush(_)) => Err(e.into()),
+                    Err(e) => Err(anyhow::Error::new(e).context("detach failed")),
+                };
+            }
+            Err(e) => {
+                warn!("{e}; still serving");
+                refusals += 1;
+                let _ = reg.update(&entry("attached", refusals));
+            }
+        }
+    }
+}
+
+fn state_of(state: &str, up: usize, all: usize) -> String {
+    match state {
+        "attached" if up == 0 => "down".into(),
+        "attached" if up < all => "reconnecting".into(),
+        s => s.into(),
+    }
+}
+
+async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> anyhow::Result<()> {
+    let name = fastsan_initiator::BrpUrl::parse(url)?.volume;
+    let file = dir.join(&name);
+    let mount = dir.clone();
+    let (v, n) = (vol.clone(), name.clone());
+    let session = tokio::task::spawn_blocking(move || fastsan_attach::fuse::mount(v, &n, &mount, threads))
+        .await?
+        .with_context(|| format!("cannot mount FUSE at {}", dir.display()))?;
+    let entry = |state: &str, refusals: u64| {
+        let s = vol.stats();
+        let (up, all) = vol.connections();
+        Entry {
+            pid: std::process::id(),
+            url: url.to_owned(),
+            device: file.display().to_string(),
+            kind: "fuse".into(),
+            state: state_of(state, up, all),
+            connections_up: up,
+            connections: all,
+            requests: s.requests,
+            errors: 0,
+            retries: s.retries,
+            reconnects: s.reconnects,
+            refusals,
+        }
+    };
+    let reg = Registration::new(&entry("attached", 0)).context("cannot write the registry entry")?;
+    info!(url, file = %file.display(), "attached");
+    println!("fastsan: {url} attached as {}", file.display());
+    let mut signals = Signals::new()?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut refusals = 0;
+    loop {
+        tokio::select! {
+            _ = signals.next() => {}
+            _ = tick.tick() => {
+                let _ = reg.update(&entry("attached", refusals));
+                continue;
+            }
         }
         // Unmount first: writes may arrive until then. A busy mount (a loop
         // device, an open file) stays attached and served: cutting it would
         // fail the I/O of whatever uses it.
-        match umount(&dir) {
+        match fastsan_attach::fuse::umount(&dir) {
             Ok(()) => break,
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                 warn!(dir = %dir.display(), "still in use (a loop device, an open file, a shell in it): \
-                      detach that first, then signal again; still serving")
+                      detach that first, then signal again; still serving");
+                refusals += 1;
+                let _ = reg.update(&entry("attached", refusals));
             }
             Err(e) => {
                 // Not root: fusermount does it (lazily).
                 info!(dir = %dir.display(), "umount: {e}; leaving it to fusermount");
+                let _ = reg.update(&entry("detaching", refusals));
                 tokio::task::spawn_blocking(move || session.umount_and_join()).await??;
-                return finish(&vol, &dir, &name).await;
+                return finish(&vol, &file).await;
             }
         }
     }
+    let _ = reg.update(&entry("detaching", refusals));
     // Unmounted: the FUSE thread sees it and ends.
     tokio::task::spawn_blocking(move || session.join()).await??;
-    finish(&vol, &dir, &name).await
+    finish(&vol, &file).await
 }
 
 /// After the unmount: the final flush, and the last word.
-async fn finish(vol: &Volume, dir: &std::path::Path, name: &str) -> anyhow::Result<()> {
+async fn finish(vol: &Volume, file: &Path) -> anyhow::Result<()> {
     vol.flush().await.context("the final flush failed: writes may be lost")?;
-    info!(file = %dir.join(name).display(), "detached");
+    info!(file = %file.display(), "detached");
     Ok(())
 }
 
-fn umount(dir: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-    // SAFETY: a valid NUL-terminated path; no flags.
-    if unsafe { libc::umount2(path.as_ptr(), 0) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+/// SIGINT and SIGTERM.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Signals> {
+        Ok(Signals { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => info!("SIGINT received"),
+            _ = self.term.recv() => info!("SIGTERM received"),
+        }
     }
 }
 
-const DIR: INodeNo = INodeNo::ROOT;
-const FILE: INodeNo = INodeNo(2);
-const TTL: Duration = Duration::from_secs(1);
-
-/// The volume as one file in one directory.
-struct VolumeFile {
-    vol: Volume,
-    name: String,
-    rt: tokio::runtime::Handle,
-    /// Writes that cover whole blocks share it; a write of part of a block
-    /// (read, merge, write back) holds it alone, so no other write to that
-    /// block can slip in between its read and its write.
-    partial: RwLock<()>,
-    started: SystemTime,
-    uid: u32,
-    gid: u32,
+fn list() -> anyhow::Result<()> {
+    let entries = registry::list();
+    if entries.is_empty() {
+        println!("nothing attached");
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<5} {:<13} {:>11} {:>10} {:>7} {:>8}  URL",
+        "DEVICE", "KIND", "STATE", "CONNECTIONS", "REQUESTS", "ERRORS", "PID"
+    );
+    for e in entries {
+        println!(
+            "{:<24} {:<5} {:<13} {:>11} {:>10} {:>7} {:>8}  {}",
+            e.device,
+            e.kind,
+            e.state,
+            format!("{}/{}", e.connections_up, e.connections),
+            e.requests,
+            e.errors,
+            e.pid,
+            e.url
+        );
+    }
+    Ok(())
 }
 
-impl VolumeFile {
-    fn new(vol: Volume, name: String, rt: tokio::runtime::Handle) -> Self {
-        // SAFETY: getuid and getgid cannot fail.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        VolumeFile { vol, name, rt, partial: RwLock::new(()), started: SystemTime::now(), uid, gid }
-    }
-
-    fn attr(&self, ino: INodeNo) -> FileAttr {
-        let file = ino == FILE;
-        let size = if file { self.vol.size() } else { 0 };
-        let perm = match (file, self.vol.read_only()) {
-            (false, _) => 0o755,
-            (true, false) => 0o644,
-            (true, true) => 0o444,
-        };
-        FileAttr {
-            ino,
-            size,
-            blocks: size.div_ceil(512),
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
-            kind: if file { FileType::RegularFile } else { FileType::Directory },
-            perm,
-            nlink: if file { 1 } else { 2 },
-            uid: self.uid,
-            gid: self.gid,
-            rdev: 0,
-            flags: 0,
-            // What stdio buffers by: at least a page, never the 512-byte sector.
-            blksize: self.vol.block_size().max(4096),
-        }
-    }
-
-    fn block(&self) -> u64 {
-        self.vol.block_size() as u64
-    }
-
-    /// `[offset, offset + len)` widened to whole blocks.
-    fn widen(&self, offset: u64, len: u64) -> (u64, u64) {
-        let bs = self.block();
-        let start = offset / bs * bs;
-        (start, (offset + len).div_ceil(bs) * bs - start)
-    }
-
-    fn read(&self, offset: u64, size: u64) -> Result<Bytes, Errno> {
-        let end = (offset + size).min(self.vol.size());
-        if offset >= end {
-            return Ok(Bytes::new());
-        }
-        let (start, len) = self.widen(offset, end - offset);
-        let data = self.rt.block_on(self.vol.read(start, len)).map_err(errno)?;
-        Ok(data.slice((offset - start) as usize..(end - start) as usize))
-    }
-
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), Errno> {
-        if offset + data.len() as u64 > self.vol.size() {
-            return Err(Errno::ENOSPC);
-        }
-        let bs = self.block();
-        if offset.is_multiple_of(bs) && (data.len() as u64).is_multiple_of(bs) {
-            let _shared = self.partial.read();
-            return self.rt.block_on(self.vol.write_at(data, offset, fua)).map_err(errno);
-        }
-        // Part of a block: read the whole blocks, merge, write them back.
-        let _alone = self.partial.write();
-        let (start, len) = self.widen(offset, data.len() as u64);
-        let old = self.rt.block_on(self.vol.read(start, len)).map_err(errno)?;
-        let mut merged = BytesMut::from(&old[..]);
-        let at = (offset - start) as usize;
-        merged[at..at + data.len()].copy_from_slice(data);
-        self.rt.block_on(self.vol.write_bytes(merged.freeze(), start, fua)).map_err(errno)
-    }
-
-    /// fallocate: PUNCH_HOLE (with KEEP_SIZE) and ZERO_RANGE are both
-    /// WRITE_ZEROES (a punched hole must read as zeros, which BRP's TRIM does
-    /// not promise; without NO_HOLE the target may still free the space);
-    /// the edges of partial blocks are written with zeros. With KEEP_SIZE a
-    /// range past the end is cut at the end, as files do; plain allocation
-    /// inside the volume has nothing to do.
-    fn fallocate(&self, offset: u64, len: u64, mode: i32) -> Result<(), Errno> {
-        let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-        let size = self.vol.size();
-        let len = match offset.checked_add(len) {
-            Some(end) if end <= size => len,
-            Some(_) | None if keep => size.saturating_sub(offset),
-            _ => return Err(Errno::ENOSPC),
-        };
-        match mode & !libc::FALLOC_FL_KEEP_SIZE {
-            0 => return Ok(()),
-            libc::FALLOC_FL_PUNCH_HOLE if keep => {}
-            libc::FALLOC_FL_ZERO_RANGE => {}
-            _ => return Err(Errno::EOPNOTSUPP),
-        }
-        if len == 0 {
-            return Ok(());
-        }
-        let bs = self.block();
-        let (first, last) = (offset.div_ceil(bs) * bs, (offset + len) / bs * bs);
-        if first >= last {
-            return self.write(offset, &vec![0; len as usize], false);
-        }
-        // The whole blocks first: if the volume cannot, nothing has changed.
-        {
-            let _shared = self.partial.read();
-            self.rt.block_on(self.vol.write_zeroes(first, last - first, false)).map_err(errno)?;
-        }
-        if offset < first {
-            self.write(offset, &vec![0; (first - offset) as usize], false)?;
-        }
-        if offset + len > last {
-            self.write(last, &vec![0; (offset + len - last) as usize], false)?;
-        }
-        Ok(())
-    }
-}
-
-/// The errno a caller of the file sees for an initiator error.
-fn errno(e: Error) -> Errno {
-    let code = match &e {
-        Error::Status(s) if *s == Status::READ_ONLY => libc::EROFS,
-        Error::Status(s) if *s == Status::NO_SPACE => libc::ENOSPC,
-        Error::Status(s) if *s == Status::UNSUPPORTED => libc::EOPNOTSUPP,
-        Error::Status(s) if *s == Status::OUT_OF_RANGE => libc::ENOSPC,
-        _ => libc::EIO,
+pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
+    let Some(e) = registry::find(&a.target) else {
+        // Not ours: a device some other tool attached.
+        let index = kernel::index_of(&a.target)
+            .with_context(|| format!("nothing attached by fastsan at {}", a.target.display()))?;
+        anyhow::ensure!(kernel::is_connected(index), "{} is not attached", a.target.display());
+        let mut nl = fastsan_attach::netlink::NbdNetlink::open()?
+            .context("the kernel has no NBD netlink interface to disconnect with")?;
+        nl.disconnect(index).with_context(|| format!("cannot disconnect {}", a.target.display()))?;
+        println!("fastsan: {} disconnected", a.target.display());
+        return Ok(());
     };
-    warn!(error = &e as &dyn std::error::Error, "I/O on the attached volume failed");
-    Errno::from_i32(code)
-}
-
-impl Filesystem for VolumeFile {
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if parent == DIR && name.to_str() == Some(self.name.as_str()) {
-            reply.entry(&TTL, &self.attr(FILE), fuser::Generation(0));
-        } else {
-            reply.error(Errno::ENOENT);
-        }
+    // SAFETY: plain kill(2) of a pid read from the registry.
+    if unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGTERM) } != 0 {
+        return Err(std::io::Error::last_os_error()).context(format!("cannot signal process {}", e.pid));
     }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match ino {
-            DIR | FILE => reply.attr(&TTL, &self.attr(ino)),
-            _ => reply.error(Errno::ENOENT),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn setattr(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
-        size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        // A volume's size is fixed: like a block device, the file ignores
-        // truncation (O_TRUNC) and keeps its size and its data.
-        let _ = size;
-        reply.attr(&TTL, &self.attr(ino))
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if ino != FILE {
-            return reply.error(Errno::EISDIR);
-        }
-        let writes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
-        if writes && self.vol.read_only() {
-            return reply.error(Errno::EROFS);
-        }
-        // O_DIRECT: every read and write goes to the volume, none through the page cache.
-        let direct = flags.0 & libc::O_DIRECT != 0;
-        let f = if direct {
-            FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
-        } else {
-            FopenFlags::empty()
-        };
-        reply.opened(FileHandle(0), f);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn read(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        match self.read(offset, size as u64) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn write(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        // O_SYNC and O_DSYNC: the write is durable when it returns.
-        let fua = flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0;
-        match self.write(offset, data, fua) {
-            Ok(()) => reply.written(data.len() as u32),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        // close(2): nothing buffered here; durability is fsync's.
-        reply.ok();
-    }
-
-    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.rt.block_on(self.vol.flush()) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
-    }
-
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        if ino != DIR {
-            return reply.error(Errno::ENOTDIR);
-        }
-        let entries = [
-            (DIR, FileType::Directory, "."),
-            (DIR, FileType::Directory, ".."),
-            (FILE, FileType::RegularFile, self.name.as_str()),
-        ];
-        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
-            if reply.add(ino, (i + 1) as u64, kind, name) {
-                break;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(a.timeout);
+    loop {
+        match registry::list().into_iter().find(|x| x.pid == e.pid) {
+            None => {
+                println!("fastsan: {} detached", e.device);
+                return Ok(());
             }
-        }
-        reply.ok();
-    }
-
-    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: fuser::ReplyXattr) {
-        // ENOSYS, not ENODATA: the kernel then stops asking before every write.
-        reply.error(Errno::ENOSYS);
-    }
-
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
-        reply.error(Errno::ENOSYS);
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        // The space is all the file's: reported as used, none free.
-        let bs = self.vol.block_size().max(4096);
-        let blocks = self.vol.size() / bs as u64;
-        reply.statfs(blocks, 0, 0, 2, 0, bs, 255, bs);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn fallocate(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
-        match self.fallocate(offset, length, mode) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
+            // Counted by the process when it refuses to let go.
+            Some(x) if x.refusals > e.refusals => anyhow::bail!(
+                "{} is in use (mounted, a loop device, an open file): it stays attached; unmount it first",
+                e.device
+            ),
+            Some(_) if tokio::time::Instant::now() > deadline => {
+                anyhow::bail!("{} is still detaching after {} s (process {})", e.device, a.timeout, e.pid)
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
 }

@@ -31,6 +31,7 @@ enum Cmd {
     Cp(cp::Args),
     Bench(bench::Args),
     Attach(attach::Args),
+    Detach(attach::DetachArgs),
 }
 
 /// Options every client subcommand shares.
@@ -104,6 +105,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Cp(a) => cp::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
             Cmd::Attach(a) => attach::run(a).await,
+            Cmd::Detach(a) => attach::detach(a).await,
         }
     });
     match r {
@@ -121,6 +123,7 @@ fn default_log(cmd: &Cmd) -> &'static str {
         Cmd::Serve(_) => "info",
         // fuser warns when its own unmount finds the mount already gone (ours).
         Cmd::Attach(_) => "info,fuser=error",
+        Cmd::Detach(_) => "warn",
         _ => "warn",
     }
 }

@@ -1,0 +1,176 @@
+//! The bridge: fastsan is the NBD server of the kernel's NBD client, on one
+//! end of a local socket pair per queue. Every request the kernel sends goes
+//! to the initiator ([`Volume`]: merging into BATCH frames, several
+//! connections, credits, retries after the fence) and is answered by its
+//! cookie as soon as it completes, in any order.
+//!
+//! The kernel speaks the transmission phase only (no handshake: the size and
+//! flags were given when the device was configured) with simple replies.
+//! - **decode**: [`fastsan_nbd::transmission::parse_request`], in [`serve`];
+//! - **execute**: [`execute`], one task per request, at most
+//!   [`MAX_IN_FLIGHT`] at once per queue;
+//! - **reply**: one writer task per queue, [`write_replies`], which sends
+//!   every reply that is ready in one vectored write.
+
+use crate::errno;
+use bytes::{Buf, Bytes, BytesMut};
+use fastsan_initiator::{Error, Volume};
+use fastsan_nbd::consts::*;
+use fastsan_nbd::transmission::{parse_request, simple_reply, Payload, Request, REQUEST_LEN};
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, Semaphore};
+use tracing::{debug, warn};
+
+/// Requests of one queue executing at once. The kernel's own queue depth
+/// (128 per queue) stays below it, so it never waits here in practice; it
+/// bounds what a misbehaving peer can start.
+pub const MAX_IN_FLIGHT: usize = 256;
+
+/// What the bridges of one device have done.
+#[derive(Debug, Default)]
+pub struct BridgeStats {
+    pub requests: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// One reply: its 16-byte header, and a READ's data.
+struct Reply {
+    head: [u8; 16],
+    data: Bytes,
+}
+
+/// Serves the kernel's requests arriving on `stream` until the kernel
+/// disconnects (NBD_CMD_DISC, or the socket closes), then waits for every
+/// request already started to be answered.
+pub async fn serve<S>(stream: S, vol: Volume, stats: Arc<BridgeStats>) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut rd, wr) = tokio::io::split(stream);
+    let (tx, rx) = mpsc::unbounded_channel::<Reply>();
+    let writer = tokio::spawn(write_replies(wr, rx));
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let mut buf = BytesMut::with_capacity(256 * 1024);
+    let mut skip = 0u64;
+    let read = loop {
+        if skip > 0 {
+            let n = skip.min(buf.len() as u64);
+            buf.advance(n as usize);
+            skip -= n;
+        }
+        let parsed = match skip {
+            0 => parse_request(&buf),
+            _ => Ok(None),
+        };
+        let (req, payload, used) = match parsed {
+            Ok(Some(p)) => p,
+            Ok(None) => {
+                if buf.capacity() - buf.len() < 64 * 1024 {
+                    buf.reserve(256 * 1024);
+                }
+                match rd.read_buf(&mut buf).await {
+                    Ok(0) => break Ok(()),
+                    Ok(_) => continue,
+                    Err(e) => break Err(e),
+                }
+            }
+            Err(e) => break Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+        };
+        let frame = buf.split_to(used).freeze();
+        if req.command == CMD_DISC {
+            debug!("the kernel disconnected");
+            break Ok(());
+        }
+        stats.requests.fetch_add(1, Relaxed);
+        if let Payload::Skip(n) = payload {
+            // Larger than any WRITE the kernel sends: refused, its data discarded.
+            skip = n as u64;
+            stats.errors.fetch_add(1, Relaxed);
+            let _ =
+                tx.send(Reply { head: simple_reply(libc::EINVAL as u32, req.cookie), data: Bytes::new() });
+            continue;
+        }
+        let Ok(permit) = slots.clone().acquire_owned().await else { break Ok(()) };
+        let (vol, tx, stats) = (vol.clone(), tx.clone(), stats.clone());
+        tokio::spawn(async move {
+            let reply = match execute(&vol, &req, frame.slice(REQUEST_LEN..)).await {
+                Ok(data) => Reply { head: simple_reply(0, req.cookie), data },
+                Err(e) => {
+                    stats.errors.fetch_add(1, Relaxed);
+                    // NBD's codes: EPERM for a read-only device.
+                    let code = match errno(&e) {
+                        libc::EROFS => libc::EPERM,
+                        c => c,
+                    };
+                    warn!(
+                        error = &e as &dyn std::error::Error,
+                        command = req.command,
+                        offset = req.offset,
+                        length = req.length,
+                        "a request of the kernel failed"
+                    );
+                    Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() }
+                }
+            };
+            let _ = tx.send(reply);
+            drop(permit);
+        });
+    };
+    // Every task holds a sender: the writer ends after the last reply.
+    drop(tx);
+    let written = writer.await.map_err(io::Error::other)?;
+    read.and(written)
+}
+
+/// One request, through the initiator. A READ returns its data.
+async fn execute(vol: &Volume, r: &Request, data: Bytes) -> Result<Bytes, Error> {
+    let fua = r.flags & CMD_FLAG_FUA != 0;
+    let (offset, len) = (r.offset, r.length as u64);
+    match r.command {
+        CMD_READ => vol.read(offset, len).await,
+        CMD_WRITE => vol.write_bytes(data, offset, fua).await.map(|()| Bytes::new()),
+        CMD_FLUSH => vol.flush().await.map(|()| Bytes::new()),
+        CMD_TRIM => vol.trim(offset, len).await.map(|()| Bytes::new()),
+        CMD_WRITE_ZEROES => vol.write_zeroes(offset, len, fua).await.map(|()| Bytes::new()),
+        // Not advertised to the kernel (CACHE, BLOCK_STATUS) or unknown.
+        _ => Err(Error::InvalidArgument(format!("NBD command {} is not served here", r.command))),
+    }
+}
+
+/// Sends replies as they come, every one that is ready in one write.
+async fn write_replies<W: AsyncWrite>(wr: W, mut rx: mpsc::UnboundedReceiver<Reply>) -> io::Result<()> {
+    tokio::pin!(wr);
+    let mut out: VecDeque<Bytes> = VecDeque::new();
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some(r) = next {
+            out.push_back(Bytes::copy_from_slice(&r.head));
+            if !r.data.is_empty() {
+                out.push_back(r.data);
+            }
+            next = if out.len() < 128 { rx.try_recv().ok() } else { None };
+        }
+        while !out.is_empty() {
+            let slices: Vec<IoSlice> = out.iter().take(64).map(|b| IoSlice::new(b)).collect();
+            let mut n = wr.write_vectored(&slices).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            while n > 0 {
+                let front = out.front_mut().expect("written bytes were queued");
+                if n >= front.len() {
+                    n -= front.len();
+                    out.pop_front();
+                } else {
+                    front.advance(n);
+                    n = 0;
+                }
+            }
+        }
+    }
+    wr.shutdown().await
+}

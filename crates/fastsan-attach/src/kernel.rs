@@ -1,0 +1,353 @@
+//! A volume as `/dev/nbdN`: the kernel's NBD client, connected to this
+//! process by one socket pair per queue, each served by a [`bridge`].
+//!
+//! The device is configured through the NBD netlink interface, or through
+//! the older ioctls where the kernel has no netlink family for NBD. With
+//! netlink the device goes away by itself when this process ends, however
+//! it ends (`NBD_CFLAG_DISCONNECT_ON_CLOSE`).
+
+use crate::bridge::{self, BridgeStats};
+use crate::netlink::{self, NbdNetlink};
+use fastsan_initiator::Volume;
+use fastsan_nbd::consts::*;
+use std::io;
+use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+/// How the device is configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Interface {
+    /// Netlink when the kernel has it, else the ioctls.
+    #[default]
+    Auto,
+    Netlink,
+    Ioctl,
+}
+
+#[derive(Debug, Clone)]
+pub struct KernelOptions {
+    /// `/dev/nbdN`, or the first free device.
+    pub device: Option<PathBuf>,
+    /// Socket pairs (the kernel's hardware queues).
+    pub queues: usize,
+    pub interface: Interface,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("the kernel has no NBD driver ({0}); attach the volume as a file with --fuse DIR instead")]
+    NoDriver(String),
+    #[error("{0} is busy: it is attached already (fastsan attach --list shows what fastsan attached)")]
+    Busy(String),
+    #[error("{0} is not an NBD device (expected /dev/nbdN)")]
+    NotNbd(String),
+    #[error("no free NBD device (all /dev/nbd* are attached)")]
+    NoFreeDevice,
+    #[error("the volume's block size {0} is above what the kernel's NBD driver takes (4096)")]
+    BlockSize(u32),
+    #[error("{what}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> AttachError {
+    let what = what.into();
+    move |source| AttachError::Io { what, source }
+}
+
+/// An attached device: its bridges run until [`Device::detach`] or until
+/// the kernel disconnects.
+pub struct Device {
+    pub index: u32,
+    pub path: PathBuf,
+    pub stats: Arc<BridgeStats>,
+    vol: Volume,
+    control: Control,
+    bridges: Vec<JoinHandle<io::Result<()>>>,
+}
+
+enum Control {
+    /// The socket that connected the device: closing it disconnects.
+    Netlink(NbdNetlink),
+    /// The thread sitting in NBD_DO_IT, and the device it holds open.
+    Ioctl { file: Arc<std::fs::File>, doit: std::thread::JoinHandle<io::Result<()>> },
+}
+
+/// The transmission flags the kernel gets, from the volume's capabilities.
+/// The bridges of all queues share one session, so a FLUSH on any queue
+/// covers writes completed on every queue (CAN_MULTI_CONN).
+pub fn flags(vol: &Volume) -> u16 {
+    let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN;
+    if vol.read_only() {
+        f |= TFLAG_READ_ONLY;
+    } else {
+        f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
+    }
+    f
+}
+
+/// `/dev/nbdN` -> N.
+pub fn index_of(dev: &Path) -> Result<u32, AttachError> {
+    let name = dev.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    name.strip_prefix("nbd")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| AttachError::NotNbd(dev.display().to_string()))
+}
+
+/// Whether the kernel serves device N now (its `pid` file exists while it
+/// is connected).
+pub fn is_connected(index: u32) -> bool {
+    Path::new(&format!("/sys/block/nbd{index}/pid")).exists()
+}
+
+/// Attaches `vol` as an NBD device.
+pub async fn attach(vol: Volume, opts: &KernelOptions) -> Result<Device, AttachError> {
+    let wanted = opts.device.as_deref().map(index_of).transpose()?;
+    let bs = vol.block_size().max(512);
+    if bs > 4096 {
+        return Err(AttachError::BlockSize(bs));
+    }
+    let nl = match opts.interface {
+        Interface::Ioctl => None,
+        _ => open_netlink()?,
+    };
+    if nl.is_none() && opts.interface == Interface::Netlink {
+        return Err(AttachError::NoDriver("no NBD netlink family".into()));
+    }
+    if let Some(i) = wanted {
+        if is_connected(i) {
+            return Err(AttachError::Busy(format!("/dev/nbd{i}")));
+        }
+    }
+    let mut ours = Vec::new();
+    let mut theirs: Vec<OwnedFd> = Vec::new();
+    for _ in 0..opts.queues {
+        let (a, b) = std::os::unix::net::UnixStream::pair().map_err(io_err("cannot make a socket pair"))?;
+        a.set_nonblocking(true).map_err(io_err("socket pair"))?;
+        ours.push(tokio::net::UnixStream::from_std(a).map_err(io_err("socket pair"))?);
+        theirs.push(b.into());
+    }
+    let stats = Arc::new(BridgeStats::default());
+    let flags = flags(&vol) as u64;
+    let (index, control) = match nl {
+        Some(mut nl) => {
+            let c = netlink::Connect {
+                index: wanted,
+                size: vol.size() / bs as u64 * bs as u64,
+                block_size: bs as u64,
+                server_flags: flags,
+                client_flags: netlink::NBD_CFLAG_DISCONNECT_ON_CLOSE,
+                timeout: 0,
+                dead_conn_timeout: 0,
+                sockets: theirs.iter().map(|f| f.as_raw_fd()).collect(),
+            };
+            let index = nl.connect(&c).map_err(|e| match (e.raw_os_error(), wanted) {
+                (Some(libc::EBUSY), Some(i)) => AttachError::Busy(format!("/dev/nbd{i}")),
+                _ => {
+                    AttachError::Io { what: "the kernel refused to connect the NBD device".into(), source: e }
+                }
+            })?;
+            (index, Control::Netlink(nl))
+        }
+        None => {
+            let index = match wanted {
+                Some(i) => i,
+                None => free_device()?,
+            };
+            let control = ioctl_connect(index, &vol, bs, flags, theirs.drain(..).map(|f| f.into_raw_fd()))?;
+            (index, control)
+        }
+    };
+    // The kernel holds its ends now.
+    drop(theirs);
+    let bridges =
+        ours.into_iter().map(|s| tokio::spawn(bridge::serve(s, vol.clone(), stats.clone()))).collect();
+    let path = PathBuf::from(format!("/dev/nbd{index}"));
+    info!(device = %path.display(), size = vol.size(), block_size = bs, queues = opts.queues,
+          interface = match control { Control::Netlink(_) => "netlink", Control::Ioctl { .. } => "ioctl" },
+          "NBD device connected");
+    Ok(Device { index, path, stats, vol, control, bridges })
+}
+
+fn open_netlink() -> Result<Option<NbdNetlink>, AttachError> {
+    if let Some(nl) = NbdNetlink::open().map_err(io_err("cannot open a generic netlink socket"))? {
+        return Ok(Some(nl));
+    }
+    // The module may only be unloaded: load it, as nbd-client does.
+    let loaded = std::process::Command::new("modprobe")
+        .arg("nbd")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output();
+    match NbdNetlink::open().map_err(io_err("cannot open a generic netlink socket"))? {
+        Some(nl) => Ok(Some(nl)),
+        // An old kernel: the ioctls.
+        None if Path::new("/dev/nbd0").exists() => Ok(None),
+        None => {
+            let why = match loaded {
+                Ok(o) if o.status.success() => "modprobe nbd loaded nothing".to_string(),
+                Ok(o) => format!("modprobe nbd: {}", String::from_utf8_lossy(&o.stderr).trim()),
+                Err(e) => format!("cannot run modprobe: {e}"),
+            };
+            Err(AttachError::NoDriver(why))
+        }
+    }
+}
+
+/// The first `/dev/nbdN` the kernel does not serve.
+fn free_device() -> Result<u32, AttachError> {
+    (0..1024)
+        .take_while(|i| Path::new(&format!("/sys/block/nbd{i}")).exists())
+        .find(|i| !is_connected(*i))
+        .ok_or(AttachError::NoFreeDevice)
+}
+
+// The NBD ioctls (linux/nbd.h): _IO(0xab, n).
+const NBD_SET_SOCK: libc::c_ulong = 0xab00;
+const NBD_SET_BLKSIZE: libc::c_ulong = 0xab01;
+const NBD_DO_IT: libc::c_ulong = 0xab03;
+const NBD_CLEAR_SOCK: libc::c_ulong = 0xab04;
+const NBD_SET_SIZE_BLOCKS: libc::c_ulong = 0xab07;
+const NBD_DISCONNECT: libc::c_ulong = 0xab08;
+const NBD_SET_FLAGS: libc::c_ulong = 0xab0a;
+
+fn ioctl(fd: RawFd, req: libc::c_ulong, arg: libc::c_ulong) -> io::Result<()> {
+    // SAFETY: the NBD ioctls take an integer argument, no pointer.
+    if unsafe { libc::ioctl(fd, req as _, arg) } < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// The ioctl way: set everything on the open device, hand it the sockets,
+/// and leave a thread in NBD_DO_IT, which returns when the device is
+/// disconnected.
+fn ioctl_connect(
+    index: u32,
+    vol: &Volume,
+    bs: u32,
+    flags: u64,
+    socks: impl Iterator<Item = RawFd>,
+) -> Result<Control, AttachError> {
+    let path = format!("/dev/nbd{index}");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(io_err(format!("cannot open {path}")))?;
+    let fd = file.as_raw_fd();
+    let set = |what: &str, req, arg| ioctl(fd, req, arg).map_err(io_err(format!("{path}: {what}")));
+    set("set block size", NBD_SET_BLKSIZE, bs as _)?;
+    set("set size", NBD_SET_SIZE_BLOCKS, (vol.size() / bs as u64) as _)?;
+    set("set flags", NBD_SET_FLAGS, flags as _)?;
+    for s in socks {
+        let r = ioctl(fd, NBD_SET_SOCK, s as _);
+        // SAFETY: we own `s`; the kernel took its own reference.
+        unsafe { libc::close(s) };
+        r.map_err(|e| match e.raw_os_error() {
+            Some(libc::EBUSY) => AttachError::Busy(path.clone()),
+            _ => AttachError::Io { what: format!("{path}: set socket"), source: e },
+        })?;
+    }
+    let file = Arc::new(file);
+    let held = file.clone();
+    let doit = std::thread::Builder::new()
+        .name(format!("nbd{index}-do-it"))
+        .spawn(move || {
+            let r = ioctl(held.as_raw_fd(), NBD_DO_IT, 0);
+            let _ = ioctl(held.as_raw_fd(), NBD_CLEAR_SOCK, 0);
+            r
+        })
+        .map_err(io_err("cannot start the NBD_DO_IT thread"))?;
+    Ok(Control::Ioctl { file, doit })
+}
+
+/// Why the device would not let go.
+#[derive(Debug, thiserror::Error)]
+pub enum DetachError {
+    #[error("{0} is in use (mounted, or held by a loop, md or dm device): unmount it first")]
+    InUse(String),
+    #[error("{what}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the final flush failed: writes may be lost")]
+    Flush(#[source] fastsan_initiator::Error),
+}
+
+impl Device {
+    /// Whether the kernel still serves the device (false once it was
+    /// disconnected, by `detach`, `nbd-client -d`, or an error).
+    pub fn finished(&self) -> bool {
+        self.bridges.iter().all(|b| b.is_finished())
+    }
+
+    /// Claims the device for the detach: fails with [`DetachError::InUse`]
+    /// while it is mounted or held (O_EXCL on a block device claims it).
+    /// `None` when the kernel let go of it already.
+    pub fn claim(&self) -> Result<Option<std::fs::File>, DetachError> {
+        let open = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
+            .open(&self.path);
+        match open {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                Err(DetachError::InUse(self.path.display().to_string()))
+            }
+            Err(e) => {
+                debug!(device = %self.path.display(), "open for the final sync: {e}");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Detaches cleanly, with the device [`Device::claim`]ed: writes the
+    /// kernel's cached data for it and flushes (fsync on the device),
+    /// disconnects, waits for every request to be answered, and flushes the
+    /// volume.
+    pub async fn detach(mut self, claimed: Option<std::fs::File>) -> Result<(), DetachError> {
+        if let Some(f) = claimed {
+            let synced = tokio::task::spawn_blocking(move || f.sync_all()).await.map_err(io::Error::other);
+            if let Err(e) = synced.and_then(|r| r) {
+                let what = format!("{}: writing the kernel's cached data failed", self.path.display());
+                return Err(DetachError::Io { what, source: e });
+            }
+        }
+        let r = match &mut self.control {
+            Control::Netlink(nl) => nl.disconnect(self.index),
+            Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
+        };
+        if let Err(e) = r {
+            // The kernel let go already.
+            debug!(device = %self.path.display(), "disconnect: {e}");
+        }
+        for b in std::mem::take(&mut self.bridges) {
+            match tokio::time::timeout(Duration::from_secs(60), b).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => debug!(device = %self.path.display(), "queue ended: {e}"),
+                Ok(Err(e)) => warn!(device = %self.path.display(), "queue task failed: {e}"),
+                Err(_) => {
+                    warn!(device = %self.path.display(), "a queue did not end within 60 s of the disconnect")
+                }
+            }
+        }
+        if let Control::Ioctl { doit, .. } = self.control {
+            let _ = tokio::task::spawn_blocking(move || doit.join()).await;
+        }
+        self.vol.flush().await.map_err(DetachError::Flush)
+    }
+}
