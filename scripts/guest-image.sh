@@ -43,7 +43,7 @@ cp "$cache/root/boot/vmlinuz-$kver" "$out/vmlinuz"
 
 # The initramfs.
 root=$(mktemp -d "$out/initramfs.XXXXXX")
-mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,mnt,lib/modules,etc}
+mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,run,mnt,lib/modules,etc}
 cp "$(command -v busybox)" "$root/bin/busybox"
 for applet in $("$root/bin/busybox" --list); do
   [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"

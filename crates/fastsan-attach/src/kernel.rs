@@ -2,9 +2,10 @@
 //! process by one socket pair per queue, each served by a [`bridge`].
 //!
 //! The device is configured through the NBD netlink interface, or through
-//! the older ioctls where the kernel has no netlink family for NBD. With
-//! netlink the device goes away by itself when this process ends, however
-//! it ends (`NBD_CFLAG_DISCONNECT_ON_CLOSE`).
+//! the older ioctls where the kernel has no netlink family for NBD. If this
+//! process dies, the kernel finds the sockets closed and fails the device's
+//! I/O; the device stays configured (busy) until `fastsan detach` (or
+//! `nbd-client -d`) disconnects it.
 
 use crate::bridge::{self, BridgeStats};
 use crate::netlink::{self, NbdNetlink};
@@ -76,7 +77,7 @@ pub struct Device {
 }
 
 enum Control {
-    /// The socket that connected the device: closing it disconnects.
+    /// The socket that connected the device, to disconnect it.
     Netlink(NbdNetlink),
     /// The thread sitting in NBD_DO_IT, and the device it holds open.
     Ioctl { file: Arc<std::fs::File>, doit: std::thread::JoinHandle<io::Result<()>> },
@@ -107,6 +108,27 @@ pub fn index_of(dev: &Path) -> Result<u32, AttachError> {
 /// is connected).
 pub fn is_connected(index: u32) -> bool {
     Path::new(&format!("/sys/block/nbd{index}/pid")).exists()
+}
+
+/// What can be checked before the volume is opened: the driver is there,
+/// the device named is one and is free.
+pub fn preflight(opts: &KernelOptions) -> Result<(), AttachError> {
+    let wanted = opts.device.as_deref().map(index_of).transpose()?;
+    match opts.interface {
+        Interface::Ioctl if !Path::new("/dev/nbd0").exists() => {
+            return Err(AttachError::NoDriver("no /dev/nbd0".into()))
+        }
+        Interface::Ioctl => {}
+        _ => {
+            if open_netlink()?.is_none() && opts.interface == Interface::Netlink {
+                return Err(AttachError::NoDriver("no NBD netlink family".into()));
+            }
+        }
+    }
+    match wanted {
+        Some(i) if is_connected(i) => Err(AttachError::Busy(format!("/dev/nbd{i}"))),
+        _ => Ok(()),
+    }
 }
 
 /// Attaches `vol` as an NBD device.
@@ -145,7 +167,7 @@ pub async fn attach(vol: Volume, opts: &KernelOptions) -> Result<Device, AttachE
                 size: vol.size() / bs as u64 * bs as u64,
                 block_size: bs as u64,
                 server_flags: flags,
-                client_flags: netlink::NBD_CFLAG_DISCONNECT_ON_CLOSE,
+                client_flags: 0,
                 timeout: 0,
                 dead_conn_timeout: 0,
                 sockets: theirs.iter().map(|f| f.as_raw_fd()).collect(),

@@ -42,8 +42,8 @@ const NBD_SOCK_FD: u16 = 1;
 const NBD_DEVICE_ITEM: u16 = 1;
 const NBD_DEVICE_INDEX: u16 = 1;
 const NBD_DEVICE_CONNECTED: u16 = 2;
-/// The device is torn down when the netlink socket that connected it
-/// closes: when this process ends, however it ends.
+/// The device disconnects when its last opener closes it (not used here:
+/// `dd` or `blkid` would end the attachment).
 pub const NBD_CFLAG_DISCONNECT_ON_CLOSE: u64 = 1 << 1;
 
 /// What to connect a device with.
@@ -64,8 +64,7 @@ pub struct Connect {
     pub sockets: Vec<RawFd>,
 }
 
-/// A generic-netlink socket resolved to the `nbd` family. Dropping it closes
-/// the socket (devices connected with [`NBD_CFLAG_DISCONNECT_ON_CLOSE`] go).
+/// A generic-netlink socket resolved to the `nbd` family.
 pub struct NbdNetlink {
     fd: OwnedFd,
     family: u16,

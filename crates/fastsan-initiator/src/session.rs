@@ -544,7 +544,13 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                 info!(url = %sh.url, slot, "connection re-established");
                 return;
             }
-            Err(e) if !e.is_retryable() => {
+            // Garbage instead of a handshake means something else answered
+            // at the address (a relay's error text, a process still
+            // starting): the target may be back soon, so keep trying.
+            Err(e)
+                if !e.is_retryable()
+                    && !matches!(e, Error::Protocol(_) | Error::UnexpectedMessage { .. }) =>
+            {
                 error!(url = %sh.url, error = &e as &dyn std::error::Error, "session cannot be resumed");
                 let ended = match e {
                     Error::VolumeReplaced { restarted, volatile, .. } => {

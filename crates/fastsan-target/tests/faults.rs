@@ -298,3 +298,55 @@ async fn a_draining_target_keeps_its_address_until_its_writes_land() {
     srv.stop().await;
     assert!(tokio::net::TcpListener::bind(addr).await.is_ok(), "then the address is free");
 }
+
+/// While a target restarts, whatever answers at its address may speak
+/// nonsense (here a relay that prints its own error, as `nc` does when
+/// the target is not up yet). The session keeps reconnecting through it:
+/// the writes issued meanwhile complete once the target answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_from_the_address_during_a_restart_does_not_end_the_session() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tokio::io::AsyncWriteExt;
+    let srv = TestServer::start(&["v=memory:8M"], |_| {}).await;
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let broken = Arc::new(AtomicBool::new(false));
+    let (b, target) = (broken.clone(), srv.addr);
+    let conns = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let held = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = relay.accept().await {
+            if b.load(SeqCst) {
+                let _ =
+                    c.write_all(b"nc: can't connect to remote host (127.0.0.1): Connection refused\n").await;
+                continue;
+            }
+            let mut t = tokio::net::TcpStream::connect(target).await.unwrap();
+            let task = tokio::spawn(async move {
+                let _ = tokio::io::copy_bidirectional(&mut c, &mut t).await;
+            });
+            held.lock().push(task);
+        }
+    });
+    let opts =
+        fastsan_initiator::Options { reconnect_timeout: Duration::from_secs(20), ..Default::default() };
+    let vol = fastsan_initiator::Volume::connect(&format!("brp://{relay_addr}/v"), opts).await.unwrap();
+    vol.write_at(&pattern(1, 0, 65536), 0, false).await.unwrap();
+    // The outage: every connection cut, and garbage for the reconnects, for a second.
+    broken.store(true, SeqCst);
+    for t in conns.lock().drain(..) {
+        t.abort();
+    }
+    let w = {
+        let vol = vol.clone();
+        tokio::spawn(async move { vol.write_at(&pattern(2, 65536, 65536), 65536, false).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    broken.store(false, SeqCst);
+    w.await.unwrap().expect("the write waits out the outage");
+    let back = vol.read(0, 131072).await.unwrap();
+    assert!(back[..65536] == pattern(1, 0, 65536)[..] && back[65536..] == pattern(2, 65536, 65536)[..]);
+    assert!(vol.stats().reconnects >= 1);
+    srv.stop().await;
+}

@@ -92,13 +92,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let queues =
         a.queues.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(4));
     anyhow::ensure!((1..=16).contains(&queues), "--queues must be 1..=16");
+    let kopts = KernelOptions { device: a.device, queues, interface: a.interface };
+    if a.fuse.is_none() {
+        kernel::preflight(&kopts)?;
+    }
     let vol = Volume::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
     match a.fuse {
         Some(dir) => attach_fuse(vol, &url, dir, a.threads).await,
-        None => {
-            let kopts = KernelOptions { device: a.device, queues, interface: a.interface };
-            attach_kernel(vol, &url, &kopts).await
-        }
+        None => attach_kernel(vol, &url, &kopts).await,
     }
 }
 

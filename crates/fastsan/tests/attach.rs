@@ -267,17 +267,123 @@ fn attach_errors_are_clear() {
     let dir = temp_dir("attach-errors");
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:1M"]);
     let d = dir.to_str().unwrap();
-    let cases: &[(&[&str], &str)] = &[
-        (&["attach", &s.url("v")], "not built yet: use --fuse DIR"),
-        (&["attach", &s.url("nope"), "--fuse", d], "no such volume"),
-        (&["attach", &s.url("v"), "--fuse", "/nonexistent/dir"], "is not a directory"),
-        (&["attach", "brp://127.0.0.1:1/v", "--fuse", d, "--reconnect-timeout", "0"], "cannot connect"),
+    let (nope, v) = (s.url("nope"), s.url("v"));
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["attach", &nope, "--fuse", d], "no such volume"),
+        (vec!["attach", &v, "--fuse", "/nonexistent/dir"], "is not a directory"),
+        (vec!["attach", "brp://127.0.0.1:1/v", "--fuse", d, "--reconnect-timeout", "0"], "cannot connect"),
     ];
+    // This host has no nbd module (tests/kernel_attach.rs has a kernel that does).
+    if !Path::new("/sys/module/nbd").exists() {
+        cases.push((vec!["attach", &v], "no NBD driver"));
+        // Found before the volume is opened.
+        cases.push((vec!["attach", "brp://127.0.0.1:1/v"], "no NBD driver"));
+    }
     for (args, needle) in cases {
-        let out = fastsan(args);
+        let out = fastsan(&args);
         assert!(!out.status.success(), "{args:?} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+    // The secret: missing, then wrong.
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "the right one").unwrap();
+    let wrong = dir.join("wrong");
+    std::fs::write(&wrong, "a wrong one").unwrap();
+    let locked = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "v=memory:1M",
+        "--secret-file",
+        secret.to_str().unwrap(),
+    ]);
+    for (extra, needle) in [
+        (vec![], "requires a secret"),
+        (vec!["--secret-file", wrong.to_str().unwrap()], "authentication failed"),
+    ] {
+        let mut args = vec!["attach", "--fuse", d, "--reconnect-timeout", "0"];
+        let url = locked.url("v");
+        args.push(&url);
+        args.extend(extra);
+        let out = fastsan(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle), "{args:?}: {err}");
+    }
+    // No FUSE device: a regular file bound over /dev/fuse in a private mount namespace.
+    let fake = dir.join("not-fuse");
+    std::fs::write(&fake, "").unwrap();
+    let script =
+        format!("mount --bind {} /dev/fuse && exec {BIN} attach {} --fuse {d}", fake.display(), s.url("v"));
+    let out = Command::new("unshare").args(["-m", "sh", "-c", &script]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("/dev/fuse is not the FUSE device"), "{err}");
+    // detach: nothing attached there.
+    let out = fastsan(&["detach", d]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nothing attached by fastsan"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `attach --list` shows the attached file; `detach` refuses while a loop
+/// device holds it (and attach keeps serving), then detaches.
+#[test]
+fn attach_list_and_detach() {
+    let dir = temp_dir("attach-list");
+    let run = dir.join("run");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M"]);
+    let url = s.url("v");
+    let fuse = dir.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    let with_run =
+        |args: &[&str]| Command::new(BIN).args(args).env("FASTSAN_RUN_DIR", &run).output().unwrap();
+    let out = with_run(&["attach", "--list"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "nothing attached");
+    let mut child = Command::new(BIN)
+        .args(["attach", &url, "--fuse", fuse.to_str().unwrap()])
+        .env("FASTSAN_RUN_DIR", &run)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let file = fuse.join("v");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) != 16 << 20 {
+        assert!(Instant::now() < deadline, "the file did not appear");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let list = String::from_utf8_lossy(&with_run(&["attach", "--list"]).stdout).into_owned();
+    let row = list.lines().find(|l| l.contains(file.to_str().unwrap())).unwrap_or_else(|| panic!("{list}"));
+    for want in ["fuse", "attached", "2/2", url.as_str(), &child.id().to_string()] {
+        assert!(row.contains(want), "{want:?} missing in {row:?}");
+    }
+    let dev = ok("losetup", &["-f", "--show", file.to_str().unwrap()]).trim().to_owned();
+    let out = with_run(&["detach", fuse.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("in use"), "{err}");
+    // Still attached and serving.
+    assert!(child.try_wait().unwrap().is_none());
+    std::fs::write(&file, b"still here").unwrap();
+    ok("losetup", &["-d", &dev]);
+    // The loop device may hold the file a moment after losetup -d.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = with_run(&["detach", fuse.to_str().unwrap()]);
+        if out.status.success() {
+            assert!(String::from_utf8_lossy(&out.stdout).contains("detached"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", String::from_utf8_lossy(&out.stderr));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let status = wait_exit(&mut child, Duration::from_secs(10)).expect("attach exits after detach");
+    assert!(status.success());
+    let out = with_run(&["attach", "--list"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "nothing attached");
+    // The write went to the volume.
+    let vol = BlockingVolume::connect(&url, Options::default()).unwrap();
+    let mut b = [0u8; 512];
+    vol.read_at(&mut b, 0).unwrap();
+    assert_eq!(&b[..10], b"still here");
     std::fs::remove_dir_all(dir).unwrap();
 }

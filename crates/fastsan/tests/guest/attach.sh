@@ -1,0 +1,105 @@
+#!/bin/sh
+# /init of the throw-away guest of tests/kernel_attach.rs: the kernel's NBD
+# client on `fastsan attach`, against the host's target (reached at
+# 10.0.2.100:10810 through qemu's user network). Prints @@PASS/@@FAIL lines
+# for the host to check, @@RESTART when the host should restart the target,
+# and @@END before powering off.
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+mount -t tmpfs run /run
+ip link set lo up
+URL=brp://10.0.2.100:10810/v
+say() { echo "@@$*"; }
+check() { if "$@" >/tmp/check.out 2>&1; then say "PASS $*"; else say "FAIL $*: $(tail -3 /tmp/check.out)"; fi; }
+fails_with() {
+  want=$1; shift
+  if "$@" >/tmp/check.out 2>&1; then say "FAIL $* succeeded"
+  elif grep -q "$want" /tmp/check.out; then say "PASS $* fails with '$want'"
+  else say "FAIL $*: $(cat /tmp/check.out)"; fi
+}
+# Starts `fastsan attach` in the background and waits for its device.
+attach() {
+  fastsan attach "$URL" --reconnect-timeout 120 "$@" >/tmp/attach.out 2>/tmp/attach.log &
+  pid=$!
+  for i in $(seq 1 300); do
+    grep -q "attached as" /tmp/attach.out && return 0
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.1
+  done
+  say "FAIL attach $*: $(cat /tmp/attach.log)"
+  return 1
+}
+# Detaches with `fastsan detach` and checks that attach ended well.
+detach() {
+  check timeout 120 fastsan detach /dev/nbd0
+  wait $pid
+  rc=$?
+  if [ $rc = 0 ] && grep -q detached /tmp/attach.log; then say "PASS attach exited cleanly"
+  else say "FAIL attach exited $rc: $(tail -5 /tmp/attach.log)"; fi
+}
+verify() { cd /mnt && check sha256sum -c /tmp/sums; cd /; }
+fresh_mount() {
+  umount /mnt 2>/dev/null
+  echo 3 >/proc/sys/vm/drop_caches
+  check mount /dev/nbd0 /mnt
+}
+
+for m in $(cat /lib/modules/order); do
+  [ $m = nbd ] || insmod /lib/modules/$m.ko || say "FAIL insmod $m"
+done
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+# Before the driver is loaded: a clear error.
+fails_with "no NBD driver" timeout 60 fastsan attach "$URL"
+insmod /lib/modules/nbd.ko || say "FAIL insmod nbd"
+
+# 1. attach, ext4, 64 MiB, remount, verify, fsck clean, detach.
+if attach --device /dev/nbd0 --queues 2; then
+  say "PASS attached"
+  check mkfs.ext4 -q -F /dev/nbd0
+  check mount /dev/nbd0 /mnt
+  check dd if=/dev/urandom of=/mnt/a bs=1M count=64
+  (cd /mnt && sha256sum a >/tmp/sums)
+  check sync
+  timeout 30 fastsan attach --list >/tmp/list 2>&1
+  if grep -q "/dev/nbd0 .*nbd .*attached .*$URL" /tmp/list; then say "PASS attach --list"; else say "FAIL attach --list: $(cat /tmp/list)"; fi
+  fails_with "busy" timeout 60 fastsan attach "$URL" --device /dev/nbd0
+  fails_with "in use" timeout 60 fastsan detach /dev/nbd0
+  fresh_mount
+  verify
+  check umount /mnt
+  check e2fsck -fn /dev/nbd0
+  detach
+  fails_with "is not attached" timeout 60 fastsan detach /dev/nbd0
+fi
+
+# 2. Again, with the target restarted by the host during 64 MiB of direct writes.
+if attach --device /dev/nbd0; then
+  check mount /dev/nbd0 /mnt
+  verify
+  say "RESTART"
+  check dd if=/dev/urandom of=/mnt/b bs=1M count=64 oflag=direct
+  (cd /mnt && sha256sum a b >/tmp/sums)
+  check sync
+  fresh_mount
+  verify
+  check umount /mnt
+  check e2fsck -fn /dev/nbd0
+  if grep -q "connection re-established" /tmp/attach.log; then say "PASS reconnected"; else say "FAIL no reconnect: $(tail -5 /tmp/attach.log)"; fi
+  detach
+fi
+
+# 3. The ioctl interface, and the first free device chosen by the kernel.
+if attach --interface ioctl; then
+  dev=$(sed -n 's/.*attached as //p' /tmp/attach.out)
+  check mount "$dev" /mnt
+  verify
+  check umount /mnt
+  kill -TERM $pid
+  wait $pid && say "PASS SIGTERM detaches ($dev)" || say "FAIL SIGTERM: $(tail -5 /tmp/attach.log)"
+fi
+say "END"
+poweroff -f
