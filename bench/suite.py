@@ -189,7 +189,7 @@ class Runner:
         self.raw.append(entry)
         return entry
 
-    def fio(self, uri_or_file, rw, bs, iodepth, jobs, rate=None, engine="nbd"):
+    def fio(self, uri_or_file, rw, bs, iodepth, jobs, rate=None, engine="nbd", direct=False):
         out = tempfile.mktemp(suffix=".json")
         cmd = ["fio", "--name=j", f"--ioengine={engine}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}",
                f"--numjobs={jobs}", "--group_reporting", "--time_based", f"--runtime={self.secs}",
@@ -202,6 +202,8 @@ class Runner:
             cmd.append(f"--filename={uri_or_file}")
         if rate:
             cmd.append(f"--rate_iops={rate // jobs}")
+        if direct:
+            cmd.append("--direct=1")
         subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3)
         with open(out) as f:
             j = json.load(f)["jobs"][0]
@@ -276,6 +278,8 @@ def main():
     ap.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
     ap.add_argument("--honesty", action="store_true",
                     help="only the honesty check: fastsan bench and fio against nbdkit, same settings")
+    ap.add_argument("--attach", action="store_true",
+                    help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
     args = ap.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     out = args.out or os.path.join(ROOT, "bench", "results", stamp)
@@ -310,7 +314,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems:
+        if "nbdkit" in systems and not args.attach:
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -326,6 +330,9 @@ def main():
                 honesty[f"{rw} QD{qd}, {label}"] = run_point(run, reps, "honesty", {"rw": rw, "bs": "4k", "qd": qd, "server": label}, fns)
         results["honesty"] = honesty
         if args.honesty:
+            raise StopIteration
+        if args.attach:
+            results["attach"] = attach_experiment(run, reps, systems, have)
             raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
@@ -405,6 +412,9 @@ def main():
         # 6. The wire: iperf3 and wirefloor, for the 1M and 4K ceilings.
         log("loopback floor")
         results["floor"] = floor(run, have)
+
+        # 7. A volume used as a local file.
+        results["attach"] = attach_experiment(run, reps, systems, have)
     except StopIteration:
         pass
     finally:
@@ -416,6 +426,63 @@ def main():
     import report
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
+
+
+# The attach experiment's points: (label, rw, bs, jobs). fio's psync engine
+# with O_DIRECT: a FUSE file takes no asynchronous direct I/O from libaio,
+# so queue depth is jobs, each one request at a time.
+ATTACH_POINTS = [("4K randread QD32", "randread", "4k", 32), ("4K randwrite QD32", "randwrite", "4k", 32),
+                 ("1M read", "read", "1m", 4), ("1M write", "write", "1m", 4)]
+
+
+def attach_experiment(run, reps, systems, have):
+    """The same fio on three files backed by a memory volume: `fastsan attach --fuse` (the initiator:
+    BRP, 2 connections, adaptive merge), nbdfuse over fastsan's NBD front end, and nbdfuse over nbdkit."""
+    log("attach: fio on attached files")
+    base = tempfile.mkdtemp(prefix="fastsan-bench-attach-")
+    mounts = {}
+
+    def mount(name, cmd, path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        log(f"mounting {name}: {' '.join(cmd)}")
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 30
+        while not (os.path.exists(path) and os.path.getsize(path) == VOLUME_SIZE):
+            if time.time() > deadline or p.poll() is not None:
+                raise RuntimeError(f"{name}: {path} did not appear")
+            time.sleep(0.1)
+        mounts[name] = (p, os.path.dirname(path), path)
+
+    fs = systems["fastsan"]
+    res = {}
+    try:
+        d = os.path.join(base, "attach")
+        os.makedirs(d)
+        mount("fastsan attach --fuse (BRP)", [FASTSAN, "attach", fs.brp_url, "--fuse", d, "--threads", "32"],
+              os.path.join(d, "vol0"))
+        if have("nbdfuse"):
+            mount("nbdfuse (fastsan NBD)", ["nbdfuse", os.path.join(base, "nbdfuse-fastsan", "disk"), fs.url],
+                  os.path.join(base, "nbdfuse-fastsan", "disk"))
+            if "nbdkit" in systems:
+                mount("nbdfuse (nbdkit)", ["nbdfuse", os.path.join(base, "nbdfuse-nbdkit", "disk"), systems["nbdkit"].url],
+                      os.path.join(base, "nbdfuse-nbdkit", "disk"))
+        for label, rw, bs, jobs in ATTACH_POINTS:
+            fns = {name: (lambda path=path, rw=rw, bs=bs, jobs=jobs: run.fio(path, rw, bs, 1, jobs, engine="psync", direct=True))
+                   for name, (_, _, path) in mounts.items()}
+            res[label] = run_point(run, reps, "attach", {"rw": rw, "bs": bs, "jobs": jobs}, fns)
+    finally:
+        for name, (p, d, _) in mounts.items():
+            if name.startswith("fastsan"):
+                p.send_signal(signal.SIGTERM)  # unmounts, flushes, exits
+            else:
+                subprocess.run(["fusermount3", "-u", d], capture_output=True)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                subprocess.run(["fusermount3", "-u", d], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+    return res
 
 
 def floor(run, have):

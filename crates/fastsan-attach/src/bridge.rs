@@ -7,9 +7,9 @@
 //! The kernel speaks the transmission phase only (no handshake: the size and
 //! flags were given when the device was configured) with simple replies.
 //! - **decode**: [`fastsan_nbd::transmission::parse_request`], in [`serve`];
-//! - **execute**: [`execute`], one task per request, at most
+//! - **execute**: `execute`, one task per request, at most
 //!   [`MAX_IN_FLIGHT`] at once per queue;
-//! - **reply**: one writer task per queue, [`write_replies`], which sends
+//! - **reply**: one writer task per queue, `write_replies`, which sends
 //!   every reply that is ready in one vectored write.
 
 use crate::errno;
@@ -56,6 +56,7 @@ where
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let mut buf = BytesMut::with_capacity(256 * 1024);
     let mut skip = 0u64;
+    let size = vol.size();
     let read = loop {
         if skip > 0 {
             let n = skip.min(buf.len() as u64);
@@ -94,6 +95,11 @@ where
                 tx.send(Reply { head: simple_reply(libc::EINVAL as u32, req.cookie), data: Bytes::new() });
             continue;
         }
+        if let Some(code) = refuse(&req, size) {
+            stats.errors.fetch_add(1, Relaxed);
+            let _ = tx.send(Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() });
+            continue;
+        }
         let Ok(permit) = slots.clone().acquire_owned().await else { break Ok(()) };
         let (vol, tx, stats) = (vol.clone(), tx.clone(), stats.clone());
         tokio::spawn(async move {
@@ -120,10 +126,31 @@ where
             drop(permit);
         });
     };
-    // Every task holds a sender: the writer ends after the last reply.
+    // Every request started is answered (or its answer fails to send)
+    // before this returns; then the writer ends after the last reply.
+    let _all = slots.acquire_many(MAX_IN_FLIGHT as u32).await;
     drop(tx);
     let written = writer.await.map_err(io::Error::other)?;
     read.and(written)
+}
+
+/// The largest READ served: twice what the kernel ever asks (its NBD driver
+/// sends at most 32 MiB), as much as a WRITE may carry.
+const MAX_READ: u32 = fastsan_nbd::MAX_PAYLOAD;
+
+/// The errno for a request no volume could serve: past the end (or an
+/// offset that overflows), or a READ too large to hold.
+fn refuse(r: &Request, size: u64) -> Option<i32> {
+    if !matches!(r.command, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES) {
+        return None;
+    }
+    if r.command == CMD_READ && r.length > MAX_READ {
+        return Some(libc::EINVAL);
+    }
+    match r.offset.checked_add(r.length as u64) {
+        Some(end) if end <= size => None,
+        _ => Some(libc::ENOSPC),
+    }
 }
 
 /// One request, through the initiator. A READ returns its data.

@@ -38,6 +38,12 @@ pub struct KernelOptions {
     /// Socket pairs (the kernel's hardware queues).
     pub queues: usize,
     pub interface: Interface,
+    /// How long the kernel lets a request run before it takes the socket
+    /// for dead. It must be longer than the initiator ever takes to answer
+    /// (it retries through target restarts up to its reconnect timeout):
+    /// with several queues, the kernel's default of 30 s would kill a queue
+    /// per stuck request, then the device.
+    pub timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -168,7 +174,7 @@ pub async fn attach(vol: Volume, opts: &KernelOptions) -> Result<Device, AttachE
                 block_size: bs as u64,
                 server_flags: flags,
                 client_flags: 0,
-                timeout: 0,
+                timeout: opts.timeout.as_secs().max(1),
                 dead_conn_timeout: 0,
                 sockets: theirs.iter().map(|f| f.as_raw_fd()).collect(),
             };
@@ -185,7 +191,9 @@ pub async fn attach(vol: Volume, opts: &KernelOptions) -> Result<Device, AttachE
                 Some(i) => i,
                 None => free_device()?,
             };
-            let control = ioctl_connect(index, &vol, bs, flags, theirs.drain(..).map(|f| f.into_raw_fd()))?;
+            let timeout = opts.timeout.as_secs().max(1);
+            let socks = theirs.drain(..).map(|f| f.into_raw_fd());
+            let control = ioctl_connect(index, &vol, bs, flags, timeout, socks)?;
             (index, control)
         }
     };
@@ -240,6 +248,7 @@ const NBD_DO_IT: libc::c_ulong = 0xab03;
 const NBD_CLEAR_SOCK: libc::c_ulong = 0xab04;
 const NBD_SET_SIZE_BLOCKS: libc::c_ulong = 0xab07;
 const NBD_DISCONNECT: libc::c_ulong = 0xab08;
+const NBD_SET_TIMEOUT: libc::c_ulong = 0xab09;
 const NBD_SET_FLAGS: libc::c_ulong = 0xab0a;
 
 fn ioctl(fd: RawFd, req: libc::c_ulong, arg: libc::c_ulong) -> io::Result<()> {
@@ -259,6 +268,7 @@ fn ioctl_connect(
     vol: &Volume,
     bs: u32,
     flags: u64,
+    timeout: u64,
     socks: impl Iterator<Item = RawFd>,
 ) -> Result<Control, AttachError> {
     let path = format!("/dev/nbd{index}");
@@ -273,20 +283,35 @@ fn ioctl_connect(
     set("set block size", NBD_SET_BLKSIZE, bs as _)?;
     set("set size", NBD_SET_SIZE_BLOCKS, (vol.size() / bs as u64) as _)?;
     set("set flags", NBD_SET_FLAGS, flags as _)?;
-    for s in socks {
+    set("set timeout", NBD_SET_TIMEOUT, timeout as _)?;
+    for (added, s) in socks.enumerate() {
         let r = ioctl(fd, NBD_SET_SOCK, s as _);
         // SAFETY: we own `s`; the kernel took its own reference.
         unsafe { libc::close(s) };
-        r.map_err(|e| match e.raw_os_error() {
-            Some(libc::EBUSY) => AttachError::Busy(path.clone()),
-            _ => AttachError::Io { what: format!("{path}: set socket"), source: e },
-        })?;
+        if let Err(e) = r {
+            if added > 0 {
+                // Ours, half set up: let go of it.
+                let _ = ioctl(fd, NBD_CLEAR_SOCK, 0);
+            }
+            return Err(match e.raw_os_error() {
+                Some(libc::EBUSY) => AttachError::Busy(path.clone()),
+                _ => AttachError::Io { what: format!("{path}: set socket"), source: e },
+            });
+        }
     }
     let file = Arc::new(file);
     let held = file.clone();
     let doit = std::thread::Builder::new()
         .name(format!("nbd{index}-do-it"))
         .spawn(move || {
+            // A signal delivered to this thread would interrupt NBD_DO_IT,
+            // and the kernel would tear the device down there and then.
+            // SAFETY: a full signal set, applied to this thread only.
+            unsafe {
+                let mut all: libc::sigset_t = std::mem::zeroed();
+                libc::sigfillset(&mut all);
+                libc::pthread_sigmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
+            }
             let r = ioctl(held.as_raw_fd(), NBD_DO_IT, 0);
             let _ = ioctl(held.as_raw_fd(), NBD_CLEAR_SOCK, 0);
             r
@@ -318,37 +343,25 @@ impl Device {
     }
 
     /// Claims the device for the detach: fails with [`DetachError::InUse`]
-    /// while it is mounted or held (O_EXCL on a block device claims it).
-    /// `None` when the kernel let go of it already.
+    /// while it is mounted or held. `None` when the kernel let go of it already.
     pub fn claim(&self) -> Result<Option<std::fs::File>, DetachError> {
-        let open = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
-            .open(&self.path);
-        match open {
-            Ok(f) => Ok(Some(f)),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                Err(DetachError::InUse(self.path.display().to_string()))
-            }
-            Err(e) => {
-                debug!(device = %self.path.display(), "open for the final sync: {e}");
-                Ok(None)
-            }
-        }
+        claim(&self.path)
     }
 
     /// Detaches cleanly, with the device [`Device::claim`]ed: writes the
     /// kernel's cached data for it and flushes (fsync on the device),
     /// disconnects, waits for every request to be answered, and flushes the
-    /// volume.
-    pub async fn detach(mut self, claimed: Option<std::fs::File>) -> Result<(), DetachError> {
-        if let Some(f) = claimed {
-            let synced = tokio::task::spawn_blocking(move || f.sync_all()).await.map_err(io::Error::other);
-            if let Err(e) = synced.and_then(|r| r) {
-                let what = format!("{}: writing the kernel's cached data failed", self.path.display());
-                return Err(DetachError::Io { what, source: e });
-            }
-        }
+    /// volume. If the sync fails, the device is given back, still attached
+    /// and served: its cached data must not be dropped.
+    pub async fn detach(
+        mut self,
+        claimed: Option<std::fs::File>,
+    ) -> Result<(), (Option<Device>, DetachError)> {
+        // Held until the end: nobody can mount the device in between.
+        let _claimed = match sync(claimed, &self.path).await {
+            Ok(f) => f,
+            Err(e) => return Err((Some(self), e)),
+        };
         let r = match &mut self.control {
             Control::Netlink(nl) => nl.disconnect(self.index),
             Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
@@ -370,6 +383,53 @@ impl Device {
         if let Control::Ioctl { doit, .. } = self.control {
             let _ = tokio::task::spawn_blocking(move || doit.join()).await;
         }
-        self.vol.flush().await.map_err(DetachError::Flush)
+        self.vol.flush().await.map_err(|e| (None, DetachError::Flush(e)))
     }
+}
+
+/// Claims a block device for its detach: O_EXCL on a block device fails
+/// with EBUSY while it is mounted or held by a loop, md or dm device (plain
+/// openers, a `dd`, are not seen). `None` when the device is gone already.
+fn claim(path: &Path) -> Result<Option<std::fs::File>, DetachError> {
+    let open = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(path);
+    match open {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            Err(DetachError::InUse(path.display().to_string()))
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ENODEV | libc::ENOENT)) => {
+            debug!(device = %path.display(), "gone before the final sync: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(DetachError::Io {
+            what: format!("cannot open {} for the final sync", path.display()),
+            source: e,
+        }),
+    }
+}
+
+/// Writes the kernel's cached data for a claimed device and flushes it
+/// (fsync on a block device sends a FLUSH); gives the claim back.
+async fn sync(claimed: Option<std::fs::File>, path: &Path) -> Result<Option<std::fs::File>, DetachError> {
+    let Some(f) = claimed else { return Ok(None) };
+    let synced =
+        tokio::task::spawn_blocking(move || f.sync_all().map(|()| f)).await.map_err(io::Error::other);
+    synced.and_then(|r| r).map(Some).map_err(|e| DetachError::Io {
+        what: format!("{}: writing the kernel's cached data failed", path.display()),
+        source: e,
+    })
+}
+
+/// Detaches a device that no live `fastsan attach` serves (`nbd-client`'s,
+/// or one whose `fastsan attach` was killed): refused while it is mounted
+/// or held; else synced and disconnected through netlink.
+pub async fn detach_other(path: &Path) -> Result<(), DetachError> {
+    let io = |what: String| move |source| DetachError::Io { what, source };
+    let index = index_of(path)
+        .map_err(|e| DetachError::Io { what: e.to_string(), source: io::ErrorKind::InvalidInput.into() })?;
+    let _claimed = sync(claim(path)?, path).await?;
+    let mut nl = NbdNetlink::open()
+        .and_then(|nl| nl.ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "no NBD netlink family")))
+        .map_err(io("cannot reach the kernel's NBD driver".into()))?;
+    nl.disconnect(index).map_err(io(format!("cannot disconnect {}", path.display())))
 }

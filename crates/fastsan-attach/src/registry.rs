@@ -8,16 +8,20 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Entry {
     pub pid: u32,
+    /// When the process started (clock ticks after boot, as in
+    /// /proc/PID/stat): a pid reused by another process is not taken for it.
+    pub started: u64,
     pub url: String,
     /// `/dev/nbdN`, or the file under the FUSE mount.
     pub device: String,
     /// `nbd` or `fuse`.
     pub kind: String,
-    /// `attached`, `reconnecting` (some connections down), `down` (all of
-    /// them: I/O waits up to the reconnect timeout), `detaching`.
+    /// `attaching`, `attached`, `reconnecting` (some connections down),
+    /// `down` (all of them: I/O waits up to the reconnect timeout),
+    /// `detaching`, or `failed: WHY` (left by a process that ended so).
     pub state: String,
     pub connections_up: usize,
     pub connections: usize,
@@ -25,8 +29,28 @@ pub struct Entry {
     pub errors: u64,
     pub retries: u64,
     pub reconnects: u64,
-    /// Detaches refused because the device was in use (mounted, held).
+    /// Detaches refused (the device was in use, or its sync failed).
     pub refusals: u64,
+    /// Why the last one was refused.
+    pub note: String,
+}
+
+/// This process's entry, filled with what every entry says of it.
+pub fn this_process(url: &str, kind: &str) -> Entry {
+    let pid = std::process::id();
+    Entry {
+        pid,
+        started: start_time(pid).unwrap_or(0),
+        url: url.to_owned(),
+        kind: kind.to_owned(),
+        ..Default::default()
+    }
+}
+
+/// Field 22 of /proc/PID/stat (after the parenthesised command name).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
 }
 
 pub fn dir() -> PathBuf {
@@ -35,7 +59,8 @@ pub fn dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/run/fastsan/attach"))
 }
 
-/// This process's entry; the file goes when it is dropped.
+/// This process's entry; the file goes when it is dropped, unless the
+/// process [`Registration::fail`]ed.
 pub struct Registration {
     path: PathBuf,
 }
@@ -57,18 +82,28 @@ impl Registration {
     }
 }
 
+impl Registration {
+    /// Leaves the entry behind with `failed: WHY`, for `detach` (or the
+    /// next `--list`) to report once.
+    pub fn fail(self, mut e: Entry, why: &str) {
+        e.state = format!("failed: {why}");
+        let _ = self.update(&e);
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Registration {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
 }
 
-fn alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 || *libc::__errno_location() == libc::EPERM }
+fn alive(e: &Entry) -> bool {
+    start_time(e.pid).is_some_and(|t| t == e.started)
 }
 
-/// Every live entry, by device.
+/// Every live entry, by device; and, once, each entry a process left when
+/// it failed (the file is removed as it is read).
 pub fn list() -> Vec<Entry> {
     let Ok(rd) = std::fs::read_dir(dir()) else { return Vec::new() };
     let mut out: Vec<Entry> = rd
@@ -76,12 +111,11 @@ pub fn list() -> Vec<Entry> {
         .filter(|f| f.path().extension().is_some_and(|x| x == "json"))
         .filter_map(|f| {
             let e: Entry = serde_json::from_slice(&std::fs::read(f.path()).ok()?).ok()?;
-            if alive(e.pid) {
-                Some(e)
-            } else {
-                let _ = std::fs::remove_file(f.path());
-                None
+            if alive(&e) {
+                return Some(e);
             }
+            let _ = std::fs::remove_file(f.path());
+            e.state.starts_with("failed").then_some(e)
         })
         .collect();
     out.sort_by(|a, b| a.device.cmp(&b.device));
@@ -93,6 +127,8 @@ pub fn find(target: &Path) -> Option<Entry> {
     let want = std::fs::canonicalize(target).unwrap_or_else(|_| target.to_path_buf());
     list().into_iter().find(|e| {
         let dev = Path::new(&e.device);
-        dev == want || dev == target || dev.parent() == Some(want.as_path()) || dev.parent() == Some(target)
+        let dir_of_file =
+            e.kind == "fuse" && (dev.parent() == Some(want.as_path()) || dev.parent() == Some(target));
+        dev == want || dev == target || dir_of_file
     })
 }

@@ -171,6 +171,10 @@ async fn bad_requests_get_errors_and_the_bridge_keeps_serving() {
     // Past the end; misaligned; a command never advertised; a WRITE too
     // large to take (its data is discarded, the stream stays in sync).
     assert_eq!(k.call(CMD_READ, 0, 4 * MIB, 4096, &[]).await.0, libc::ENOSPC as u32);
+    assert_eq!(k.call(CMD_WRITE, 0, u64::MAX - 100, 4096, &[1; 4096]).await.0, libc::ENOSPC as u32);
+    assert_eq!(k.call(CMD_TRIM, 0, u64::MAX - 100, 4096, &[]).await.0, libc::ENOSPC as u32);
+    // A READ no kernel sends: 4 GiB is refused, not allocated.
+    assert_eq!(k.call(CMD_READ, 0, 0, u32::MAX, &[]).await.0, libc::EINVAL as u32);
     assert_eq!(k.call(CMD_WRITE, 0, 100, 4096, &[1; 4096]).await.0, libc::EINVAL as u32);
     assert_eq!(k.call(CMD_BLOCK_STATUS, 0, 0, 4096, &[]).await.0, libc::EINVAL as u32);
     assert_eq!(k.call(42, 0, 0, 4096, &[]).await.0, libc::EINVAL as u32);
@@ -183,7 +187,7 @@ async fn bad_requests_get_errors_and_the_bridge_keeps_serving() {
     let (e, data) = k.call(CMD_READ, 0, 0, 8192, &[]).await;
     assert_eq!(e, 0);
     assert!(data[..4096].iter().all(|b| *b == 5) && data[4096..].iter().all(|b| *b == 0));
-    assert_eq!(stats.errors.load(Relaxed), 5);
+    assert_eq!(stats.errors.load(Relaxed), 8);
 
     // A read-only volume: EPERM for writes, reads served.
     let (mut k, _task, _) = bridged(&format!("{base}/ro")).await;

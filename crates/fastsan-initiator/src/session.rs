@@ -529,6 +529,8 @@ async fn open_handshake(
 /// target turns out to hold another volume under the name.
 async fn reconnect(weak: Weak<Shared>, slot: usize) {
     let mut backoff = Duration::from_millis(20);
+    // Since when the address has answered with garbage, if it does.
+    let mut garbage_since: Option<Instant> = None;
     loop {
         tokio::time::sleep(backoff).await;
         let Some(sh) = weak.upgrade() else { return };
@@ -546,11 +548,18 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
             }
             // Garbage instead of a handshake means something else answered
             // at the address (a relay's error text, a process still
-            // starting): the target may be back soon, so keep trying.
+            // starting): the target may be back soon, so keep trying, for
+            // as long as requests wait for it (the reconnect timeout).
             Err(e)
-                if !e.is_retryable()
-                    && !matches!(e, Error::Protocol(_) | Error::UnexpectedMessage { .. }) =>
+                if matches!(e, Error::Protocol(_) | Error::UnexpectedMessage { .. })
+                    && garbage_since.get_or_insert_with(Instant::now).elapsed()
+                        < sh.opts.reconnect_timeout =>
             {
+                warn!(url = %sh.url, slot, error = &e as &dyn std::error::Error,
+                      "no BRP handshake from the target's address; will retry");
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(e) if !e.is_retryable() => {
                 error!(url = %sh.url, error = &e as &dyn std::error::Error, "session cannot be resumed");
                 let ended = match e {
                     Error::VolumeReplaced { restarted, volatile, .. } => {

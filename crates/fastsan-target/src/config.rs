@@ -27,9 +27,23 @@ pub enum ConfigError {
 /// What stores a volume's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendSpec {
-    Memory { size: u64 },
-    File { path: PathBuf, direct: bool },
-    Null { size: u64 },
+    Memory {
+        size: u64,
+    },
+    File {
+        path: PathBuf,
+        direct: bool,
+    },
+    Null {
+        size: u64,
+    },
+    /// Another target's volume (`brp://HOST:PORT/VOLUME`, `brp+unix://...`):
+    /// the gateway store.
+    Remote {
+        url: String,
+        secret: Option<PathBuf>,
+        connections: usize,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,10 +66,20 @@ impl VolumeSpec {
         let mut parts = rest.split(',');
         let arg = parts.next().unwrap_or_default();
         let (mut read_only, mut direct, mut delay, mut faults) = (false, false, None, None);
+        let (mut secret, mut connections) = (None, 2usize);
+        let remote = kind == "brp" || kind == "brp+unix";
         for opt in parts {
             match opt.split_once('=') {
                 None if opt == "ro" => read_only = true,
                 None if opt == "direct" => direct = true,
+                Some(("secret", path)) if remote => secret = Some(PathBuf::from(path)),
+                Some(("connections", n)) if remote => {
+                    connections = n
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=64).contains(n))
+                        .ok_or_else(|| err("connections must be 1..=64"))?
+                }
                 Some(("delay", d)) => delay = Some(parse_duration(d).map_err(|e| err(&e.to_string()))?),
                 Some(("faults", "none")) => {
                     faults.get_or_insert_with(Vec::new);
@@ -79,6 +103,11 @@ impl VolumeSpec {
             "null" => BackendSpec::Null { size: size(arg)? },
             "file" if arg.is_empty() => return Err(err("missing path")),
             "file" => BackendSpec::File { path: PathBuf::from(arg), direct },
+            "brp" | "brp+unix" => {
+                let url = format!("{kind}:{arg}");
+                fastsan_initiator::BrpUrl::parse(&url).map_err(|e| err(&e.to_string()))?;
+                BackendSpec::Remote { url, secret, connections }
+            }
             other => return Err(err(&format!("unknown kind {other:?}"))),
         };
         Ok(VolumeSpec { name: name.to_owned(), backend, read_only, delay, faults })

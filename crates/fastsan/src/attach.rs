@@ -4,7 +4,8 @@
 
 use crate::ClientArgs;
 use anyhow::Context;
-use fastsan_attach::kernel::{self, DetachError, Interface, KernelOptions};
+use fastsan_attach::bridge::BridgeStats;
+use fastsan_attach::kernel::{self, Interface, KernelOptions};
 use fastsan_attach::registry::{self, Entry, Registration};
 use fastsan_initiator::Volume;
 use std::path::{Path, PathBuf};
@@ -92,7 +93,11 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let queues =
         a.queues.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(4));
     anyhow::ensure!((1..=16).contains(&queues), "--queues must be 1..=16");
-    let kopts = KernelOptions { device: a.device, queues, interface: a.interface };
+    // The kernel must wait out the initiator's longest answer: a request
+    // may wait for an earlier overlapping write and then for its own
+    // retries, each bounded by the request and reconnect timeouts.
+    let timeout = (opts.request_timeout + opts.reconnect_timeout) * 2 + Duration::from_secs(30);
+    let kopts = KernelOptions { device: a.device, queues, interface: a.interface, timeout };
     if a.fuse.is_none() {
         kernel::preflight(&kopts)?;
     }
@@ -114,115 +119,130 @@ fn check_fuse() -> anyhow::Result<()> {
     }
 }
 
-async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
-    let dev = kernel::attach(vol.clone(), opts).await?;
-    let path = dev.path.display().to_string();
-    let entry = |state: &str, refusals: u64| {
-        let s = vol.stats();
-        let (up, all) = vol.connections();
-        Entry {
-            pid: std::process::id(),
-            url: url.to_owned(),
-            device: path.clone(),
-            kind: "nbd".into(),
-            state: state_of(state, up, all),
-            connections_up: up,
-            connections: all,
-            requests: dev.stats.requests.load(Relaxed),
-            errors: dev.stats.errors.load(Relaxed),
-            retries: s.retries,
-            reconnects: s.reconnects,
-            refusals,
-        }
+/// What the registry entry says besides its state: refused detaches.
+#[derive(Default)]
+struct Refusals {
+    count: u64,
+    note: String,
+}
+
+impl Refusals {
+    fn add(&mut self, why: impl std::fmt::Display) {
+        warn!("{why}; still serving");
+        self.count += 1;
+        self.note = why.to_string();
+    }
+}
+
+/// The entry of an attachment as it is now.
+fn entry(base: &Entry, vol: &Volume, state: &str, r: &Refusals, bridge: Option<&BridgeStats>) -> Entry {
+    let s = vol.stats();
+    let (up, all) = vol.connections();
+    let state = match state {
+        "attached" if up == 0 => "down",
+        "attached" if up < all => "reconnecting",
+        s => s,
     };
-    let reg = Registration::new(&entry("attached", 0)).context("cannot write the registry entry")?;
-    println!("fastsan: {url} attached as {path}");
+    Entry {
+        state: state.into(),
+        connections_up: up,
+        connections: all,
+        requests: bridge.map_or(s.requests, |b| b.requests.load(Relaxed)),
+        errors: bridge.map_or(0, |b| b.errors.load(Relaxed)),
+        retries: s.retries,
+        reconnects: s.reconnects,
+        refusals: r.count,
+        note: r.note.clone(),
+        ..base.clone()
+    }
+}
+
+async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
+    let mut base = registry::this_process(url, "nbd");
+    base.device = opts.device.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
+    let mut refused = Refusals::default();
+    // Registered before the device exists: no device is ever left without an entry.
+    let reg = Registration::new(&entry(&base, &vol, "attaching", &refused, None))
+        .with_context(|| format!("cannot write the registry entry in {}", registry::dir().display()))?;
+    let mut dev = kernel::attach(vol.clone(), opts).await?;
+    base.device = dev.path.display().to_string();
+    let stats = dev.stats.clone();
+    let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, Some(&stats));
+    reg.update(&now("attached", &refused))?;
+    println!("fastsan: {url} attached as {}", base.device);
     let mut signals = Signals::new()?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut refusals = 0;
     loop {
         tokio::select! {
             _ = signals.next() => {}
             _ = tick.tick() => {
-                let _ = reg.update(&entry("attached", refusals));
+                let _ = reg.update(&now("attached", &refused));
                 if dev.finished() {
                     // Disconnected from outside (nbd-client -d, an error).
-                    warn!(device = %path, "the kernel disconnected the device");
-                    vol.flush().await.context("the final flush failed: writes may be lost")?;
-                    info!(device = %path, "detached");
+                    warn!(device = %base.device, "the kernel disconnected the device");
+                    if let Err(e) = vol.flush().await {
+                        reg.fail(now("failed", &refused), "the final flush failed: writes may be lost");
+                        return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
+                    }
+                    info!(device = %base.device, "detached");
                     return Ok(());
                 }
                 continue;
             }
         }
-        match dev.claim() {
-            Ok(claimed) => {
-                let _ = reg.update(&entry("detaching", refusals));
-                let r = dev.detach(claimed).await;
-                drop(reg);
-                return match r {
-                    Ok(()) => {
-                        info!(device = %path, "detached");
-                        Ok(())
-                    }
-                    Err(e @ DetachError::Flush(_)) => Err(e.into()),
-                    Err(e) => Err(anyhow::Error::new(e).context("detach failed")),
-                };
-            }
+        let claimed = match dev.claim() {
+            Ok(c) => c,
             Err(e) => {
-                warn!("{e}; still serving");
-                refusals += 1;
-                let _ = reg.update(&entry("attached", refusals));
+                refused.add(&e);
+                let _ = reg.update(&now("attached", &refused));
+                continue;
+            }
+        };
+        let _ = reg.update(&now("detaching", &refused));
+        match dev.detach(claimed).await {
+            Ok(()) => {
+                info!(device = %base.device, "detached");
+                return Ok(());
+            }
+            // The sync failed: still attached and served, its cache kept.
+            Err((Some(d), e)) => {
+                dev = d;
+                refused.add(&e);
+                let _ = reg.update(&now("attached", &refused));
+            }
+            Err((None, e)) => {
+                let why = e.to_string();
+                reg.fail(now("failed", &refused), &why);
+                return Err(anyhow::Error::new(e).context("detach failed"));
             }
         }
-    }
-}
-
-fn state_of(state: &str, up: usize, all: usize) -> String {
-    match state {
-        "attached" if up == 0 => "down".into(),
-        "attached" if up < all => "reconnecting".into(),
-        s => s.into(),
     }
 }
 
 async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> anyhow::Result<()> {
     let name = fastsan_initiator::BrpUrl::parse(url)?.volume;
     let file = dir.join(&name);
+    let mut base = registry::this_process(url, "fuse");
+    base.device = file.display().to_string();
+    let mut refused = Refusals::default();
+    let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, None);
+    let reg = Registration::new(&now("attaching", &refused))
+        .with_context(|| format!("cannot write the registry entry in {}", registry::dir().display()))?;
     let mount = dir.clone();
     let (v, n) = (vol.clone(), name.clone());
     let session = tokio::task::spawn_blocking(move || fastsan_attach::fuse::mount(v, &n, &mount, threads))
         .await?
         .with_context(|| format!("cannot mount FUSE at {}", dir.display()))?;
-    let entry = |state: &str, refusals: u64| {
-        let s = vol.stats();
-        let (up, all) = vol.connections();
-        Entry {
-            pid: std::process::id(),
-            url: url.to_owned(),
-            device: file.display().to_string(),
-            kind: "fuse".into(),
-            state: state_of(state, up, all),
-            connections_up: up,
-            connections: all,
-            requests: s.requests,
-            errors: 0,
-            retries: s.retries,
-            reconnects: s.reconnects,
-            refusals,
-        }
-    };
-    let reg = Registration::new(&entry("attached", 0)).context("cannot write the registry entry")?;
+    reg.update(&now("attached", &refused))?;
     info!(url, file = %file.display(), "attached");
     println!("fastsan: {url} attached as {}", file.display());
     let mut signals = Signals::new()?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut refusals = 0;
     loop {
         tokio::select! {
             _ = signals.next() => {}
             _ = tick.tick() => {
-                let _ = reg.update(&entry("attached", refusals));
+                let _ = reg.update(&now("attached", &refused));
                 continue;
             }
         }
@@ -232,29 +252,33 @@ async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> an
         match fastsan_attach::fuse::umount(&dir) {
             Ok(()) => break,
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                warn!(dir = %dir.display(), "still in use (a loop device, an open file, a shell in it): \
-                      detach that first, then signal again; still serving");
-                refusals += 1;
-                let _ = reg.update(&entry("attached", refusals));
+                refused.add(format!(
+                    "{} is in use (a loop device, an open file, a shell in it): detach that first",
+                    dir.display()
+                ));
+                let _ = reg.update(&now("attached", &refused));
             }
             Err(e) => {
                 // Not root: fusermount does it (lazily).
                 info!(dir = %dir.display(), "umount: {e}; leaving it to fusermount");
-                let _ = reg.update(&entry("detaching", refusals));
+                let _ = reg.update(&now("detaching", &refused));
                 tokio::task::spawn_blocking(move || session.umount_and_join()).await??;
-                return finish(&vol, &file).await;
+                return finish(&vol, &file, reg, now("failed", &refused)).await;
             }
         }
     }
-    let _ = reg.update(&entry("detaching", refusals));
+    let _ = reg.update(&now("detaching", &refused));
     // Unmounted: the FUSE thread sees it and ends.
     tokio::task::spawn_blocking(move || session.join()).await??;
-    finish(&vol, &file).await
+    finish(&vol, &file, reg, now("failed", &refused)).await
 }
 
 /// After the unmount: the final flush, and the last word.
-async fn finish(vol: &Volume, file: &Path) -> anyhow::Result<()> {
-    vol.flush().await.context("the final flush failed: writes may be lost")?;
+async fn finish(vol: &Volume, file: &Path, reg: Registration, last: Entry) -> anyhow::Result<()> {
+    if let Err(e) = vol.flush().await {
+        reg.fail(last, "the final flush failed: writes may be lost");
+        return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
+    }
     info!(file = %file.display(), "detached");
     Ok(())
 }
@@ -306,32 +330,31 @@ fn list() -> anyhow::Result<()> {
 
 pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
     let Some(e) = registry::find(&a.target) else {
-        // Not ours: a device some other tool attached.
+        // Not served by a live fastsan attach: nbd-client's, or one whose attach was killed.
         let index = kernel::index_of(&a.target)
             .with_context(|| format!("nothing attached by fastsan at {}", a.target.display()))?;
         anyhow::ensure!(kernel::is_connected(index), "{} is not attached", a.target.display());
-        let mut nl = fastsan_attach::netlink::NbdNetlink::open()?
-            .context("the kernel has no NBD netlink interface to disconnect with")?;
-        nl.disconnect(index).with_context(|| format!("cannot disconnect {}", a.target.display()))?;
+        kernel::detach_other(&a.target).await?;
         println!("fastsan: {} disconnected", a.target.display());
         return Ok(());
     };
-    // SAFETY: plain kill(2) of a pid read from the registry.
+    if let Some(why) = e.state.strip_prefix("failed: ") {
+        anyhow::bail!("the attachment of {} ended with an error: {why}", e.device);
+    }
+    // SAFETY: plain kill(2) of a pid the registry vouches for (same start time).
     if unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGTERM) } != 0 {
         return Err(std::io::Error::last_os_error()).context(format!("cannot signal process {}", e.pid));
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(a.timeout);
     loop {
-        match registry::list().into_iter().find(|x| x.pid == e.pid) {
+        match registry::list().into_iter().find(|x| x.pid == e.pid && x.started == e.started) {
             None => {
                 println!("fastsan: {} detached", e.device);
                 return Ok(());
             }
+            Some(x) if x.state.starts_with("failed") => anyhow::bail!("detaching {} {}", e.device, x.state),
             // Counted by the process when it refuses to let go.
-            Some(x) if x.refusals > e.refusals => anyhow::bail!(
-                "{} is in use (mounted, a loop device, an open file): it stays attached; unmount it first",
-                e.device
-            ),
+            Some(x) if x.refusals > e.refusals => anyhow::bail!("{} stays attached: {}", e.device, x.note),
             Some(_) if tokio::time::Instant::now() > deadline => {
                 anyhow::bail!("{} is still detaching after {} s (process {})", e.device, a.timeout, e.pid)
             }

@@ -17,11 +17,14 @@ use tracing::info;
 ///   fastsan serve
 ///   fastsan serve --volume data=memory:4G --volume disk=file:/dev/nvme0n1,direct
 ///   fastsan serve --brp 0.0.0.0:10810 --secret-file /etc/fastsan/secret --volume v=file:/srv/v.img
+///   fastsan serve --volume v=brp://10.0.0.5:10810/v     # a gateway: re-exports a remote volume
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// A volume: NAME=memory:SIZE, NAME=file:PATH (file or block device) or
-    /// NAME=null:SIZE, with options ,ro (read-only), ,direct (O_DIRECT, files),
+    /// A volume: NAME=memory:SIZE, NAME=file:PATH (file or block device),
+    /// NAME=null:SIZE, or NAME=brp://HOST:PORT/VOLUME (another target's volume,
+    /// re-exported through the initiator; options ,secret=PATH and
+    /// ,connections=N), with options ,ro (read-only), ,direct (O_DIRECT, files),
     /// ,delay=DURATION (added latency: a slow device) and ,faults=RULE (fault
     /// injection for tests; RULE is OPS:EFFECT[@START-END], e.g. write:eio@1M-2M,
     /// read+write:delay=20ms, flush:enospc, any:stall; repeatable).

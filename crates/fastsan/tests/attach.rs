@@ -251,7 +251,7 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     drop(f);
     let (status, log) = a.stop();
     assert!(status.success(), "{log}");
-    assert!(log.contains("still in use") && log.contains("detached"), "{log}");
+    assert!(log.contains("is in use") && log.contains("still serving") && log.contains("detached"), "{log}");
     // Read-only: opening for writing is refused.
     let ro = s.url("ro");
     let a = Attached::start(&ro, &dir.join("ro"), 1 << 20);

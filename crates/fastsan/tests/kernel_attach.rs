@@ -6,8 +6,9 @@
 //! (restricted: a forward to one port, nothing else).
 //!
 //! The guest prints what it checked (`@@PASS`, `@@FAIL`); at `@@RESTART`
-//! the host kills the target with SIGKILL and starts it again on the same
-//! port and file while the guest's direct writes run.
+//! the host kills the target with SIGKILL and starts it again 35 s later on
+//! the same port and file while the guest's direct writes wait. Meanwhile
+//! each reconnect meets `nc`'s own error text instead of a handshake.
 
 mod common;
 
@@ -83,12 +84,15 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
         } else if msg.starts_with("FAIL") {
             failed.push(msg);
         } else if msg == "RESTART" {
-            // Let the writes start, then take the target away for 2 s.
+            eprintln!("host: the target goes away for 35 s");
+            // Let the writes start, then take the target away for 35 s:
+            // longer than the kernel's default request timeout (30 s), which
+            // with several queues would take each stuck queue for dead.
             std::thread::sleep(Duration::from_millis(500));
             let mut t = target.take().unwrap();
             t.child.kill().unwrap();
             t.child.wait().unwrap();
-            std::thread::sleep(Duration::from_secs(2));
+            std::thread::sleep(Duration::from_secs(35));
             target = Some(Served::start(&["--brp", &addr, "--volume", &spec]));
         } else if msg == "END" {
             ended = true;
@@ -97,6 +101,10 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
     }
     let _ = qemu.kill();
     let _ = qemu.wait();
+    // What the guest checked, in the test's output (shown on failure, or with --no-capture).
+    for l in console.iter().filter(|l| l.contains("@@")) {
+        eprintln!("guest: {l}");
+    }
     let tail = console.iter().rev().take(40).rev().cloned().collect::<Vec<_>>().join("\n");
     assert!(ended, "the guest did not finish within 420 s; its console ended with:\n{tail}");
     assert!(failed.is_empty(), "failed in the guest: {failed:#?}\nconsole:\n{tail}");

@@ -20,6 +20,7 @@ mod file;
 mod memory;
 mod null;
 mod readonly;
+mod remote;
 mod stats;
 
 pub use delay::DelayLayer;
@@ -28,6 +29,7 @@ pub use file::FileBackend;
 pub use memory::MemoryBackend;
 pub use null::NullBackend;
 pub use readonly::ReadOnlyLayer;
+pub use remote::RemoteBackend;
 pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot};
 
 use crate::config::{BackendSpec, VolumeSpec};
@@ -306,6 +308,12 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
             let f = FileBackend::open(path, spec.read_only, *direct)
                 .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
             Arc::new(f)
+        }
+        BackendSpec::Remote { url, secret, connections } => {
+            let secret =
+                secret.as_deref().map(crate::config::read_secret).transpose().map_err(io::Error::other)?;
+            let opts = fastsan_initiator::Options { connections: *connections, secret, ..Default::default() };
+            Arc::new(RemoteBackend::connect(url, opts)?)
         }
     };
     if spec.read_only {
