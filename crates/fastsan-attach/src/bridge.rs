@@ -1,6 +1,6 @@
 //! The bridge: fastsan is the NBD server of the kernel's NBD client, on one
 //! end of a local socket pair per queue. Every request the kernel sends goes
-//! to the initiator ([`Volume`]: merging into BATCH frames, several
+//! to the volume ([`Remote`]: over BRP, the initiator merging into BATCH frames, several
 //! connections, credits, retries after the fence) and is answered by its
 //! cookie as soon as it completes, in any order.
 //!
@@ -13,8 +13,9 @@
 //!   every reply that is ready in one vectored write.
 
 use crate::errno;
+use crate::Remote;
 use bytes::{Buf, Bytes, BytesMut};
-use fastsan_initiator::{Error, Volume};
+use fastsan_initiator::Error;
 use fastsan_nbd::consts::*;
 use fastsan_nbd::transmission::{parse_request, simple_reply, Payload, Request, REQUEST_LEN};
 use std::collections::VecDeque;
@@ -46,7 +47,7 @@ struct Reply {
 /// Serves the kernel's requests arriving on `stream` until the kernel
 /// disconnects (NBD_CMD_DISC, or the socket closes), then waits for every
 /// request already started to be answered.
-pub async fn serve<S>(stream: S, vol: Volume, stats: Arc<BridgeStats>) -> io::Result<()>
+pub async fn serve<S>(stream: S, vol: Remote, stats: Arc<BridgeStats>) -> io::Result<()>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -154,7 +155,7 @@ fn refuse(r: &Request, size: u64) -> Option<i32> {
 }
 
 /// One request, through the initiator. A READ returns its data.
-async fn execute(vol: &Volume, r: &Request, data: Bytes) -> Result<Bytes, Error> {
+async fn execute(vol: &Remote, r: &Request, data: Bytes) -> Result<Bytes, Error> {
     let fua = r.flags & CMD_FLAG_FUA != 0;
     let (offset, len) = (r.offset, r.length as u64);
     match r.command {

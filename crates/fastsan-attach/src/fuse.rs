@@ -4,8 +4,9 @@
 //! O_DIRECT goes straight to the volume; a write of part of a block is a
 //! read-merge-write under a lock.
 
+use crate::Remote;
 use bytes::{Bytes, BytesMut};
-use fastsan_initiator::{Error, Volume};
+use fastsan_initiator::Error;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, LockOwner, MountOption,
     OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
@@ -20,7 +21,7 @@ use tracing::warn;
 /// Mounts `dir` holding one file, `name`, backed by `vol`, served by
 /// `threads` FUSE threads.
 pub fn mount(
-    vol: Volume,
+    vol: Remote,
     name: &str,
     dir: &Path,
     threads: usize,
@@ -51,7 +52,7 @@ const TTL: Duration = Duration::from_secs(1);
 
 /// The volume as one file in one directory.
 struct VolumeFile {
-    vol: Volume,
+    vol: Remote,
     name: String,
     rt: tokio::runtime::Handle,
     /// Writes that cover whole blocks share it; a write of part of a block
@@ -64,7 +65,7 @@ struct VolumeFile {
 }
 
 impl VolumeFile {
-    fn new(vol: Volume, name: String, rt: tokio::runtime::Handle) -> Self {
+    fn new(vol: Remote, name: String, rt: tokio::runtime::Handle) -> Self {
         // SAFETY: getuid and getgid cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         VolumeFile { vol, name, rt, partial: RwLock::new(()), started: SystemTime::now(), uid, gid }

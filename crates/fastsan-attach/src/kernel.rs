@@ -9,7 +9,7 @@
 
 use crate::bridge::{self, BridgeStats};
 use crate::netlink::{self, NbdNetlink};
-use fastsan_initiator::Volume;
+use crate::Remote;
 use fastsan_nbd::consts::*;
 use std::io;
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
@@ -77,7 +77,7 @@ pub struct Device {
     pub index: u32,
     pub path: PathBuf,
     pub stats: Arc<BridgeStats>,
-    vol: Volume,
+    vol: Remote,
     control: Control,
     bridges: Vec<JoinHandle<io::Result<()>>>,
 }
@@ -92,7 +92,7 @@ enum Control {
 /// The transmission flags the kernel gets, from the volume's capabilities.
 /// The bridges of all queues share one session, so a FLUSH on any queue
 /// covers writes completed on every queue (CAN_MULTI_CONN).
-pub fn flags(vol: &Volume) -> u16 {
+pub fn flags(vol: &Remote) -> u16 {
     let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN;
     if vol.read_only() {
         f |= TFLAG_READ_ONLY;
@@ -138,7 +138,7 @@ pub fn preflight(opts: &KernelOptions) -> Result<(), AttachError> {
 }
 
 /// Attaches `vol` as an NBD device.
-pub async fn attach(vol: Volume, opts: &KernelOptions) -> Result<Device, AttachError> {
+pub async fn attach(vol: Remote, opts: &KernelOptions) -> Result<Device, AttachError> {
     let wanted = opts.device.as_deref().map(index_of).transpose()?;
     let bs = vol.block_size().max(512);
     if bs > 4096 {
@@ -265,7 +265,7 @@ fn ioctl(fd: RawFd, req: libc::c_ulong, arg: libc::c_ulong) -> io::Result<()> {
 /// disconnected.
 fn ioctl_connect(
     index: u32,
-    vol: &Volume,
+    vol: &Remote,
     bs: u32,
     flags: u64,
     timeout: u64,

@@ -6,13 +6,17 @@
 //!   [`bridge`] over a socket pair per queue, configured through
 //!   [`netlink`] (or the NBD ioctls);
 //! - [`fuse`]: one file on a FUSE mount, where the kernel has no NBD driver;
-//! - [`registry`]: what is attached, for `attach --list` and `detach`.
+//! - [`registry`]: what is attached, for `attach --list` and `detach`;
+//! - [`remote`]: the volume served, over BRP or from any NBD server.
 
 pub mod bridge;
 pub mod fuse;
 pub mod kernel;
 pub mod netlink;
 pub mod registry;
+pub mod remote;
+
+pub use remote::Remote;
 
 use fastsan_initiator::{Error, Status};
 

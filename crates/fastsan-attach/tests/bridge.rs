@@ -3,7 +3,8 @@
 //! pair, a real target (in this process, on 127.0.0.1) behind the initiator.
 
 use fastsan_attach::bridge::{self, BridgeStats};
-use fastsan_initiator::{Options, Volume};
+use fastsan_attach::Remote;
+use fastsan_initiator::Options;
 use fastsan_nbd::consts::*;
 use fastsan_nbd::transmission::{parse_reply_head, ReplyHead, Request};
 use fastsan_target::config::{ServerConfig, VolumeSpec};
@@ -18,17 +19,23 @@ use tokio::net::UnixStream;
 
 const MIB: u64 = 1 << 20;
 
+/// A target on 127.0.0.1: `brp://ADDR` and `nbd://ADDR` (append `/VOLUME`).
 async fn target(volumes: &[&str]) -> (String, fastsan_target::ServerHandle) {
+    let (base, _, h) = target_both(volumes).await;
+    (base, h)
+}
+
+async fn target_both(volumes: &[&str]) -> (String, String, fastsan_target::ServerHandle) {
     let c = ServerConfig {
         brp: "127.0.0.1:0".parse().unwrap(),
-        nbd: None,
+        nbd: Some("127.0.0.1:0".parse().unwrap()),
         volumes: volumes.iter().map(|v| VolumeSpec::parse(v).unwrap()).collect(),
         ..Default::default()
     };
     let server = Server::bind(c).await.unwrap();
-    let (addr, handle) = (server.local_addr(), server.handle());
+    let (addr, nbd, handle) = (server.local_addr(), server.nbd_addr().unwrap(), server.handle());
     tokio::spawn(server.run());
-    (format!("brp://{addr}"), handle)
+    (format!("brp://{addr}"), format!("nbd://{nbd}"), handle)
 }
 
 /// The kernel's side: requests out, replies (with a READ's data) back.
@@ -98,7 +105,7 @@ impl Kernel {
 }
 
 async fn bridged(url: &str) -> (Kernel, tokio::task::JoinHandle<std::io::Result<()>>, Arc<BridgeStats>) {
-    let vol = Volume::connect(url, Options::default()).await.unwrap();
+    let vol = Remote::connect(url, Options::default()).await.unwrap();
     let (a, b) = UnixStream::pair().unwrap();
     let stats = Arc::new(BridgeStats::default());
     let task = tokio::spawn(bridge::serve(a, vol, stats.clone()));
@@ -107,8 +114,14 @@ async fn bridged(url: &str) -> (Kernel, tokio::task::JoinHandle<std::io::Result<
 
 #[tokio::test]
 async fn pipelined_requests_are_answered_by_cookie_with_the_bytes_written() {
-    let (base, _h) = target(&["v=memory:64M"]).await;
-    let (mut k, task, stats) = bridged(&format!("{base}/v")).await;
+    let (brp, nbd, _h) = target_both(&["v=memory:64M", "w=memory:64M"]).await;
+    // Over BRP (the initiator), and over NBD (any NBD server's export).
+    pipelined(&format!("{brp}/v")).await;
+    pipelined(&format!("{nbd}/w")).await;
+}
+
+async fn pipelined(url: &str) {
+    let (mut k, task, stats) = bridged(url).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     // 256 writes in flight at once, 4 KiB to 256 KiB, at random block offsets.
     let mut model = vec![0u8; (64 * MIB) as usize];

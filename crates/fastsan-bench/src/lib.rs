@@ -1,5 +1,6 @@
 //! Load generation for fastsan: fio-like jobs against BRP volumes (through
-//! the initiator library) and any NBD server (through [`nbd_client`]), with
+//! the initiator library) and any NBD server (through the initiator's
+//! [`NbdVolume`]), with
 //! latency histograms, client CPU, and the initiator's BATCH statistics.
 //!
 //! A job is `iodepth` requesters, each with one request in flight at a time;
@@ -10,20 +11,16 @@
 //! # Layout
 //! - [`JobSpec`], [`Rw`]: what to run; [`run`]: runs it; [`Report`]: what it measured.
 //! - [`BenchError`], [`ClientError`]: why a run or a request failed.
-//! - [`nbd_client`]: the NBD client.
-
-pub mod nbd_client;
 
 use bytes::Bytes;
+use fastsan_initiator::nbd::NbdVolume;
 use fastsan_initiator::{BrpUrl, Options, Volume};
 use hdrhistogram::Histogram;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use nbd_client::NbdClient;
 use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
 use std::fmt;
-use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,14 +86,12 @@ pub enum BenchError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// Why a request failed, as the client that sent it tells.
+/// Why a request failed, as the client that sent it tells (BRP or NBD).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
     #[error(transparent)]
-    Brp(#[from] fastsan_initiator::Error),
-    #[error(transparent)]
-    Nbd(#[from] io::Error),
+    Client(#[from] fastsan_initiator::Error),
 }
 
 /// An error and its causes, `: `-separated, as anyhow's `{:#}` prints them.
@@ -156,26 +151,26 @@ pub struct Report {
 enum Target {
     Brp(Volume),
     /// One connection per job.
-    Nbd(Vec<Arc<NbdClient>>),
+    Nbd(Vec<Arc<NbdVolume>>),
 }
 
 impl Target {
     async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, ClientError> {
         Ok(match self {
             Target::Brp(v) => v.read(off, len as u64).await?,
-            Target::Nbd(c) => c[job].read(off, len).await?,
+            Target::Nbd(c) => c[job].read(off, len as u64).await?,
         })
     }
     async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), ClientError> {
         match self {
             Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
-            Target::Nbd(c) => Ok(c[job].write(off, &data).await?),
+            Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
         }
     }
     fn size(&self) -> u64 {
         match self {
             Target::Brp(v) => v.size(),
-            Target::Nbd(c) => c[0].size,
+            Target::Nbd(c) => c[0].size(),
         }
     }
 }
@@ -228,7 +223,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
         for _ in 0..spec.jobs {
-            v.push(Arc::new(NbdClient::connect(&spec.url).await.map_err(|e| open_err(e.into()))?));
+            v.push(Arc::new(NbdVolume::connect(&spec.url).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
     } else {
@@ -516,7 +511,9 @@ mod tests {
     async fn a_refused_connection_keeps_its_cause() {
         // Port 1 on loopback: nothing listens, the kernel refuses at once.
         let e = run(spec("brp://127.0.0.1:1/v")).await.unwrap_err();
-        let BenchError::Open { source: ClientError::Brp(fastsan_initiator::Error::Connect { .. }), .. } = &e
+        let BenchError::Open {
+            source: ClientError::Client(fastsan_initiator::Error::Connect { .. }), ..
+        } = &e
         else {
             panic!("{e:?}")
         };
@@ -527,8 +524,8 @@ mod tests {
         );
         let e = run(spec("nbd://127.0.0.1:1/v")).await.unwrap_err();
         assert!(
-            matches!(&e, BenchError::Open { source: ClientError::Nbd(io), .. }
-            if io.kind() == io::ErrorKind::ConnectionRefused),
+            matches!(&e, BenchError::Open { source: ClientError::Client(fastsan_initiator::Error::Connect { source, .. }), .. }
+            if source.kind() == std::io::ErrorKind::ConnectionRefused),
             "{e:?}"
         );
     }

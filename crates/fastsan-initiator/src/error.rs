@@ -67,6 +67,9 @@ pub enum Error {
     UnflushedWritesLost { volume: String },
     #[error("request failed: {0}")]
     Status(Status),
+    /// An NBD server broke the protocol, or its handshake made no sense.
+    #[error("NBD server: {0}")]
+    Nbd(String),
     /// No connection to the target came back within the reconnect timeout
     /// (requests whose connection was lost are retried until then, after the
     /// target's fence). A write that fails so may or may not have reached the
@@ -110,6 +113,7 @@ impl Error {
             // The target broke the protocol (bytes, message order, tags or
             // reply length): a bug there, which a new try would meet again.
             Error::Protocol(_)
+            | Error::Nbd(_)
             | Error::UnexpectedMessage { .. }
             | Error::UnknownTag(_)
             | Error::ShortRead { .. } => false,

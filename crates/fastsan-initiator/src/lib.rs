@@ -41,6 +41,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz_checks;
 pub mod handshake;
+pub mod nbd;
 pub mod options;
 mod order;
 pub mod session;

@@ -7,7 +7,7 @@ use anyhow::Context;
 use fastsan_attach::bridge::BridgeStats;
 use fastsan_attach::kernel::{self, Interface, KernelOptions};
 use fastsan_attach::registry::{self, Entry, Registration};
-use fastsan_initiator::Volume;
+use fastsan_attach::Remote;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -35,7 +35,8 @@ use tracing::{info, warn};
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
+    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH, or
+    /// nbd://HOST:PORT/EXPORT (any NBD server: one connection, no retries)
     #[arg(required_unless_present = "list")]
     url: Option<String>,
     /// The NBD device to use (default: the first free one).
@@ -101,7 +102,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if a.fuse.is_none() {
         kernel::preflight(&kopts)?;
     }
-    let vol = Volume::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
+    let vol = Remote::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
     match a.fuse {
         Some(dir) => attach_fuse(vol, &url, dir, a.threads).await,
         None => attach_kernel(vol, &url, &kopts).await,
@@ -135,7 +136,7 @@ impl Refusals {
 }
 
 /// The entry of an attachment as it is now.
-fn entry(base: &Entry, vol: &Volume, state: &str, r: &Refusals, bridge: Option<&BridgeStats>) -> Entry {
+fn entry(base: &Entry, vol: &Remote, state: &str, r: &Refusals, bridge: Option<&BridgeStats>) -> Entry {
     let s = vol.stats();
     let (up, all) = vol.connections();
     let state = match state {
@@ -157,7 +158,7 @@ fn entry(base: &Entry, vol: &Volume, state: &str, r: &Refusals, bridge: Option<&
     }
 }
 
-async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
+async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
     let mut base = registry::this_process(url, "nbd");
     base.device = opts.device.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
     let mut refused = Refusals::default();
@@ -170,25 +171,21 @@ async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::
     let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, Some(&stats));
     reg.update(&now("attached", &refused))?;
     println!("fastsan: {url} attached as {}", base.device);
-    let mut signals = Signals::new()?;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut waits = Waits::new()?;
     loop {
-        tokio::select! {
-            _ = signals.next() => {}
-            _ = tick.tick() => {
-                let _ = reg.update(&now("attached", &refused));
-                if dev.finished() {
-                    // Disconnected from outside (nbd-client -d, an error).
-                    warn!(device = %base.device, "the kernel disconnected the device");
-                    if let Err(e) = vol.flush().await {
-                        reg.fail(now("failed", &refused), "the final flush failed: writes may be lost");
-                        return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
-                    }
-                    info!(device = %base.device, "detached");
-                    return Ok(());
+        if let Wake::Tick = waits.next().await {
+            let _ = reg.update(&now("attached", &refused));
+            if dev.finished() {
+                // Disconnected from outside (nbd-client -d, an error).
+                warn!(device = %base.device, "the kernel disconnected the device");
+                if let Err(e) = vol.flush().await {
+                    reg.fail(now("failed", &refused), "the final flush failed: writes may be lost");
+                    return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
                 }
-                continue;
+                info!(device = %base.device, "detached");
+                return Ok(());
             }
+            continue;
         }
         let claimed = match dev.claim() {
             Ok(c) => c,
@@ -219,8 +216,8 @@ async fn attach_kernel(vol: Volume, url: &str, opts: &KernelOptions) -> anyhow::
     }
 }
 
-async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> anyhow::Result<()> {
-    let name = fastsan_initiator::BrpUrl::parse(url)?.volume;
+async fn attach_fuse(vol: Remote, url: &str, dir: PathBuf, threads: usize) -> anyhow::Result<()> {
+    let name = Remote::name_in(url)?;
     let file = dir.join(&name);
     let mut base = registry::this_process(url, "fuse");
     base.device = file.display().to_string();
@@ -236,15 +233,11 @@ async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> an
     reg.update(&now("attached", &refused))?;
     info!(url, file = %file.display(), "attached");
     println!("fastsan: {url} attached as {}", file.display());
-    let mut signals = Signals::new()?;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut waits = Waits::new()?;
     loop {
-        tokio::select! {
-            _ = signals.next() => {}
-            _ = tick.tick() => {
-                let _ = reg.update(&now("attached", &refused));
-                continue;
-            }
+        if let Wake::Tick = waits.next().await {
+            let _ = reg.update(&now("attached", &refused));
+            continue;
         }
         // Unmount first: writes may arrive until then. A busy mount (a loop
         // device, an open file) stays attached and served: cutting it would
@@ -274,7 +267,7 @@ async fn attach_fuse(vol: Volume, url: &str, dir: PathBuf, threads: usize) -> an
 }
 
 /// After the unmount: the final flush, and the last word.
-async fn finish(vol: &Volume, file: &Path, reg: Registration, last: Entry) -> anyhow::Result<()> {
+async fn finish(vol: &Remote, file: &Path, reg: Registration, last: Entry) -> anyhow::Result<()> {
     if let Err(e) = vol.flush().await {
         reg.fail(last, "the final flush failed: writes may be lost");
         return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
@@ -283,21 +276,40 @@ async fn finish(vol: &Volume, file: &Path, reg: Registration, last: Entry) -> an
     Ok(())
 }
 
-/// SIGINT and SIGTERM.
-struct Signals {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
+/// What an attaching process wakes up for.
+enum Wake {
+    /// SIGINT or SIGTERM: detach.
+    Detach,
+    /// Once a second: refresh the registry entry.
+    Tick,
 }
 
-impl Signals {
-    fn new() -> anyhow::Result<Signals> {
-        Ok(Signals { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+struct Waits {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    tick: tokio::time::Interval,
+}
+
+impl Waits {
+    fn new() -> anyhow::Result<Waits> {
+        Ok(Waits {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            tick: tokio::time::interval(Duration::from_secs(1)),
+        })
     }
 
-    async fn next(&mut self) {
+    async fn next(&mut self) -> Wake {
         tokio::select! {
-            _ = self.int.recv() => info!("SIGINT received"),
-            _ = self.term.recv() => info!("SIGTERM received"),
+            _ = self.int.recv() => {
+                info!("SIGINT received");
+                Wake::Detach
+            }
+            _ = self.term.recv() => {
+                info!("SIGTERM received");
+                Wake::Detach
+            }
+            _ = self.tick.tick() => Wake::Tick,
         }
     }
 }

@@ -387,3 +387,44 @@ fn attach_list_and_detach() {
     assert_eq!(&b[..10], b"still here");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Any NBD server's export attaches too (here fastsan's own NBD front end):
+/// unaligned writes, fsync and fallocate reach the volume, seen through BRP.
+#[test]
+fn an_nbd_export_attaches_as_a_file() {
+    use std::os::unix::fs::FileExt;
+    let dir = temp_dir("attach-nbd");
+    let s =
+        Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M", "--volume", "ro=memory:1M,ro"]);
+    let url = s.nbd_url("v");
+    let a = Attached::start(&url, &dir, 16 << 20);
+    let vol = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+    let peek = |off: u64, len: usize| {
+        let mut b = vec![0u8; len];
+        vol.read_at(&mut b, off).unwrap();
+        b
+    };
+    vol.write_at(&[9; 4096], 0, false).unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(a.file(&url)).unwrap();
+    f.write_all_at(&[1; 1000], 100).unwrap();
+    let big = random(3 << 20);
+    f.write_all_at(&big, 5 << 20).unwrap();
+    f.sync_all().unwrap();
+    let back = peek(0, 4096);
+    assert!(back[..100].iter().all(|&b| b == 9) && back[100..1100].iter().all(|&b| b == 1));
+    assert!(back[1100..].iter().all(|&b| b == 9));
+    assert!(peek(5 << 20, 3 << 20) == big, "3 MiB through the NBD export");
+    let p = a.file(&url);
+    ok("fallocate", &["-z", "-o", &(6u64 << 20).to_string(), "-l", "65536", p.to_str().unwrap()]);
+    assert!(peek(6 << 20, 65536).iter().all(|&b| b == 0));
+    drop(f);
+    let (status, log) = a.stop();
+    assert!(status.success(), "{log}");
+    // A read-only export refuses writers.
+    let ro = s.nbd_url("ro");
+    let a = Attached::start(&ro, &dir.join("ro"), 1 << 20);
+    let e = std::fs::OpenOptions::new().write(true).open(a.file(&ro)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    drop(a);
+    std::fs::remove_dir_all(dir).unwrap();
+}

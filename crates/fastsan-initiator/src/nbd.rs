@@ -1,0 +1,330 @@
+//! A volume on any NBD server (nbdkit, qemu-nbd, nbd-server, fastsan's own
+//! NBD front end): `nbd://HOST[:PORT]/EXPORT`. Fixed newstyle, OPT_GO (size,
+//! transmission flags, block sizes), simple replies, many requests in flight
+//! on one connection, each request sent with its own write (as libnbd does,
+//! so a benchmark loads a server the way fio's nbd engine does).
+//!
+//! What the server cannot do is done here or refused: FUA without
+//! SEND_FUA is a write then a flush; WRITE_ZEROES without its flag writes
+//! zeros; TRIM without its flag is UNSUPPORTED; reads and writes above the
+//! server's maximum are split.
+//!
+//! No reconnection: NBD has no fence (nothing tells when a lost
+//! connection's writes have all landed), so resending a write could let an
+//! older one land after a newer one. A request whose connection is lost
+//! fails with [`Error::ConnectionLost`], as with `nbd-client`.
+
+use crate::{Error, Status};
+use bytes::{Bytes, BytesMut};
+use fastsan_nbd::consts::*;
+use fastsan_nbd::handshake::{encode_option, InfoRequest};
+use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+/// The most one request carries when the server names no maximum (the
+/// NBD spec's safe default).
+const DEFAULT_MAX: u32 = 32 << 20;
+
+type Waiter = (usize, oneshot::Sender<Result<Bytes, Error>>);
+
+pub struct NbdVolume {
+    url: String,
+    wr: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+    next: AtomicU64,
+    size: u64,
+    flags: u16,
+    block: u32,
+    max: u32,
+}
+
+fn bad(msg: String) -> Error {
+    Error::Nbd(msg)
+}
+
+/// Splits `nbd://HOST[:PORT]/EXPORT` into the address and the export name.
+pub fn parse_url(url: &str) -> Result<(String, String), Error> {
+    let rest = url
+        .strip_prefix("nbd://")
+        .ok_or_else(|| Error::Url(format!("{url}: expected nbd://HOST:PORT/EXPORT")))?;
+    let (host, export) = rest.split_once('/').unwrap_or((rest, ""));
+    if host.is_empty() {
+        return Err(Error::Url(format!("{url}: no host")));
+    }
+    let host = if host.contains(':') { host.to_owned() } else { format!("{host}:10809") };
+    Ok((host, export.to_owned()))
+}
+
+/// What an NBD error code means to a caller.
+fn status_of(errno: u32) -> Status {
+    match errno as i32 {
+        libc::EPERM | libc::EROFS => Status::READ_ONLY,
+        libc::ENOSPC => Status::NO_SPACE,
+        libc::EINVAL | libc::EOVERFLOW => Status::INVALID,
+        libc::ENOTSUP => Status::UNSUPPORTED,
+        libc::ESHUTDOWN => Status::SHUTTING_DOWN,
+        _ => Status::IO_ERROR,
+    }
+}
+
+impl NbdVolume {
+    /// Opens the export: the handshake up to OPT_GO, then a reader task.
+    pub async fn connect(url: &str) -> Result<NbdVolume, Error> {
+        let (addr, export) = parse_url(url)?;
+        let mut s = TcpStream::connect(&addr)
+            .await
+            .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
+        s.set_nodelay(true)?;
+        let mut greet = [0u8; 18];
+        s.read_exact(&mut greet).await?;
+        if greet[..8] != NBDMAGIC.to_be_bytes() || greet[8..16] != IHAVEOPT.to_be_bytes() {
+            return Err(bad(format!("{addr} is not a newstyle NBD server")));
+        }
+        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).await?;
+        let mut opt = Vec::new();
+        let go = InfoRequest { name: export.clone(), infos: vec![INFO_BLOCK_SIZE] };
+        encode_option(OPT_GO, &go.encode(), &mut opt);
+        s.write_all(&opt).await?;
+        let (mut export_info, mut sizes) = (None, None);
+        loop {
+            let mut h = [0u8; 20];
+            s.read_exact(&mut h).await?;
+            let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+            let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+            if len > 1 << 16 {
+                return Err(bad(format!("option reply of {len} bytes")));
+            }
+            let mut d = vec![0u8; len];
+            s.read_exact(&mut d).await?;
+            let be32 = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4 bytes"));
+            match kind {
+                REP_INFO if len >= 12 && d[..2] == INFO_EXPORT.to_be_bytes() => {
+                    let size = u64::from_be_bytes(d[2..10].try_into().expect("8 bytes"));
+                    export_info = Some((size, u16::from_be_bytes([d[10], d[11]])));
+                }
+                REP_INFO if len >= 14 && d[..2] == INFO_BLOCK_SIZE.to_be_bytes() => {
+                    sizes = Some((be32(2), be32(10)));
+                }
+                REP_INFO => {}
+                REP_ACK => break,
+                e => {
+                    return Err(Error::Refused {
+                        status: Status::NO_SUCH_VOLUME,
+                        message: format!(
+                            "export {export:?}: NBD reply {e:#x} {}",
+                            String::from_utf8_lossy(&d)
+                        ),
+                    })
+                }
+            }
+        }
+        let (size, flags) =
+            export_info.ok_or_else(|| bad("no NBD_INFO_EXPORT in the reply to OPT_GO".into()))?;
+        let (block, max) = sizes.unwrap_or((1, DEFAULT_MAX));
+        if !block.is_power_of_two() || max < block {
+            return Err(bad(format!("impossible block sizes: minimum {block}, maximum {max}")));
+        }
+        let max = max.min(fastsan_nbd::MAX_PAYLOAD) / block * block;
+        let (rd, wr) = s.into_split();
+        let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
+        tokio::spawn(read_replies(rd, pending.clone()));
+        Ok(NbdVolume {
+            url: url.to_owned(),
+            wr: tokio::sync::Mutex::new(wr),
+            pending,
+            next: AtomicU64::new(1),
+            size,
+            flags,
+            block,
+            max,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    /// Offsets and lengths must be multiples of this.
+    pub fn block_size(&self) -> u32 {
+        self.block
+    }
+    pub fn read_only(&self) -> bool {
+        self.flags & TFLAG_READ_ONLY != 0
+    }
+    /// The export's transmission flags.
+    pub fn flags(&self) -> u16 {
+        self.flags
+    }
+
+    async fn call(
+        &self,
+        command: u16,
+        flags: u16,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> Result<Bytes, Error> {
+        let cookie = self.next.fetch_add(1, Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let reply_len = if command == CMD_READ { length as usize } else { 0 };
+        self.pending.lock().insert(cookie, (reply_len, tx));
+        let h = Request { flags, command, cookie, offset, length }.encode();
+        let sent = {
+            let mut w = self.wr.lock().await;
+            if payload.is_empty() {
+                w.write_all(&h).await
+            } else {
+                let mut v = Vec::with_capacity(h.len() + payload.len());
+                v.extend_from_slice(&h);
+                v.extend_from_slice(payload);
+                w.write_all(&v).await
+            }
+        };
+        if sent.is_err() {
+            self.pending.lock().remove(&cookie);
+            return Err(Error::ConnectionLost);
+        }
+        rx.await.map_err(|_| Error::ConnectionLost)?
+    }
+
+    /// Reads `len` bytes at `offset`.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
+        if len <= self.max as u64 {
+            return self.call(CMD_READ, 0, offset, len as u32, &[]).await;
+        }
+        let mut out = BytesMut::with_capacity(len as usize);
+        let parts =
+            futures::future::try_join_all(self.pieces(offset, len).map(|(o, n)| self.read(o, n))).await?;
+        for p in parts {
+            out.extend_from_slice(&p);
+        }
+        Ok(out.freeze())
+    }
+
+    pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+        let data = self.read(offset, buf.len() as u64).await?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`; with `fua` it is durable when this returns.
+    pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
+        let native = fua && self.flags & TFLAG_SEND_FUA != 0;
+        let flags = if native { CMD_FLAG_FUA } else { 0 };
+        futures::future::try_join_all(self.pieces(offset, data.len() as u64).map(|(o, n)| {
+            let at = (o - offset) as usize;
+            let piece = data.slice(at..at + n as usize);
+            async move { self.call(CMD_WRITE, flags, o, n as u32, &piece).await }
+        }))
+        .await?;
+        if fua && !native {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
+        self.write_bytes(Bytes::copy_from_slice(data), offset, fua).await
+    }
+
+    /// Makes completed writes durable (nothing to do on a server without a cache).
+    pub async fn flush(&self) -> Result<(), Error> {
+        if self.flags & TFLAG_SEND_FLUSH == 0 {
+            return Ok(());
+        }
+        self.call(CMD_FLUSH, 0, 0, 0, &[]).await.map(drop)
+    }
+
+    pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
+        if self.flags & TFLAG_SEND_TRIM == 0 {
+            return Err(Error::Status(Status::UNSUPPORTED));
+        }
+        self.ranged(CMD_TRIM, 0, offset, len).await
+    }
+
+    /// Makes the range read as zeros (writing zeros where the server has no WRITE_ZEROES).
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
+        if self.flags & TFLAG_SEND_WRITE_ZEROES == 0 {
+            for (o, n) in self.pieces(offset, len) {
+                self.write_bytes(Bytes::from(vec![0u8; n as usize]), o, false).await?;
+            }
+            return if fua { self.flush().await } else { Ok(()) };
+        }
+        let native = fua && self.flags & TFLAG_SEND_FUA != 0;
+        self.ranged(CMD_WRITE_ZEROES, if native { CMD_FLAG_FUA } else { 0 }, offset, len).await?;
+        if fua && !native {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn ranged(&self, command: u16, flags: u16, offset: u64, len: u64) -> Result<(), Error> {
+        // Lengths are u32: pieces of the largest multiple of the block size below 4 GiB.
+        let max = (u32::MAX / self.block * self.block) as u64;
+        let mut at = offset;
+        while at < offset + len {
+            let n = (offset + len - at).min(max);
+            self.call(command, flags, at, n as u32, &[]).await?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn pieces(&self, offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
+        let max = self.max as u64;
+        (0..len.div_ceil(max)).map(move |i| (offset + i * max, (len - i * max).min(max)))
+    }
+}
+
+/// Reads replies until the connection ends, handing each to its waiter;
+/// then fails every request still waiting.
+async fn read_replies(mut rd: tokio::net::tcp::OwnedReadHalf, pending: Arc<Mutex<HashMap<u64, Waiter>>>) {
+    let mut buf = BytesMut::with_capacity(1 << 20);
+    let r: io::Result<()> = async {
+        loop {
+            while buf.len() >= SIMPLE_REPLY_LEN {
+                if buf[..4] != SIMPLE_REPLY_MAGIC.to_be_bytes() {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, "bad NBD reply magic"));
+                }
+                let error = u32::from_be_bytes(buf[4..8].try_into().expect("4 bytes"));
+                let cookie = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
+                let Some(&(want, _)) = pending.lock().get(&cookie) else {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("reply for unknown cookie {cookie}"),
+                    ));
+                };
+                let data_len = if error == 0 { want } else { 0 };
+                if buf.len() < SIMPLE_REPLY_LEN + data_len {
+                    buf.reserve(SIMPLE_REPLY_LEN + data_len);
+                    break;
+                }
+                let frame = buf.split_to(SIMPLE_REPLY_LEN + data_len).freeze();
+                let (_, tx) = pending.lock().remove(&cookie).expect("looked up above");
+                let _ = tx.send(match error {
+                    0 => Ok(frame.slice(SIMPLE_REPLY_LEN..)),
+                    e => Err(Error::Status(status_of(e))),
+                });
+            }
+            buf.reserve(64 * 1024);
+            if rd.read_buf(&mut buf).await? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+    .await;
+    tracing::debug!("NBD connection ended: {r:?}");
+    for (_, (_, tx)) in pending.lock().drain() {
+        let _ = tx.send(Err(Error::ConnectionLost));
+    }
+}
