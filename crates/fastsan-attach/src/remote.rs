@@ -55,7 +55,7 @@ impl Remote {
     pub fn connections(&self) -> (usize, usize) {
         match self {
             Remote::Brp(v) => v.connections(),
-            Remote::Nbd(_) => (1, 1),
+            Remote::Nbd(v) => (v.connected() as usize, 1),
         }
     }
     pub fn stats(&self) -> InitiatorStats {

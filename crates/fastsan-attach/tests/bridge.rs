@@ -215,3 +215,24 @@ async fn the_socket_closing_ends_the_bridge() {
     drop(k);
     tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap().unwrap();
 }
+
+/// An NBD export has no retries (no fence): when its server goes, requests
+/// fail with a clear error, at once and every time after, never hang.
+#[tokio::test]
+async fn an_nbd_export_whose_server_goes_fails_requests_without_hanging() {
+    let (_, nbd, h) = target_both(&["v=memory:4M"]).await;
+    let vol = Remote::connect(&format!("{nbd}/v"), Options::default()).await.unwrap();
+    vol.write_at(&[7; 4096], 0, true).await.unwrap();
+    assert_eq!(&vol.read(0, 4096).await.unwrap()[..], &[7; 4096][..]);
+    assert_eq!(vol.connections(), (1, 1));
+    h.shutdown();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while vol.connections().0 == 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the connection's end was not seen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..3 {
+        let r = tokio::time::timeout(Duration::from_secs(5), vol.read(0, 4096)).await.expect("no hang");
+        assert!(matches!(r, Err(fastsan_initiator::Error::ConnectionLost)), "{r:?}");
+    }
+}

@@ -22,7 +22,7 @@ use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -40,6 +40,8 @@ pub struct NbdVolume {
     wr: tokio::sync::Mutex<OwnedWriteHalf>,
     pending: Arc<Mutex<HashMap<u64, Waiter>>>,
     next: AtomicU64,
+    /// False once the connection ended.
+    up: Arc<AtomicBool>,
     size: u64,
     flags: u16,
     block: u32,
@@ -135,12 +137,14 @@ impl NbdVolume {
         let max = max.min(fastsan_nbd::MAX_PAYLOAD) / block * block;
         let (rd, wr) = s.into_split();
         let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
-        tokio::spawn(read_replies(rd, pending.clone()));
+        let up = Arc::new(AtomicBool::new(true));
+        tokio::spawn(read_replies(rd, pending.clone(), up.clone()));
         Ok(NbdVolume {
             url: url.to_owned(),
             wr: tokio::sync::Mutex::new(wr),
             pending,
             next: AtomicU64::new(1),
+            up,
             size,
             flags,
             block,
@@ -161,6 +165,10 @@ impl NbdVolume {
     pub fn read_only(&self) -> bool {
         self.flags & TFLAG_READ_ONLY != 0
     }
+    /// Whether the connection is still up.
+    pub fn connected(&self) -> bool {
+        self.up.load(Relaxed)
+    }
     /// The export's transmission flags.
     pub fn flags(&self) -> u16 {
         self.flags
@@ -178,6 +186,12 @@ impl NbdVolume {
         let (tx, rx) = oneshot::channel();
         let reply_len = if command == CMD_READ { length as usize } else { 0 };
         self.pending.lock().insert(cookie, (reply_len, tx));
+        // After the insert: a reader that ended drained the map after it
+        // cleared `up`, so a request it did not fail sees `up` false here.
+        if !self.up.load(Relaxed) {
+            self.pending.lock().remove(&cookie);
+            return Err(Error::ConnectionLost);
+        }
         let h = Request { flags, command, cookie, offset, length }.encode();
         let sent = {
             let mut w = self.wr.lock().await;
@@ -288,7 +302,11 @@ impl NbdVolume {
 
 /// Reads replies until the connection ends, handing each to its waiter;
 /// then fails every request still waiting.
-async fn read_replies(mut rd: tokio::net::tcp::OwnedReadHalf, pending: Arc<Mutex<HashMap<u64, Waiter>>>) {
+async fn read_replies(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+    up: Arc<AtomicBool>,
+) {
     let mut buf = BytesMut::with_capacity(1 << 20);
     let r: io::Result<()> = async {
         loop {
@@ -323,7 +341,8 @@ async fn read_replies(mut rd: tokio::net::tcp::OwnedReadHalf, pending: Arc<Mutex
         }
     }
     .await;
-    tracing::debug!("NBD connection ended: {r:?}");
+    tracing::warn!("the NBD connection ended: {r:?}");
+    up.store(false, Relaxed);
     for (_, (_, tx)) in pending.lock().drain() {
         let _ = tx.send(Err(Error::ConnectionLost));
     }
