@@ -97,7 +97,10 @@ pub fn flags(vol: &Remote) -> u16 {
     if vol.read_only() {
         f |= TFLAG_READ_ONLY;
     } else {
-        f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
+        f |= TFLAG_SEND_WRITE_ZEROES;
+        if vol.can_trim() {
+            f |= TFLAG_SEND_TRIM;
+        }
     }
     f
 }

@@ -17,7 +17,7 @@ impl Remote {
     /// Opens `brp://`, `brp+unix://` or `nbd://` (the options apply to BRP).
     pub async fn connect(url: &str, opts: Options) -> Result<Remote, Error> {
         if url.starts_with("nbd://") {
-            Ok(Remote::Nbd(Arc::new(NbdVolume::connect(url).await?)))
+            Ok(Remote::Nbd(Arc::new(NbdVolume::connect(url, &opts).await?)))
         } else {
             Ok(Remote::Brp(Volume::connect(url, opts).await?))
         }
@@ -49,6 +49,14 @@ impl Remote {
         match self {
             Remote::Brp(v) => v.read_only(),
             Remote::Nbd(v) => v.read_only(),
+        }
+    }
+    /// Whether TRIM may be offered (an NBD export says; a BRP volume
+    /// answers UNSUPPORTED where it cannot).
+    pub fn can_trim(&self) -> bool {
+        match self {
+            Remote::Brp(_) => true,
+            Remote::Nbd(v) => v.can_trim(),
         }
     }
     /// Connections up, and in all.

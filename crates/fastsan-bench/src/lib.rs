@@ -223,7 +223,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     } else if spec.url.starts_with("nbd://") {
         let mut v = Vec::new();
         for _ in 0..spec.jobs {
-            v.push(Arc::new(NbdVolume::connect(&spec.url).await.map_err(|e| open_err(e.into()))?));
+            v.push(Arc::new(NbdVolume::connect(&spec.url, &spec.brp).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
     } else {

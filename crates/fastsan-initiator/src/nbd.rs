@@ -1,8 +1,8 @@
 //! A volume on any NBD server (nbdkit, qemu-nbd, nbd-server, fastsan's own
 //! NBD front end): `nbd://HOST[:PORT]/EXPORT`. Fixed newstyle, OPT_GO (size,
 //! transmission flags, block sizes), simple replies, many requests in flight
-//! on one connection, each request sent with its own write (as libnbd does,
-//! so a benchmark loads a server the way fio's nbd engine does).
+//! on one connection, each request sent as one frame (as libnbd does, so a
+//! benchmark loads a server the way fio's nbd engine does).
 //!
 //! What the server cannot do is done here or refused: FUA without
 //! SEND_FUA is a write then a flush; WRITE_ZEROES without its flag writes
@@ -12,33 +12,48 @@
 //! No reconnection: NBD has no fence (nothing tells when a lost
 //! connection's writes have all landed), so resending a write could let an
 //! older one land after a newer one. A request whose connection is lost
-//! fails with [`Error::ConnectionLost`], as with `nbd-client`.
+//! fails with [`Error::ConnectionLost`], as with `nbd-client`; so does one
+//! without a reply within the request timeout (the connection is then cut,
+//! since nobody can tell whether it landed).
+//!
+//! Frames go out through one writer task, whole: a caller that gives up (a
+//! dropped future) never leaves half a request on the wire. A request split
+//! in pieces reports its outcome only once every piece is answered, so no
+//! piece of a write reported failed lands after the report.
 
-use crate::{Error, Status};
+use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nbd::consts::*;
 use fastsan_nbd::handshake::{encode_option, InfoRequest};
 use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 /// The most one request carries when the server names no maximum (the
 /// NBD spec's safe default).
 const DEFAULT_MAX: u32 = 32 << 20;
+/// The largest minimum block size the NBD spec allows.
+const MAX_MIN_BLOCK: u32 = 64 << 10;
+/// Zeros written by WRITE_ZEROES on a server without it, a piece at a time.
+const ZERO_PIECE: usize = 1 << 20;
 
 type Waiter = (usize, oneshot::Sender<Result<Bytes, Error>>);
+type Pending = Arc<Mutex<HashMap<u64, Waiter>>>;
 
 pub struct NbdVolume {
     url: String,
-    wr: tokio::sync::Mutex<OwnedWriteHalf>,
-    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+    /// Whole frames to the writer task; `None` asks it to cut the connection.
+    frames: mpsc::UnboundedSender<Option<Bytes>>,
+    pending: Pending,
     next: AtomicU64,
     /// False once the connection ended.
     up: Arc<AtomicBool>,
@@ -46,6 +61,8 @@ pub struct NbdVolume {
     flags: u16,
     block: u32,
     max: u32,
+    request_timeout: Duration,
+    zeros: Bytes,
 }
 
 fn bad(msg: String) -> Error {
@@ -78,13 +95,21 @@ fn status_of(errno: u32) -> Status {
 }
 
 impl NbdVolume {
-    /// Opens the export: the handshake up to OPT_GO, then a reader task.
-    pub async fn connect(url: &str) -> Result<NbdVolume, Error> {
+    /// Opens the export (the handshake up to OPT_GO, within the connect
+    /// timeout), then starts the reader and writer tasks. Of the options,
+    /// the connect and request timeouts apply.
+    pub async fn connect(url: &str, opts: &Options) -> Result<NbdVolume, Error> {
+        let work = Self::open(url, opts.request_timeout);
+        tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("NBD handshake"))?
+    }
+
+    async fn open(url: &str, request_timeout: Duration) -> Result<NbdVolume, Error> {
         let (addr, export) = parse_url(url)?;
         let mut s = TcpStream::connect(&addr)
             .await
             .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
         s.set_nodelay(true)?;
+        socket2::SockRef::from(&s).set_keepalive(true)?;
         let mut greet = [0u8; 18];
         s.read_exact(&mut greet).await?;
         if greet[..8] != NBDMAGIC.to_be_bytes() || greet[8..16] != IHAVEOPT.to_be_bytes() {
@@ -99,14 +124,18 @@ impl NbdVolume {
         loop {
             let mut h = [0u8; 20];
             s.read_exact(&mut h).await?;
+            if h[..8] != REPLY_MAGIC.to_be_bytes() || h[8..12] != OPT_GO.to_be_bytes() {
+                return Err(bad(format!("{addr} sent a malformed reply to OPT_GO")));
+            }
             let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
             let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
             if len > 1 << 16 {
-                return Err(bad(format!("option reply of {len} bytes")));
+                return Err(bad(format!("an option reply of {len} bytes")));
             }
             let mut d = vec![0u8; len];
             s.read_exact(&mut d).await?;
             let be32 = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4 bytes"));
+            let why = || String::from_utf8_lossy(&d).into_owned();
             match kind {
                 REP_INFO if len >= 12 && d[..2] == INFO_EXPORT.to_be_bytes() => {
                     let size = u64::from_be_bytes(d[2..10].try_into().expect("8 bytes"));
@@ -117,31 +146,37 @@ impl NbdVolume {
                 }
                 REP_INFO => {}
                 REP_ACK => break,
-                e => {
+                REP_ERR_UNKNOWN => {
                     return Err(Error::Refused {
                         status: Status::NO_SUCH_VOLUME,
-                        message: format!(
-                            "export {export:?}: NBD reply {e:#x} {}",
-                            String::from_utf8_lossy(&d)
-                        ),
+                        message: format!("export {export:?}: {}", why()),
                     })
                 }
+                REP_ERR_UNSUP => {
+                    return Err(bad(format!("{addr} does not know OPT_GO (a server older than 2016)")))
+                }
+                REP_ERR_TLS_REQD => {
+                    return Err(bad(format!("{addr} requires TLS, which this client does not speak")))
+                }
+                e => return Err(bad(format!("export {export:?} refused (NBD reply {e:#x}): {}", why()))),
             }
         }
         let (size, flags) =
             export_info.ok_or_else(|| bad("no NBD_INFO_EXPORT in the reply to OPT_GO".into()))?;
         let (block, max) = sizes.unwrap_or((1, DEFAULT_MAX));
-        if !block.is_power_of_two() || max < block {
+        if !block.is_power_of_two() || block > MAX_MIN_BLOCK || max < block {
             return Err(bad(format!("impossible block sizes: minimum {block}, maximum {max}")));
         }
         let max = max.min(fastsan_nbd::MAX_PAYLOAD) / block * block;
         let (rd, wr) = s.into_split();
-        let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
+        let pending: Pending = Arc::default();
         let up = Arc::new(AtomicBool::new(true));
+        let (frames, rx) = mpsc::unbounded_channel();
         tokio::spawn(read_replies(rd, pending.clone(), up.clone()));
+        tokio::spawn(write_frames(wr, rx, up.clone()));
         Ok(NbdVolume {
             url: url.to_owned(),
-            wr: tokio::sync::Mutex::new(wr),
+            frames,
             pending,
             next: AtomicU64::new(1),
             up,
@@ -149,6 +184,8 @@ impl NbdVolume {
             flags,
             block,
             max,
+            request_timeout,
+            zeros: Bytes::from(vec![0u8; ZERO_PIECE]),
         })
     }
 
@@ -164,6 +201,10 @@ impl NbdVolume {
     }
     pub fn read_only(&self) -> bool {
         self.flags & TFLAG_READ_ONLY != 0
+    }
+    /// Whether the export takes TRIM.
+    pub fn can_trim(&self) -> bool {
+        self.flags & TFLAG_SEND_TRIM != 0
     }
     /// Whether the connection is still up.
     pub fn connected(&self) -> bool {
@@ -193,22 +234,23 @@ impl NbdVolume {
             return Err(Error::ConnectionLost);
         }
         let h = Request { flags, command, cookie, offset, length }.encode();
-        let sent = {
-            let mut w = self.wr.lock().await;
-            if payload.is_empty() {
-                w.write_all(&h).await
-            } else {
-                let mut v = Vec::with_capacity(h.len() + payload.len());
-                v.extend_from_slice(&h);
-                v.extend_from_slice(payload);
-                w.write_all(&v).await
-            }
-        };
-        if sent.is_err() {
+        let mut frame = BytesMut::with_capacity(h.len() + payload.len());
+        frame.extend_from_slice(&h);
+        frame.extend_from_slice(payload);
+        if self.frames.send(Some(frame.freeze())).is_err() {
             self.pending.lock().remove(&cookie);
             return Err(Error::ConnectionLost);
         }
-        rx.await.map_err(|_| Error::ConnectionLost)?
+        match tokio::time::timeout(self.request_timeout, rx).await {
+            Ok(reply) => reply.map_err(|_| Error::ConnectionLost)?,
+            Err(_) => {
+                // Whether it landed is unknown: the connection is cut, and
+                // every request on it fails.
+                tracing::warn!(url = %self.url, "an NBD request got no reply in time; cutting the connection");
+                let _ = self.frames.send(None);
+                Err(Error::ConnectionLost)
+            }
+        }
     }
 
     /// Reads `len` bytes at `offset`.
@@ -217,9 +259,7 @@ impl NbdVolume {
             return self.call(CMD_READ, 0, offset, len as u32, &[]).await;
         }
         let mut out = BytesMut::with_capacity(len as usize);
-        let parts =
-            futures::future::try_join_all(self.pieces(offset, len).map(|(o, n)| self.read(o, n))).await?;
-        for p in parts {
+        for p in all(self.pieces(offset, len).map(|(o, n)| self.read(o, n))).await? {
             out.extend_from_slice(&p);
         }
         Ok(out.freeze())
@@ -235,7 +275,7 @@ impl NbdVolume {
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
         let native = fua && self.flags & TFLAG_SEND_FUA != 0;
         let flags = if native { CMD_FLAG_FUA } else { 0 };
-        futures::future::try_join_all(self.pieces(offset, data.len() as u64).map(|(o, n)| {
+        all(self.pieces(offset, data.len() as u64).map(|(o, n)| {
             let at = (o - offset) as usize;
             let piece = data.slice(at..at + n as usize);
             async move { self.call(CMD_WRITE, flags, o, n as u32, &piece).await }
@@ -260,7 +300,7 @@ impl NbdVolume {
     }
 
     pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
-        if self.flags & TFLAG_SEND_TRIM == 0 {
+        if !self.can_trim() {
             return Err(Error::Status(Status::UNSUPPORTED));
         }
         self.ranged(CMD_TRIM, 0, offset, len).await
@@ -268,9 +308,13 @@ impl NbdVolume {
 
     /// Makes the range read as zeros (writing zeros where the server has no WRITE_ZEROES).
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
+        let end = offset.checked_add(len).ok_or(Error::Status(Status::OUT_OF_RANGE))?;
         if self.flags & TFLAG_SEND_WRITE_ZEROES == 0 {
-            for (o, n) in self.pieces(offset, len) {
-                self.write_bytes(Bytes::from(vec![0u8; n as usize]), o, false).await?;
+            let mut at = offset;
+            while at < end {
+                let n = (end - at).min(ZERO_PIECE as u64);
+                self.write_bytes(self.zeros.slice(..n as usize), at, false).await?;
+                at += n;
             }
             return if fua { self.flush().await } else { Ok(()) };
         }
@@ -282,12 +326,12 @@ impl NbdVolume {
         Ok(())
     }
 
+    /// TRIM or WRITE_ZEROES, in pieces no larger than the server's maximum.
     async fn ranged(&self, command: u16, flags: u16, offset: u64, len: u64) -> Result<(), Error> {
-        // Lengths are u32: pieces of the largest multiple of the block size below 4 GiB.
-        let max = (u32::MAX / self.block * self.block) as u64;
+        let end = offset.checked_add(len).ok_or(Error::Status(Status::OUT_OF_RANGE))?;
         let mut at = offset;
-        while at < offset + len {
-            let n = (offset + len - at).min(max);
+        while at < end {
+            let n = (end - at).min(self.max as u64);
             self.call(command, flags, at, n as u32, &[]).await?;
             at += n;
         }
@@ -300,13 +344,32 @@ impl NbdVolume {
     }
 }
 
-/// Reads replies until the connection ends, handing each to its waiter;
-/// then fails every request still waiting.
-async fn read_replies(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
-    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+/// Every piece's outcome, once all are answered: the first error, if any.
+async fn all<T>(
+    pieces: impl Iterator<Item = impl Future<Output = Result<T, Error>>>,
+) -> Result<Vec<T>, Error> {
+    futures::future::join_all(pieces).await.into_iter().collect()
+}
+
+/// Writes whole frames in order until the connection breaks or is cut.
+async fn write_frames(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
     up: Arc<AtomicBool>,
 ) {
+    while let Some(Some(frame)) = rx.recv().await {
+        if wr.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    // The reader then sees the end and fails whatever is waiting.
+    up.store(false, Relaxed);
+    let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
+}
+
+/// Reads replies until the connection ends, handing each to its waiter;
+/// then fails every request still waiting.
+async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBool>) {
     let mut buf = BytesMut::with_capacity(1 << 20);
     let r: io::Result<()> = async {
         loop {
@@ -317,10 +380,8 @@ async fn read_replies(
                 let error = u32::from_be_bytes(buf[4..8].try_into().expect("4 bytes"));
                 let cookie = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
                 let Some(&(want, _)) = pending.lock().get(&cookie) else {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("reply for unknown cookie {cookie}"),
-                    ));
+                    let why = format!("reply for unknown cookie {cookie}");
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, why));
                 };
                 let data_len = if error == 0 { want } else { 0 };
                 if buf.len() < SIMPLE_REPLY_LEN + data_len {
@@ -328,11 +389,12 @@ async fn read_replies(
                     break;
                 }
                 let frame = buf.split_to(SIMPLE_REPLY_LEN + data_len).freeze();
-                let (_, tx) = pending.lock().remove(&cookie).expect("looked up above");
-                let _ = tx.send(match error {
-                    0 => Ok(frame.slice(SIMPLE_REPLY_LEN..)),
-                    e => Err(Error::Status(status_of(e))),
-                });
+                if let Some((_, tx)) = pending.lock().remove(&cookie) {
+                    let _ = tx.send(match error {
+                        0 => Ok(frame.slice(SIMPLE_REPLY_LEN..)),
+                        e => Err(Error::Status(status_of(e))),
+                    });
+                }
             }
             buf.reserve(64 * 1024);
             if rd.read_buf(&mut buf).await? == 0 {
