@@ -21,6 +21,7 @@
 //! in pieces reports its outcome only once every piece is answered, so no
 //! piece of a write reported failed lands after the report.
 
+use crate::session::{all, chunks};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nbd::consts::*;
@@ -28,7 +29,6 @@ use fastsan_nbd::handshake::{encode_option, InfoRequest};
 use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -259,7 +259,7 @@ impl NbdVolume {
             return self.call(CMD_READ, 0, offset, len as u32, &[]).await;
         }
         let mut out = BytesMut::with_capacity(len as usize);
-        for p in all(self.pieces(offset, len).map(|(o, n)| self.read(o, n))).await? {
+        for p in all(chunks(offset, len, self.max as u64).map(|(o, n)| self.read(o, n))).await? {
             out.extend_from_slice(&p);
         }
         Ok(out.freeze())
@@ -275,7 +275,7 @@ impl NbdVolume {
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
         let native = fua && self.flags & TFLAG_SEND_FUA != 0;
         let flags = if native { CMD_FLAG_FUA } else { 0 };
-        all(self.pieces(offset, data.len() as u64).map(|(o, n)| {
+        all(chunks(offset, data.len() as u64, self.max as u64).map(|(o, n)| {
             let at = (o - offset) as usize;
             let piece = data.slice(at..at + n as usize);
             async move { self.call(CMD_WRITE, flags, o, n as u32, &piece).await }
@@ -337,18 +337,6 @@ impl NbdVolume {
         }
         Ok(())
     }
-
-    fn pieces(&self, offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
-        let max = self.max as u64;
-        (0..len.div_ceil(max)).map(move |i| (offset + i * max, (len - i * max).min(max)))
-    }
-}
-
-/// Every piece's outcome, once all are answered: the first error, if any.
-async fn all<T>(
-    pieces: impl Iterator<Item = impl Future<Output = Result<T, Error>>>,
-) -> Result<Vec<T>, Error> {
-    futures::future::join_all(pieces).await.into_iter().collect()
 }
 
 /// Writes whole frames in order until the connection breaks or is cut.

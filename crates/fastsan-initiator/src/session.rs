@@ -421,7 +421,9 @@ fn ended_error(sh: &Shared, e: &Ended) -> Error {
 /// Runs every future to its end (none is abandoned while in flight: a
 /// chunk left running could race the caller's next write), then gives their
 /// results in order, or the first error.
-async fn all<T>(
+/// Every future's outcome, once all are done: the first error, if any (no
+/// piece is abandoned while others still run).
+pub(crate) async fn all<T>(
     futs: impl Iterator<Item = impl std::future::Future<Output = Result<T, Error>>>,
 ) -> Result<Vec<T>, Error> {
     futures::future::join_all(futs).await.into_iter().collect()
@@ -432,7 +434,7 @@ fn to_u32(n: u64) -> Result<u32, Error> {
 }
 
 /// Cuts `[offset, offset + len)` into pieces of at most `max` bytes.
-fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> {
+pub(crate) fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> {
     let max = max.max(1);
     (0..len.div_ceil(max)).map(move |i| {
         let o = i * max;
