@@ -1,0 +1,112 @@
+//! The dirty-region log: bits durable before a write may leave, batched
+//! updates, hot regions free, lazy clearing, regions missed by a leg kept
+//! for the resync, and a log that belongs to another volume refused.
+
+use fastsan_mirror::{DirtyLog, DirtyLogError};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+
+fn path(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fastsan-dirty-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d.join("log")
+}
+
+/// The dirty regions as a fresh open of the file sees them: what a crash leaves.
+fn on_disk(p: &std::path::Path, size: u64) -> Vec<u64> {
+    DirtyLog::open(p, size, MIB, Duration::ZERO).unwrap().dirty()
+}
+
+#[tokio::test]
+async fn a_region_is_durably_dirty_before_its_write_may_leave() {
+    let p = path("durable");
+    let log = DirtyLog::open(&p, 64 * MIB, MIB, Duration::from_secs(60)).unwrap();
+    assert!(log.dirty().is_empty());
+    // 3 MiB from 1.5 MiB: regions 1, 2, 3 and 4.
+    let w = log.begin(3 * MIB / 2, 3 * MIB).await.unwrap();
+    assert_eq!(on_disk(&p, 64 * MIB), vec![1, 2, 3, 4], "on disk when begin returns");
+    w.done(true);
+    // Not cleared before it has been idle for the delay.
+    assert_eq!(log.clear_idle().await.unwrap(), 0);
+    assert_eq!(on_disk(&p, 64 * MIB), vec![1, 2, 3, 4]);
+}
+
+#[tokio::test]
+async fn concurrent_writes_share_updates_and_hot_regions_cost_none() {
+    let p = path("batch");
+    let log = DirtyLog::open(&p, 64 * MIB, MIB, Duration::from_secs(60)).unwrap();
+    // 64 writes to 64 regions at once: the first update carries one, the
+    // next carries the 63 that arrived while it was written.
+    let intents = futures::future::join_all((0..64).map(|r| log.begin(r * MIB, 4096))).await;
+    let st = log.stats();
+    assert_eq!(st.set, 64);
+    assert!(st.updates <= 2, "{st:?}");
+    assert_eq!(on_disk(&p, 64 * MIB).len(), 64);
+    // Writes to regions already dirty on disk: no update at all.
+    let more = futures::future::join_all((0..64).map(|r| log.begin(r * MIB + 8192, 4096))).await;
+    assert_eq!(log.stats().updates, st.updates, "hot regions take no bitmap I/O");
+    assert_eq!(log.stats().hot, 64);
+    for w in intents.into_iter().chain(more) {
+        w.unwrap().done(true);
+    }
+}
+
+#[tokio::test]
+async fn idle_regions_are_cleared_lazily_in_one_update() {
+    let p = path("clear");
+    let log = DirtyLog::open(&p, 16 * MIB, MIB, Duration::from_millis(100)).unwrap();
+    let a = log.begin(0, 2 * MIB).await.unwrap();
+    let b = log.begin(5 * MIB, 4096).await.unwrap();
+    a.done(true);
+    b.done(true);
+    // Region 5 is written again before the delay: it stays dirty, and its
+    // write finds it dirty already (no update).
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let updates = log.stats().updates;
+    let c = log.begin(5 * MIB, 4096).await.unwrap();
+    assert_eq!(log.stats().updates, updates);
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(log.clear_idle().await.unwrap(), 2, "regions 0 and 1, idle long enough");
+    assert_eq!(log.stats().updates, updates + 1, "cleared in one update");
+    assert_eq!(on_disk(&p, 16 * MIB), vec![5], "region 5 has a write in flight");
+    c.done(true);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(log.clear_idle().await.unwrap(), 1);
+    assert!(on_disk(&p, 16 * MIB).is_empty());
+}
+
+#[tokio::test]
+async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
+    let p = path("degraded");
+    let log = DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO).unwrap();
+    log.begin(3 * MIB, 4096).await.unwrap().done(false);
+    // A later write that reaches every leg does not make it clean.
+    log.begin(3 * MIB, 4096).await.unwrap().done(true);
+    // An abandoned write (dropped, never finished) counts as missed.
+    drop(log.begin(7 * MIB, 4096).await.unwrap());
+    log.begin(9 * MIB, 4096).await.unwrap().done(true);
+    assert_eq!(log.clear_idle().await.unwrap(), 1, "only region 9");
+    assert_eq!(on_disk(&p, 16 * MIB), vec![3, 7]);
+    log.clear(&[3, 7]).await.unwrap();
+    assert!(on_disk(&p, 16 * MIB).is_empty());
+}
+
+#[tokio::test]
+async fn a_log_of_another_volume_or_no_log_is_refused() {
+    let p = path("mismatch");
+    drop(DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO).unwrap());
+    let e = DirtyLog::open(&p, 32 * MIB, MIB, Duration::ZERO).err().unwrap();
+    assert!(matches!(e, DirtyLogError::Mismatch { found, .. } if found == 16 * MIB), "{e}");
+    let e = DirtyLog::open(&p, 16 * MIB, 2 * MIB, Duration::ZERO).err().unwrap();
+    assert!(matches!(e, DirtyLogError::Mismatch { .. }), "{e}");
+    std::fs::write(&p, vec![7u8; 8192]).unwrap();
+    let e = DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO).err().unwrap();
+    assert!(matches!(e, DirtyLogError::NotALog { .. }), "{e}");
+    assert!(matches!(
+        DirtyLog::open(&p, 16 * MIB, 1000, Duration::ZERO),
+        Err(DirtyLogError::RegionSize(1000))
+    ));
+}
