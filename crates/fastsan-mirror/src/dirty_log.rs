@@ -51,6 +51,8 @@ pub enum DirtyLogError {
     Mismatch { path: PathBuf, found: u64, found_region: u64, size: u64, region: u64 },
     #[error("the region size must be a power of two of at least 4 KiB, not {0}")]
     RegionSize(u64),
+    #[error("a write of {len} bytes at {offset} is past the end of the volume")]
+    OutOfRange { offset: u64, len: u64 },
 }
 
 /// Counters of the log's work.
@@ -109,60 +111,80 @@ pub struct WriteIntent {
 }
 
 impl DirtyLog {
-    /// Opens the log at `path` for a volume of `size` bytes in regions of
-    /// `region` bytes, creating it (all clean) if it does not exist.
+    /// Creates a new, all-clean log at `path` for a volume of `size` bytes
+    /// in regions of `region` bytes (a power of two, at least 4 KiB). It is
+    /// written whole under a temporary name, synced, renamed into place and
+    /// the directory synced: a crash leaves either no log or a whole one.
+    /// An existing file is not replaced.
+    pub fn create(
+        path: &Path,
+        size: u64,
+        region: u64,
+        clear_delay: Duration,
+    ) -> Result<Arc<DirtyLog>, DirtyLogError> {
+        check_region(region)?;
+        let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
+        if path.exists() {
+            return Err(io(std::io::Error::from(std::io::ErrorKind::AlreadyExists)));
+        }
+        let tmp = path.with_extension("creating");
+        let f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io)?;
+        let mut h = vec![0u8; HEADER as usize];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..20].copy_from_slice(&region.to_le_bytes());
+        h[20..28].copy_from_slice(&size.to_le_bytes());
+        let crc = crc32c::crc32c(&h[..28]);
+        h[28..32].copy_from_slice(&crc.to_le_bytes());
+        f.write_all_at(&h, 0).map_err(io)?;
+        f.write_all_at(&vec![0u8; pages_for(size, region) * PAGE], HEADER).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io)?;
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+        Self::open(path, size, region, clear_delay)
+    }
+
+    /// Opens the log at `path` of a volume of `size` bytes in regions of
+    /// `region` bytes. A missing file is an error, never a clean log: the
+    /// regions it marked would be forgotten. Every region dirty in it needs
+    /// a resync (a crash, or a leg away, left it so).
     pub fn open(
         path: &Path,
         size: u64,
         region: u64,
         clear_delay: Duration,
     ) -> Result<Arc<DirtyLog>, DirtyLogError> {
-        if !region.is_power_of_two() || region < 4096 {
-            return Err(DirtyLogError::RegionSize(region));
-        }
+        check_region(region)?;
         let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
         let regions = size.div_ceil(region);
-        let words = regions.div_ceil(64) as usize;
-        let pages = words.div_ceil(WORDS_PER_PAGE).max(1);
-        let file =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        let mut bits = vec![0u64; pages * WORDS_PER_PAGE];
-        if len == 0 {
-            let mut h = vec![0u8; HEADER as usize];
-            h[..8].copy_from_slice(MAGIC);
-            h[8..12].copy_from_slice(&VERSION.to_le_bytes());
-            h[12..20].copy_from_slice(&region.to_le_bytes());
-            h[20..28].copy_from_slice(&size.to_le_bytes());
-            let crc = crc32c::crc32c(&h[..28]);
-            h[28..32].copy_from_slice(&crc.to_le_bytes());
-            file.write_all_at(&h, 0).map_err(io)?;
-            file.write_all_at(&vec![0u8; pages * PAGE], HEADER).map_err(io)?;
-            file.sync_all().map_err(io)?;
-        } else {
-            let mut h = [0u8; 32];
-            file.read_exact_at(&mut h, 0).map_err(io)?;
-            let crc = u32::from_le_bytes(h[28..32].try_into().expect("4 bytes"));
-            if &h[..8] != MAGIC || h[8..12] != VERSION.to_le_bytes() || crc != crc32c::crc32c(&h[..28]) {
-                return Err(DirtyLogError::NotALog { path: path.to_owned() });
-            }
-            let found_region = u64::from_le_bytes(h[12..20].try_into().expect("8 bytes"));
-            let found = u64::from_le_bytes(h[20..28].try_into().expect("8 bytes"));
-            if found != size || found_region != region {
-                return Err(DirtyLogError::Mismatch {
-                    path: path.to_owned(),
-                    found,
-                    found_region,
-                    size,
-                    region,
-                });
-            }
-            let mut raw = vec![0u8; pages * PAGE];
-            file.read_exact_at(&mut raw, HEADER).map_err(io)?;
-            for (w, c) in bits.iter_mut().zip(raw.chunks_exact(8)) {
-                *w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-            }
+        let pages = pages_for(size, region);
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let mut h = [0u8; 32];
+        if file.read_exact_at(&mut h, 0).is_err() {
+            return Err(DirtyLogError::NotALog { path: path.to_owned() });
         }
+        let crc = u32::from_le_bytes(h[28..32].try_into().expect("4 bytes"));
+        if &h[..8] != MAGIC || h[8..12] != VERSION.to_le_bytes() || crc != crc32c::crc32c(&h[..28]) {
+            return Err(DirtyLogError::NotALog { path: path.to_owned() });
+        }
+        let found_region = u64::from_le_bytes(h[12..20].try_into().expect("8 bytes"));
+        let found = u64::from_le_bytes(h[20..28].try_into().expect("8 bytes"));
+        if found != size || found_region != region {
+            return Err(DirtyLogError::Mismatch { path: path.to_owned(), found, found_region, size, region });
+        }
+        let mut raw = vec![0u8; pages * PAGE];
+        file.read_exact_at(&mut raw, HEADER).map_err(|_| DirtyLogError::NotALog { path: path.to_owned() })?;
+        let mut bits = vec![0u64; pages * WORDS_PER_PAGE];
+        for (w, c) in bits.iter_mut().zip(raw.chunks_exact(8)) {
+            *w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        }
+        // Bits past the last region mean nothing.
+        for r in regions..(bits.len() as u64 * 64) {
+            set_bit(&mut bits, r, false);
+        }
+        let resync = (0..regions).filter(|r| bit(&bits, *r)).collect();
         let state = State {
             bits,
             changed: BTreeSet::new(),
@@ -172,7 +194,7 @@ impl DirtyLog {
             failed: None,
             pending: HashMap::new(),
             inflight: HashMap::new(),
-            resync: HashSet::new(),
+            resync,
             idle: HashMap::new(),
             stats: DirtyStats::default(),
         };
@@ -204,6 +226,10 @@ impl DirtyLog {
     /// Marks the regions of `[offset, offset + len)` dirty and returns once
     /// that is durable: only then may the write leave for the legs.
     pub async fn begin(self: &Arc<Self>, offset: u64, len: u64) -> Result<WriteIntent, DirtyLogError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.regions * self.region => {}
+            _ => return Err(DirtyLogError::OutOfRange { offset, len }),
+        }
         let regions = self.regions_of(offset, len);
         let wait_for = {
             let mut s = self.state.lock();
@@ -272,9 +298,19 @@ impl DirtyLog {
     pub async fn clear(self: &Arc<Self>, regions: &[u64]) -> Result<(), DirtyLogError> {
         let epoch = {
             let mut s = self.state.lock();
+            if let Some(r) = regions.iter().find(|r| **r >= self.regions) {
+                return Err(DirtyLogError::OutOfRange {
+                    offset: r.saturating_mul(self.region),
+                    len: self.region,
+                });
+            }
             for r in regions {
+                // A write in flight may not be in what the resync copied.
+                if s.inflight.get(r).copied().unwrap_or(0) > 0 {
+                    continue;
+                }
                 s.resync.remove(r);
-                if s.inflight.get(r).copied().unwrap_or(0) == 0 && bit(&s.bits, *r) {
+                if bit(&s.bits, *r) {
                     set_bit(&mut s.bits, *r, false);
                     s.changed.insert(page_of(*r));
                     s.idle.remove(r);
@@ -302,7 +338,7 @@ impl DirtyLog {
     /// Waits until update `epoch` (whose snapshot holds the caller's bits)
     /// is durable, writing it if nobody is. One writer at a time; the
     /// others' bits ride along in the next snapshot.
-    async fn wait_durable(&self, epoch: u64) -> Result<(), DirtyLogError> {
+    async fn wait_durable(self: &Arc<Self>, epoch: u64) -> Result<(), DirtyLogError> {
         loop {
             let notified = self.done.notified();
             tokio::pin!(notified);
@@ -335,27 +371,33 @@ impl DirtyLog {
                 notified.await;
                 continue;
             };
-            let file = self.file.clone();
-            let written = tokio::task::spawn_blocking(move || {
-                for (p, bytes) in &pages {
-                    file.write_all_at(bytes, HEADER + (*p * PAGE) as u64)?;
-                }
-                file.sync_data()
-            })
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-            {
-                let mut s = self.state.lock();
-                s.updating = false;
-                match written {
-                    Ok(()) => {
-                        s.durable = this;
-                        s.stats.updates += 1;
+            // In a task of its own: a caller that gives up (a dropped
+            // future) cannot leave the update unfinished and the log stuck.
+            let log = self.clone();
+            tokio::spawn(async move {
+                let file = log.file.clone();
+                let written = tokio::task::spawn_blocking(move || {
+                    for (p, bytes) in &pages {
+                        file.write_all_at(bytes, HEADER + (*p * PAGE) as u64)?;
                     }
-                    Err(e) => s.failed = Some(e.to_string()),
+                    file.sync_data()
+                })
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+                {
+                    let mut s = log.state.lock();
+                    s.updating = false;
+                    match written {
+                        Ok(()) => {
+                            s.durable = this;
+                            s.stats.updates += 1;
+                        }
+                        Err(e) => s.failed = Some(e.to_string()),
+                    }
                 }
-            }
-            self.done.notify_waiters();
+                log.done.notify_waiters();
+            });
+            notified.await;
         }
     }
 }
@@ -414,6 +456,19 @@ fn set_bit(bits: &mut [u64], r: u64, on: bool) {
     } else {
         bits[w] &= !m
     }
+}
+
+fn check_region(region: u64) -> Result<(), DirtyLogError> {
+    if region.is_power_of_two() && region >= 4096 {
+        Ok(())
+    } else {
+        Err(DirtyLogError::RegionSize(region))
+    }
+}
+
+/// Bitmap pages for a volume: at least one.
+fn pages_for(size: u64, region: u64) -> usize {
+    (size.div_ceil(region).div_ceil(64) as usize).div_ceil(WORDS_PER_PAGE).max(1)
 }
 
 fn page_of(r: u64) -> usize {
