@@ -85,6 +85,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         return list();
     }
     let url = a.url.clone().expect("clap requires a URL unless --list");
+    // Before anything else: a SIGTERM during the set-up is a detach once
+    // attached, never the default death with a device or mount half made.
+    let waits = Waits::new()?;
     let opts = a.client.options()?;
     if let Some(dir) = &a.fuse {
         anyhow::ensure!((1..=64).contains(&a.threads), "--threads must be 1..=64");
@@ -104,8 +107,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     let vol = Remote::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
     match a.fuse {
-        Some(dir) => attach_fuse(vol, &url, dir, a.threads).await,
-        None => attach_kernel(vol, &url, &kopts).await,
+        Some(dir) => attach_fuse(vol, &url, dir, a.threads, waits).await,
+        None => attach_kernel(vol, &url, &kopts, waits).await,
     }
 }
 
@@ -158,7 +161,7 @@ fn entry(base: &Entry, vol: &Remote, state: &str, r: &Refusals, bridge: Option<&
     }
 }
 
-async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions) -> anyhow::Result<()> {
+async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions, mut waits: Waits) -> anyhow::Result<()> {
     let mut base = registry::this_process(url, "nbd");
     base.device = opts.device.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
     let mut refused = Refusals::default();
@@ -171,7 +174,6 @@ async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions) -> anyhow::
     let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, Some(&stats));
     reg.update(&now("attached", &refused))?;
     println!("fastsan: {url} attached as {}", base.device);
-    let mut waits = Waits::new()?;
     loop {
         if let Wake::Tick = waits.next().await {
             let _ = reg.update(&now("attached", &refused));
@@ -216,7 +218,13 @@ async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions) -> anyhow::
     }
 }
 
-async fn attach_fuse(vol: Remote, url: &str, dir: PathBuf, threads: usize) -> anyhow::Result<()> {
+async fn attach_fuse(
+    vol: Remote,
+    url: &str,
+    dir: PathBuf,
+    threads: usize,
+    mut waits: Waits,
+) -> anyhow::Result<()> {
     let name = Remote::name_in(url)?;
     let file = dir.join(&name);
     let mut base = registry::this_process(url, "fuse");
@@ -233,7 +241,6 @@ async fn attach_fuse(vol: Remote, url: &str, dir: PathBuf, threads: usize) -> an
     reg.update(&now("attached", &refused))?;
     info!(url, file = %file.display(), "attached");
     println!("fastsan: {url} attached as {}", file.display());
-    let mut waits = Waits::new()?;
     loop {
         if let Wake::Tick = waits.next().await {
             let _ = reg.update(&now("attached", &refused));
