@@ -119,45 +119,41 @@ pub fn is_connected(index: u32) -> bool {
     Path::new(&format!("/sys/block/nbd{index}/pid")).exists()
 }
 
-/// What can be checked before the volume is opened: the driver is there,
-/// the device named is one and is free.
-pub fn preflight(opts: &KernelOptions) -> Result<(), AttachError> {
+/// The NBD driver, found before the volume is opened; what [`attach`]
+/// connects the device with.
+pub struct Driver {
+    wanted: Option<u32>,
+    /// `None`: the ioctls.
+    nl: Option<NbdNetlink>,
+}
+
+/// What can be checked before the volume is opened: the driver is there
+/// (loaded if need be), the device named is one and is free.
+pub fn preflight(opts: &KernelOptions) -> Result<Driver, AttachError> {
     let wanted = opts.device.as_deref().map(index_of).transpose()?;
-    match opts.interface {
+    let nl = match opts.interface {
         Interface::Ioctl if !Path::new("/dev/nbd0").exists() => {
             return Err(AttachError::NoDriver("no /dev/nbd0".into()))
         }
-        Interface::Ioctl => {}
-        _ => {
-            if open_netlink()?.is_none() && opts.interface == Interface::Netlink {
-                return Err(AttachError::NoDriver("no NBD netlink family".into()));
-            }
-        }
-    }
-    match wanted {
-        Some(i) if is_connected(i) => Err(AttachError::Busy(format!("/dev/nbd{i}"))),
-        _ => Ok(()),
-    }
-}
-
-/// Attaches `vol` as an NBD device.
-pub async fn attach(vol: Remote, opts: &KernelOptions) -> Result<Device, AttachError> {
-    let wanted = opts.device.as_deref().map(index_of).transpose()?;
-    let bs = vol.block_size().max(512);
-    if bs > 4096 {
-        return Err(AttachError::BlockSize(bs));
-    }
-    let nl = match opts.interface {
         Interface::Ioctl => None,
         _ => open_netlink()?,
     };
     if nl.is_none() && opts.interface == Interface::Netlink {
         return Err(AttachError::NoDriver("no NBD netlink family".into()));
     }
-    if let Some(i) = wanted {
-        if is_connected(i) {
-            return Err(AttachError::Busy(format!("/dev/nbd{i}")));
-        }
+    match wanted {
+        Some(i) if is_connected(i) => Err(AttachError::Busy(format!("/dev/nbd{i}"))),
+        _ => Ok(Driver { wanted, nl }),
+    }
+}
+
+/// Attaches `vol` as an NBD device through the driver [`preflight`] found.
+/// A device taken meanwhile is refused by the kernel (EBUSY): [`AttachError::Busy`].
+pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result<Device, AttachError> {
+    let Driver { wanted, nl } = driver;
+    let bs = vol.block_size().max(512);
+    if bs > 4096 {
+        return Err(AttachError::BlockSize(bs));
     }
     let mut ours = Vec::new();
     let mut theirs: Vec<OwnedFd> = Vec::new();

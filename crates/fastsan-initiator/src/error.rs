@@ -126,7 +126,7 @@ impl Error {
 }
 
 /// An error and its causes, each once: what `anyhow`'s `{:#}` prints.
-pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+pub fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

@@ -8,7 +8,7 @@ use fastsan_attach::bridge::BridgeStats;
 use fastsan_attach::kernel::{self, Interface, KernelOptions};
 use fastsan_attach::registry::{self, Entry, Registration};
 use fastsan_attach::Remote;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
@@ -102,13 +102,15 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     // retries, each bounded by the request and reconnect timeouts.
     let timeout = (opts.request_timeout + opts.reconnect_timeout) * 2 + Duration::from_secs(30);
     let kopts = KernelOptions { device: a.device, queues, interface: a.interface, timeout };
-    if a.fuse.is_none() {
-        kernel::preflight(&kopts)?;
-    }
+    let driver = match a.fuse {
+        None => Some(kernel::preflight(&kopts)?),
+        Some(_) => None,
+    };
     let vol = Remote::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
-    match a.fuse {
-        Some(dir) => attach_fuse(vol, &url, dir, a.threads, waits).await,
-        None => attach_kernel(vol, &url, &kopts, waits).await,
+    match (a.fuse, driver) {
+        (Some(dir), _) => attach_fuse(vol, &url, dir, a.threads, waits).await,
+        (None, Some(driver)) => attach_kernel(vol, &url, driver, &kopts, waits).await,
+        (None, None) => unreachable!("the kernel path has its driver"),
     }
 }
 
@@ -161,14 +163,20 @@ fn entry(base: &Entry, vol: &Remote, state: &str, r: &Refusals, bridge: Option<&
     }
 }
 
-async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions, mut waits: Waits) -> anyhow::Result<()> {
+async fn attach_kernel(
+    vol: Remote,
+    url: &str,
+    driver: kernel::Driver,
+    opts: &KernelOptions,
+    mut waits: Waits,
+) -> anyhow::Result<()> {
     let mut base = registry::this_process(url, "nbd");
     base.device = opts.device.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
     let mut refused = Refusals::default();
     // Registered before the device exists: no device is ever left without an entry.
     let reg = Registration::new(&entry(&base, &vol, "attaching", &refused, None))
         .with_context(|| format!("cannot write the registry entry in {}", registry::dir().display()))?;
-    let mut dev = kernel::attach(vol.clone(), opts).await?;
+    let mut dev = kernel::attach(vol.clone(), driver, opts).await?;
     base.device = dev.path.display().to_string();
     let stats = dev.stats.clone();
     let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, Some(&stats));
@@ -180,12 +188,7 @@ async fn attach_kernel(vol: Remote, url: &str, opts: &KernelOptions, mut waits: 
             if dev.finished() {
                 // Disconnected from outside (nbd-client -d, an error).
                 warn!(device = %base.device, "the kernel disconnected the device");
-                if let Err(e) = vol.flush().await {
-                    reg.fail(now("failed", &refused), "the final flush failed: writes may be lost");
-                    return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
-                }
-                info!(device = %base.device, "detached");
-                return Ok(());
+                return finish(&vol, &base.device, reg, now("failed", &refused)).await;
             }
             continue;
         }
@@ -263,23 +266,23 @@ async fn attach_fuse(
                 info!(dir = %dir.display(), "umount: {e}; leaving it to fusermount");
                 let _ = reg.update(&now("detaching", &refused));
                 tokio::task::spawn_blocking(move || session.umount_and_join()).await??;
-                return finish(&vol, &file, reg, now("failed", &refused)).await;
+                return finish(&vol, &base.device, reg, now("failed", &refused)).await;
             }
         }
     }
     let _ = reg.update(&now("detaching", &refused));
     // Unmounted: the FUSE thread sees it and ends.
     tokio::task::spawn_blocking(move || session.join()).await??;
-    finish(&vol, &file, reg, now("failed", &refused)).await
+    finish(&vol, &base.device, reg, now("failed", &refused)).await
 }
 
 /// After the unmount: the final flush, and the last word.
-async fn finish(vol: &Remote, file: &Path, reg: Registration, last: Entry) -> anyhow::Result<()> {
+async fn finish(vol: &Remote, device: &str, reg: Registration, last: Entry) -> anyhow::Result<()> {
     if let Err(e) = vol.flush().await {
         reg.fail(last, "the final flush failed: writes may be lost");
         return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
     }
-    info!(file = %file.display(), "detached");
+    info!(device, "detached");
     Ok(())
 }
 

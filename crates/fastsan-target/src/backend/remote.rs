@@ -41,7 +41,12 @@ impl RemoteBackend {
             .join()
             .map_err(|_| io::Error::other("the remote volume's connect thread panicked"))
             .and_then(|r| {
-                r.map_err(|e| io::Error::other(format!("cannot open the remote volume {url}: {}", chain(&e))))
+                r.map_err(|e| {
+                    io::Error::other(format!(
+                        "cannot open the remote volume {url}: {}",
+                        fastsan_initiator::error::chain(&e)
+                    ))
+                })
             });
         match opened {
             Ok(vol) => Ok(RemoteBackend { vol, url: url.to_owned(), rt: Some(rt), handle }),
@@ -64,16 +69,6 @@ impl RemoteBackend {
             }
         })
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s += &format!(": {c}");
-        cur = c.source();
-    }
-    s
 }
 
 impl Drop for RemoteBackend {
