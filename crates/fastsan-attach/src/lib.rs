@@ -7,16 +7,14 @@
 //!   [`netlink`] (or the NBD ioctls);
 //! - [`fuse`]: one file on a FUSE mount, where the kernel has no NBD driver;
 //! - [`registry`]: what is attached, for `attach --list` and `detach`;
-//! - [`remote`]: the volume served, over BRP or from any NBD server.
 
 pub mod bridge;
 pub mod fuse;
 pub mod kernel;
 pub mod netlink;
 pub mod registry;
-pub mod remote;
 
-pub use remote::Remote;
+pub use fastsan_initiator::Remote;
 
 use fastsan_initiator::{Error, Status};
 

@@ -13,8 +13,9 @@
 //! - [`BenchError`], [`ClientError`]: why a run or a request failed.
 
 use bytes::Bytes;
+use fastsan_initiator::mirror::MirrorSpec;
 use fastsan_initiator::nbd::NbdVolume;
-use fastsan_initiator::{BrpUrl, Options, Volume};
+use fastsan_initiator::{BrpUrl, Mirror, Options, Volume};
 use hdrhistogram::Histogram;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parking_lot::Mutex;
@@ -45,7 +46,8 @@ impl Rw {
 
 #[derive(Debug, Clone)]
 pub struct JobSpec {
-    /// `brp://HOST:PORT/VOLUME`, `brp+unix:///VOLUME?socket=PATH` or `nbd://HOST:PORT/EXPORT`.
+    /// `brp://HOST:PORT/VOLUME`, `brp+unix:///VOLUME?socket=PATH`,
+    /// `nbd://HOST:PORT/EXPORT` or `mirror:LEG,LEG,log=PATH`.
     pub url: String,
     pub rw: Rw,
     pub bs: u32,
@@ -152,6 +154,7 @@ enum Target {
     Brp(Volume),
     /// One connection per job.
     Nbd(Vec<Arc<NbdVolume>>),
+    Mirror(Mirror),
 }
 
 impl Target {
@@ -159,18 +162,21 @@ impl Target {
         Ok(match self {
             Target::Brp(v) => v.read(off, len as u64).await?,
             Target::Nbd(c) => c[job].read(off, len as u64).await?,
+            Target::Mirror(m) => m.read(off, len as u64).await?,
         })
     }
     async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), ClientError> {
         match self {
             Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
             Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
+            Target::Mirror(m) => Ok(m.write_bytes(data, off, false).await?),
         }
     }
     fn size(&self) -> u64 {
         match self {
             Target::Brp(v) => v.size(),
             Target::Nbd(c) => c[0].size(),
+            Target::Mirror(m) => m.size(),
         }
     }
 }
@@ -226,9 +232,11 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
             v.push(Arc::new(NbdVolume::connect(&spec.url, &spec.brp).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
+    } else if MirrorSpec::is_mirror(&spec.url) {
+        Target::Mirror(Mirror::open(&spec.url, spec.brp.clone()).await.map_err(|e| open_err(e.into()))?)
     } else {
         return Err(BenchError::Invalid(format!(
-            "{}: expected brp://..., brp+unix://... or nbd://...",
+            "{}: expected brp://..., brp+unix://..., nbd://... or mirror:...",
             spec.url
         )));
     };
@@ -349,6 +357,12 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         line.finish_and_clear();
     }
     let after_stats = brp_stats(&target);
+    if let Target::Mirror(m) = &*target {
+        // Nothing left dirty that every leg holds: the next open resyncs nothing.
+        if let Err(e) = m.close().await {
+            tracing::warn!(error = %fastsan_initiator::error::chain(&e), "closing the mirror");
+        }
+    }
     let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
     for h in &hists {
         hist.add(&*h.lock()).expect("same bounds");
@@ -364,7 +378,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         iodepth: spec.iodepth,
         jobs: spec.jobs,
         requesters: spec.iodepth * spec.jobs,
-        connections: if matches!(*target, Target::Brp(_)) { spec.brp.connections } else { spec.jobs },
+        connections: if matches!(*target, Target::Nbd(_)) { spec.jobs } else { spec.brp.connections },
         merge: format!("{:?}", spec.brp.merge).to_lowercase(),
         runtime_s: secs,
         ios,
@@ -394,7 +408,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
 fn brp_stats(t: &Target) -> fastsan_initiator::InitiatorStats {
     match t {
         Target::Brp(v) => v.stats(),
-        Target::Nbd(_) => Default::default(),
+        Target::Nbd(_) | Target::Mirror(_) => Default::default(),
     }
 }
 

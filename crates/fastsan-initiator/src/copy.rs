@@ -3,7 +3,7 @@
 //! re-established meanwhile, a busy target), and a chunk that ends in a
 //! partial block is padded with zeros, since a volume takes whole blocks.
 
-use crate::{Error, Volume};
+use crate::{Error, Remote};
 use bytes::{Bytes, BytesMut};
 use std::future::Future;
 use std::time::Duration;
@@ -12,19 +12,19 @@ use std::time::Duration;
 pub const TRIES: u32 = 5;
 
 /// Reads `len` bytes at `offset`.
-pub async fn read(vol: &Volume, offset: u64, len: u64) -> Result<Bytes, Error> {
+pub async fn read(vol: &Remote, offset: u64, len: u64) -> Result<Bytes, Error> {
     retry(|| vol.read(offset, len)).await
 }
 
 /// Writes `data` at `offset`, padded with zeros to a whole number of blocks.
-pub async fn write(vol: &Volume, offset: u64, data: Bytes) -> Result<(), Error> {
+pub async fn write(vol: &Remote, offset: u64, data: Bytes) -> Result<(), Error> {
     let data = pad_to_block(data, vol.block_size());
     retry(|| vol.write_bytes(data.clone(), offset, false)).await
 }
 
 /// Makes every chunk written durable.
-pub async fn finish(vol: &Volume) -> Result<(), Error> {
-    retry(|| vol.flush()).await
+pub async fn finish(vol: &Remote) -> Result<(), Error> {
+    retry(|| vol.close()).await
 }
 
 /// Runs `op` until it succeeds, fails with an error that is not retryable,

@@ -86,6 +86,12 @@ pub enum Error {
     Io(#[from] io::Error),
     #[error("timed out: {0}")]
     Timeout(&'static str),
+    /// A mirror cannot serve (no leg holds every write, a leg belongs to
+    /// another mirror, the legs diverged...).
+    #[error("mirror: {0}")]
+    Mirror(String),
+    #[error("dirty-region log")]
+    DirtyLog(#[from] crate::mirror::DirtyLogError),
 }
 
 impl Error {
@@ -121,6 +127,8 @@ impl Error {
             Error::VolumeChanged { .. } | Error::VolumeReplaced { .. } | Error::SessionEnded(_) => false,
             // Durability was lost once; trying again does not bring it back.
             Error::UnflushedWritesLost { .. } => false,
+            // A mirror's refusal, or its log failing: nothing a retry changes.
+            Error::Mirror(_) | Error::DirtyLog(_) => false,
         }
     }
 }

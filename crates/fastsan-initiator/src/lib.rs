@@ -28,6 +28,10 @@
 //!   target's fence, restart detection; [`list`].
 //! - `order` (private) - writes to overlapping ranges keep their order across retries.
 //! - [`stats`] - [`InitiatorStats`], what the connections sent.
+//! - [`remote`] - [`Remote`]: any volume a URL names (BRP, NBD, mirror);
+//!   what the commands open.
+//! - [`mirror`] - [`Mirror`]: a volume mirrored across targets, its
+//!   dirty-region log, generations, degraded legs and resync.
 //! - [`blocking`] - [`BlockingVolume`], the same API without async.
 //! - [`copy`] - chunks of a whole-volume copy: retried, a partial last
 //!   block padded with zeros.
@@ -41,9 +45,11 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz_checks;
 pub mod handshake;
+pub mod mirror;
 pub mod nbd;
 pub mod options;
 mod order;
+pub mod remote;
 pub mod session;
 pub mod stats;
 mod transport;
@@ -53,7 +59,9 @@ pub use blocking::BlockingVolume;
 pub use error::Error;
 pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
 pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
+pub use mirror::Mirror;
 pub use options::{MergeMode, Options};
+pub use remote::Remote;
 pub use session::{list, Volume};
 pub use stats::InitiatorStats;
 pub use url::{BrpUrl, Endpoint};

@@ -278,7 +278,7 @@ async fn attach_fuse(
 
 /// After the unmount: the final flush, and the last word.
 async fn finish(vol: &Remote, device: &str, reg: Registration, last: Entry) -> anyhow::Result<()> {
-    if let Err(e) = vol.flush().await {
+    if let Err(e) = vol.close().await {
         reg.fail(last, "the final flush failed: writes may be lost");
         return Err(anyhow::Error::new(e).context("the final flush failed: writes may be lost"));
     }

@@ -6,7 +6,7 @@
 use crate::ClientArgs;
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use fastsan_initiator::{copy, Volume};
+use fastsan_initiator::{copy, mirror::MirrorSpec, BrpUrl, Remote};
 use fastsan_target::config::parse_size;
 use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -23,12 +23,14 @@ use std::time::Instant;
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
 ///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
 ///   fastsan cp disk.img 'brp+unix:///vol0?socket=/run/fastsan.sock'
+///   fastsan cp disk.img mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Source: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
+    /// Source: a local path, brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH,
+    /// nbd://HOST:PORT/EXPORT or mirror:LEG,LEG,log=PATH
     src: String,
-    /// Destination: a local path, brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH
+    /// Destination: a local path or a volume URL, as the source
     dst: String,
     /// Size of each request.
     #[arg(long, default_value = "1M", value_name = "SIZE")]
@@ -42,13 +44,13 @@ pub struct Args {
 
 enum End {
     Local(Arc<File>, PathBuf),
-    Vol(Volume, String),
+    Vol(Remote, String),
 }
 
 impl End {
     async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
-        if fastsan_initiator::BrpUrl::has_scheme(s) {
-            let v = Volume::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
+        if BrpUrl::has_scheme(s) || s.starts_with("nbd://") || MirrorSpec::is_mirror(s) {
+            let v = Remote::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
                 bail!("{s} is read-only");
             }

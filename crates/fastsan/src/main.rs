@@ -8,6 +8,7 @@ mod attach;
 mod bench;
 mod cp;
 mod ls;
+mod mirror;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +33,7 @@ enum Cmd {
     Bench(bench::Args),
     Attach(attach::Args),
     Detach(attach::DetachArgs),
+    Mirror(mirror::Args),
 }
 
 /// Options every client subcommand shares.
@@ -106,6 +108,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Bench(a) => bench::run(a).await,
             Cmd::Attach(a) => attach::run(a).await,
             Cmd::Detach(a) => attach::detach(a).await,
+            Cmd::Mirror(a) => mirror::run(a).await,
         }
     });
     match r {
@@ -124,6 +127,8 @@ fn default_log(cmd: &Cmd) -> &'static str {
         // fuser warns when its own unmount finds the mount already gone (ours).
         Cmd::Attach(_) => "info,fuser=error",
         Cmd::Detach(_) => "warn",
+        // What a resync copies and which legs come and go.
+        Cmd::Mirror(_) => "info",
         _ => "warn",
     }
 }

@@ -1,32 +1,51 @@
-//! The volume an attachment serves: a BRP volume through the initiator's
-//! session (merging, connections, retries after the fence), or an export
-//! of any NBD server (one connection, no retries: NBD has no fence).
+//! Any volume a URL names: a BRP volume through the initiator's session
+//! (merging, connections, retries after the fence), an export of any NBD
+//! server (one connection, no retries: NBD has no fence), or a mirror of
+//! those ([`Mirror`]). Every command that takes a volume URL (`cp`,
+//! `bench`, `attach`) opens it through [`Remote::connect`].
 
+use crate::mirror::{Mirror, MirrorSpec};
+use crate::nbd::NbdVolume;
+use crate::{BrpUrl, Error, InitiatorStats, Options, Volume};
 use bytes::Bytes;
-use fastsan_initiator::nbd::NbdVolume;
-use fastsan_initiator::{BrpUrl, Error, InitiatorStats, Options, Volume};
 use std::sync::Arc;
 
 #[derive(Clone)]
 pub enum Remote {
     Brp(Volume),
     Nbd(Arc<NbdVolume>),
+    Mirror(Mirror),
 }
 
 impl Remote {
-    /// Opens `brp://`, `brp+unix://` or `nbd://` (the options apply to BRP).
+    /// Opens `brp://`, `brp+unix://`, `nbd://` or `mirror:` (the options
+    /// apply to BRP, and to a mirror's BRP legs).
     pub async fn connect(url: &str, opts: Options) -> Result<Remote, Error> {
+        if MirrorSpec::is_mirror(url) {
+            return Ok(Remote::Mirror(Mirror::open(url, opts).await?));
+        }
+        Self::connect_one(url, opts).await
+    }
+
+    /// Opens a single volume: `brp://`, `brp+unix://` or `nbd://`.
+    pub async fn connect_one(url: &str, opts: Options) -> Result<Remote, Error> {
         if url.starts_with("nbd://") {
             Ok(Remote::Nbd(Arc::new(NbdVolume::connect(url, &opts).await?)))
-        } else {
+        } else if BrpUrl::has_scheme(url) {
             Ok(Remote::Brp(Volume::connect(url, opts).await?))
+        } else {
+            Err(Error::Url(format!("{url}: expected brp://..., brp+unix://..., nbd://... or mirror:...")))
         }
     }
 
     /// The volume's name in a URL: the file name under a FUSE mount.
     pub fn name_in(url: &str) -> Result<String, Error> {
-        if url.starts_with("nbd://") {
-            let (_, export) = fastsan_initiator::nbd::parse_url(url)?;
+        if MirrorSpec::is_mirror(url) {
+            let spec = MirrorSpec::parse(url)?;
+            let stem = spec.log.file_stem().map(|s| s.to_string_lossy().into_owned());
+            Ok(stem.filter(|s| !s.is_empty()).unwrap_or_else(|| "mirror".into()))
+        } else if url.starts_with("nbd://") {
+            let (_, export) = crate::nbd::parse_url(url)?;
             Ok(if export.is_empty() || export.contains('/') { "disk".into() } else { export })
         } else {
             Ok(BrpUrl::parse(url)?.volume)
@@ -37,25 +56,28 @@ impl Remote {
         match self {
             Remote::Brp(v) => v.size(),
             Remote::Nbd(v) => v.size(),
+            Remote::Mirror(m) => m.size(),
         }
     }
     pub fn block_size(&self) -> u32 {
         match self {
             Remote::Brp(v) => v.block_size(),
             Remote::Nbd(v) => v.block_size(),
+            Remote::Mirror(m) => m.block_size(),
         }
     }
     pub fn read_only(&self) -> bool {
         match self {
             Remote::Brp(v) => v.read_only(),
             Remote::Nbd(v) => v.read_only(),
+            Remote::Mirror(_) => false,
         }
     }
     /// Whether TRIM may be offered (an NBD export says; a BRP volume
     /// answers UNSUPPORTED where it cannot).
     pub fn can_trim(&self) -> bool {
         match self {
-            Remote::Brp(_) => true,
+            Remote::Brp(_) | Remote::Mirror(_) => true,
             Remote::Nbd(v) => v.can_trim(),
         }
     }
@@ -64,12 +86,13 @@ impl Remote {
         match self {
             Remote::Brp(v) => v.connections(),
             Remote::Nbd(v) => (v.connected() as usize, 1),
+            Remote::Mirror(m) => m.connections(),
         }
     }
     pub fn stats(&self) -> InitiatorStats {
         match self {
             Remote::Brp(v) => v.stats(),
-            Remote::Nbd(_) => InitiatorStats::default(),
+            Remote::Nbd(_) | Remote::Mirror(_) => InitiatorStats::default(),
         }
     }
 
@@ -77,12 +100,14 @@ impl Remote {
         match self {
             Remote::Brp(v) => v.read(offset, len).await,
             Remote::Nbd(v) => v.read(offset, len).await,
+            Remote::Mirror(m) => Box::pin(m.read(offset, len)).await,
         }
     }
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
         match self {
             Remote::Brp(v) => v.write_bytes(data, offset, fua).await,
             Remote::Nbd(v) => v.write_bytes(data, offset, fua).await,
+            Remote::Mirror(m) => Box::pin(m.write_bytes(data, offset, fua)).await,
         }
     }
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
@@ -92,18 +117,29 @@ impl Remote {
         match self {
             Remote::Brp(v) => v.flush().await,
             Remote::Nbd(v) => v.flush().await,
+            Remote::Mirror(m) => Box::pin(m.flush()).await,
+        }
+    }
+    /// Flushes; a mirror also clears its log of what every leg holds (see
+    /// [`Mirror::close`]). Call it when done with the volume.
+    pub async fn close(&self) -> Result<(), Error> {
+        match self {
+            Remote::Mirror(m) => Box::pin(m.close()).await,
+            other => other.flush().await,
         }
     }
     pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
         match self {
             Remote::Brp(v) => v.trim(offset, len).await,
             Remote::Nbd(v) => v.trim(offset, len).await,
+            Remote::Mirror(m) => Box::pin(m.trim(offset, len)).await,
         }
     }
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
         match self {
             Remote::Brp(v) => v.write_zeroes(offset, len, fua).await,
             Remote::Nbd(v) => v.write_zeroes(offset, len, fua).await,
+            Remote::Mirror(m) => Box::pin(m.write_zeroes(offset, len, fua)).await,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! updates, hot regions free, lazy clearing, regions missed by a leg kept
 //! for the resync, and a log that belongs to another volume refused.
 
-use fastsan_mirror::{DirtyLog, DirtyLogError};
+use fastsan_initiator::mirror::{DirtyLog, DirtyLogError, Generations};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -18,14 +18,18 @@ fn path(name: &str) -> PathBuf {
 /// The dirty regions as a fresh open of the file sees them: what a crash
 /// leaves (through the page cache: the order of writes and syncs is the
 /// code's to keep, and not observable here).
-fn on_disk(p: &std::path::Path, size: u64) -> Vec<u64> {
-    DirtyLog::open(p, size, MIB, Duration::ZERO).unwrap().dirty()
+fn on_disk(p: &std::path::Path, _size: u64) -> Vec<u64> {
+    DirtyLog::peek(p).unwrap().3
+}
+
+fn gens(legs: usize) -> Generations {
+    Generations { uuid: [9; 16], current: 1, legs: vec![1; legs] }
 }
 
 #[tokio::test]
 async fn a_region_is_durably_dirty_before_its_write_may_leave() {
     let p = path("durable");
-    let log = DirtyLog::create(&p, 64 * MIB, MIB, Duration::from_secs(60)).unwrap();
+    let log = DirtyLog::create(&p, 64 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
     assert!(log.dirty().is_empty());
     // 3 MiB from 1.5 MiB: regions 1, 2, 3 and 4.
     let w = log.begin(3 * MIB / 2, 3 * MIB).await.unwrap();
@@ -39,7 +43,7 @@ async fn a_region_is_durably_dirty_before_its_write_may_leave() {
 #[tokio::test]
 async fn concurrent_writes_share_updates_and_hot_regions_cost_none() {
     let p = path("batch");
-    let log = DirtyLog::create(&p, 64 * MIB, MIB, Duration::from_secs(60)).unwrap();
+    let log = DirtyLog::create(&p, 64 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
     // 64 writes to 64 regions at once: the first update carries one, the
     // next carries the 63 that arrived while it was written.
     let intents = futures::future::join_all((0..64).map(|r| log.begin(r * MIB, 4096))).await;
@@ -59,7 +63,7 @@ async fn concurrent_writes_share_updates_and_hot_regions_cost_none() {
 #[tokio::test]
 async fn idle_regions_are_cleared_lazily_in_one_update() {
     let p = path("clear");
-    let log = DirtyLog::create(&p, 16 * MIB, MIB, Duration::from_millis(100)).unwrap();
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::from_millis(100)).unwrap();
     let a = log.begin(0, 2 * MIB).await.unwrap();
     let b = log.begin(5 * MIB, 4096).await.unwrap();
     a.done(true);
@@ -83,7 +87,7 @@ async fn idle_regions_are_cleared_lazily_in_one_update() {
 #[tokio::test]
 async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
     let p = path("degraded");
-    let log = DirtyLog::create(&p, 16 * MIB, MIB, Duration::ZERO).unwrap();
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     log.begin(3 * MIB, 4096).await.unwrap().done(false);
     // A later write that reaches every leg does not make it clean.
     log.begin(3 * MIB, 4096).await.unwrap().done(true);
@@ -92,7 +96,13 @@ async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
     log.begin(9 * MIB, 4096).await.unwrap().done(true);
     assert_eq!(log.clear_idle().await.unwrap(), 1, "only region 9");
     assert_eq!(on_disk(&p, 16 * MIB), vec![3, 7]);
+    // A write begun (not sent yet) when the resync clears: the region
+    // stays dirty until it is done, and then goes as that write says.
+    let pending = log.begin(3 * MIB, 4096).await.unwrap();
     log.clear(&[3, 7]).await.unwrap();
+    assert_eq!(on_disk(&p, 16 * MIB), vec![3]);
+    pending.done(true);
+    assert_eq!(log.clear_idle().await.unwrap(), 1);
     assert!(on_disk(&p, 16 * MIB).is_empty());
 }
 
@@ -100,22 +110,56 @@ async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
 async fn a_log_of_another_volume_or_no_log_is_refused() {
     let p = path("mismatch");
     // No log: an error, never a clean log (the regions it marked would be forgotten).
-    assert!(matches!(DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO), Err(DirtyLogError::Io { .. })));
-    drop(DirtyLog::create(&p, 16 * MIB, MIB, Duration::ZERO).unwrap());
-    assert!(DirtyLog::create(&p, 16 * MIB, MIB, Duration::ZERO).is_err(), "an existing log is not replaced");
-    let e = DirtyLog::open(&p, 32 * MIB, MIB, Duration::ZERO).err().unwrap();
-    assert!(matches!(e, DirtyLogError::Mismatch { found, .. } if found == 16 * MIB), "{e}");
-    let e = DirtyLog::open(&p, 16 * MIB, 2 * MIB, Duration::ZERO).err().unwrap();
-    assert!(matches!(e, DirtyLogError::Mismatch { .. }), "{e}");
+    assert!(matches!(DirtyLog::open(&p, Duration::ZERO), Err(DirtyLogError::Io { .. })));
+    let held = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
+    assert_eq!((held.size(), held.region_size(), held.regions()), (16 * MIB, MIB, 16));
+    assert!(
+        DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).is_err(),
+        "an existing log is not replaced"
+    );
+    // One process at a time: a second user would keep a log of its own.
+    let e = DirtyLog::open(&p, Duration::ZERO).err().unwrap();
+    assert!(matches!(e, DirtyLogError::InUse { .. }), "{e}");
+    drop(held);
+    drop(DirtyLog::open(&p, Duration::ZERO).unwrap());
     std::fs::write(&p, vec![7u8; 8192]).unwrap();
-    let e = DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO).err().unwrap();
+    let e = DirtyLog::open(&p, Duration::ZERO).err().unwrap();
     assert!(matches!(e, DirtyLogError::NotALog { .. }), "{e}");
     std::fs::write(&p, b"short").unwrap();
-    assert!(matches!(DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO), Err(DirtyLogError::NotALog { .. })));
+    assert!(matches!(DirtyLog::open(&p, Duration::ZERO), Err(DirtyLogError::NotALog { .. })));
+    std::fs::remove_file(&p).unwrap();
     assert!(matches!(
-        DirtyLog::open(&p, 16 * MIB, 1000, Duration::ZERO),
+        DirtyLog::create(&p, 16 * MIB, 1000, &gens(2), false, Duration::ZERO),
         Err(DirtyLogError::RegionSize(1000))
     ));
+    assert!(matches!(
+        DirtyLog::create(&p, 16 * MIB, MIB, &gens(0), false, Duration::ZERO),
+        Err(DirtyLogError::Legs(0))
+    ));
+    let _ = std::fs::remove_dir_all(p.parent().unwrap());
+}
+
+/// The generation record is durable when set_generations returns, and a
+/// torn write of the newer slot leaves the older record whole.
+#[tokio::test]
+async fn generations_survive_a_torn_update() {
+    use std::os::unix::fs::FileExt;
+    let p = path("gens");
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(3), true, Duration::ZERO).unwrap();
+    assert_eq!(log.generations(), gens(3));
+    assert_eq!(log.dirty().len(), 16, "a log made for a full sync starts all dirty");
+    let g2 = Generations { uuid: [9; 16], current: 2, legs: vec![2, 1, 2] };
+    log.set_generations(&g2).await.unwrap();
+    assert_eq!(DirtyLog::peek(&p).unwrap().2, g2);
+    let g3 = Generations { uuid: [9; 16], current: 3, legs: vec![3, 1, 1] };
+    log.set_generations(&g3).await.unwrap();
+    assert_eq!(DirtyLog::peek(&p).unwrap().2, g3);
+    drop(log);
+    // The third record went to the slot at 512 + 512 * (3 % 2); tear it.
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&[0xff; 100], 1024 + 20).unwrap();
+    drop(f);
+    assert_eq!(DirtyLog::open(&p, Duration::ZERO).unwrap().generations(), g2);
     let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
 
@@ -125,11 +169,12 @@ async fn a_log_of_another_volume_or_no_log_is_refused() {
 #[tokio::test]
 async fn regions_dirty_at_open_wait_for_the_resync() {
     let p = path("reopen");
-    let log = DirtyLog::create(&p, 16 * MIB, MIB, Duration::ZERO).unwrap();
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     let crashed = log.begin(2 * MIB, 4096).await.unwrap();
-    std::mem::forget(crashed); // the process died with the write in flight
+    // The process dies with the write in flight: the bit stays set on disk.
+    crashed.done(false);
     drop(log);
-    let log = DirtyLog::open(&p, 16 * MIB, MIB, Duration::ZERO).unwrap();
+    let log = DirtyLog::open(&p, Duration::ZERO).unwrap();
     assert_eq!(log.dirty(), vec![2]);
     log.begin(2 * MIB, 4096).await.unwrap().done(true);
     assert_eq!(log.clear_idle().await.unwrap(), 0);
@@ -147,7 +192,7 @@ async fn regions_dirty_at_open_wait_for_the_resync() {
 #[tokio::test]
 async fn a_caller_giving_up_mid_update_leaves_the_log_working() {
     let p = path("cancel");
-    let log = DirtyLog::create(&p, 16 * MIB, MIB, Duration::ZERO).unwrap();
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     {
         let mut f = Box::pin(log.begin(0, 4096));
         // Polled once: it sets its bit and starts the update, then is dropped.

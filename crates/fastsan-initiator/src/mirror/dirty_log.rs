@@ -15,9 +15,18 @@
 //!   idle (no write in flight, none begun) for `clear_delay`, and the clears
 //!   are batched too, so a region written again soon is not updated twice.
 //!
+//! The log also keeps the mirror's generation record (DRBD's data
+//! generation identifiers, simplified): the mirror's identity, its current
+//! generation and the generation each leg is known to hold. A leg whose
+//! generation is behind the current one missed writes and is read only after
+//! a resync. It is written in two alternating slots with a sequence number,
+//! so a torn write leaves the previous record whole.
+//!
 //! ```text
 //! file:   header (4 KiB) | bitmap (one bit per region, little-endian u64 words, 4 KiB pages)
-//! header: magic "FSANDRL1" | version u32 | region_size u64 | volume_size u64 | crc32c of the above u32
+//! header: magic "FSANDRL2" | version u32 | region_size u64 | volume_size u64 | crc32c of the above u32
+//!         generation slots at 512 and 1024: magic "FSANGEN1" | seq u64 | uuid [16] | current u64
+//!                                          | legs u32 | leg generation u64 x legs | crc32c u32
 //! ```
 
 use parking_lot::Mutex;
@@ -29,8 +38,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
-const MAGIC: &[u8; 8] = b"FSANDRL1";
-const VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"FSANDRL2";
+const VERSION: u32 = 2;
+const GEN_MAGIC: &[u8; 8] = b"FSANGEN1";
+const GEN_SLOT: u64 = 512;
+/// Most regions a log tracks (a 64 MiB bitmap): 512 TiB in 1 MiB regions.
+const MAX_REGIONS: u64 = 1 << 29;
+/// Most legs a mirror may have.
+pub const MAX_LEGS: usize = 32;
 const HEADER: u64 = 4096;
 const PAGE: usize = 4096;
 const WORDS_PER_PAGE: usize = PAGE / 8;
@@ -45,11 +60,11 @@ pub enum DirtyLogError {
     },
     #[error("{path} is not a fastsan dirty-region log (bad magic, version or checksum)")]
     NotALog { path: PathBuf },
-    #[error(
-        "{path} belongs to a volume of {found} bytes in regions of {found_region}, not {size} in {region}"
-    )]
-    Mismatch { path: PathBuf, found: u64, found_region: u64, size: u64, region: u64 },
-    #[error("the region size must be a power of two of at least 4 KiB, not {0}")]
+    #[error("{path} is in use by another process (pid {pid})")]
+    InUse { path: PathBuf, pid: String },
+    #[error("a mirror has 1 to {MAX_LEGS} legs, not {0}")]
+    Legs(usize),
+    #[error("the region size must be a power of two of at least 4 KiB (and at most 2^29 regions), not {0}")]
     RegionSize(u64),
     #[error("a write of {len} bytes at {offset} is past the end of the volume")]
     OutOfRange { offset: u64, len: u64 },
@@ -65,6 +80,57 @@ pub struct DirtyStats {
     /// Regions set, and cleared.
     pub set: u64,
     pub cleared: u64,
+}
+
+/// The mirror's generation record, as the log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generations {
+    /// The mirror's identity, also in every leg's record.
+    pub uuid: [u8; 16],
+    /// Bumped whenever the set of legs holding every write shrinks.
+    pub current: u64,
+    /// Per leg, the generation it is known to hold: `current` when in sync.
+    pub legs: Vec<u64>,
+}
+
+impl Generations {
+    fn encode(&self, seq: u64) -> Vec<u8> {
+        let mut b = Vec::with_capacity(GEN_SLOT as usize);
+        b.extend_from_slice(GEN_MAGIC);
+        b.extend_from_slice(&seq.to_le_bytes());
+        b.extend_from_slice(&self.uuid);
+        b.extend_from_slice(&self.current.to_le_bytes());
+        b.extend_from_slice(&(self.legs.len() as u32).to_le_bytes());
+        for g in &self.legs {
+            b.extend_from_slice(&g.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b.resize(GEN_SLOT as usize, 0);
+        b
+    }
+
+    /// A slot's record and sequence, if it is whole.
+    fn decode(b: &[u8]) -> Option<(u64, Generations)> {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if b.len() < 44 || &b[..8] != GEN_MAGIC {
+            return None;
+        }
+        let n = u32::from_le_bytes(b[40..44].try_into().expect("4 bytes")) as usize;
+        if n == 0 || n > MAX_LEGS {
+            return None;
+        }
+        let end = 44 + 8 * n;
+        let crc = u32::from_le_bytes(b.get(end..end + 4)?.try_into().expect("4 bytes"));
+        if crc != crc32c::crc32c(&b[..end]) {
+            return None;
+        }
+        let legs = (0..n).map(|i| u64_at(44 + 8 * i)).collect();
+        Some((
+            u64_at(8),
+            Generations { uuid: b[16..32].try_into().expect("16 bytes"), current: u64_at(32), legs },
+        ))
+    }
 }
 
 struct State {
@@ -94,7 +160,11 @@ struct State {
 pub struct DirtyLog {
     path: PathBuf,
     file: Arc<File>,
+    size: u64,
     region: u64,
+    /// The generation record and the sequence of its last write.
+    gens: Mutex<(u64, Generations)>,
+    gen_write: tokio::sync::Mutex<()>,
     regions: u64,
     clear_delay: Duration,
     state: Mutex<State>,
@@ -111,18 +181,28 @@ pub struct WriteIntent {
 }
 
 impl DirtyLog {
-    /// Creates a new, all-clean log at `path` for a volume of `size` bytes
-    /// in regions of `region` bytes (a power of two, at least 4 KiB). It is
-    /// written whole under a temporary name, synced, renamed into place and
-    /// the directory synced: a crash leaves either no log or a whole one.
-    /// An existing file is not replaced.
+    /// Creates a new log at `path` for a volume of `size` bytes in regions
+    /// of `region` bytes (a power of two, at least 4 KiB), every region
+    /// clean or (`all_dirty`, for a first full sync) every region dirty,
+    /// with the generation record `gens`. It is written whole under a
+    /// temporary name, synced, renamed into place and the directory synced:
+    /// a crash leaves either no log or a whole one. An existing file is not
+    /// replaced.
     pub fn create(
         path: &Path,
         size: u64,
         region: u64,
+        gens: &Generations,
+        all_dirty: bool,
         clear_delay: Duration,
     ) -> Result<Arc<DirtyLog>, DirtyLogError> {
         check_region(region)?;
+        if size.div_ceil(region) > MAX_REGIONS {
+            return Err(DirtyLogError::RegionSize(region));
+        }
+        if gens.legs.is_empty() || gens.legs.len() > MAX_LEGS {
+            return Err(DirtyLogError::Legs(gens.legs.len()));
+        }
         let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
         if path.exists() {
             return Err(io(std::io::Error::from(std::io::ErrorKind::AlreadyExists)));
@@ -136,54 +216,34 @@ impl DirtyLog {
         h[20..28].copy_from_slice(&size.to_le_bytes());
         let crc = crc32c::crc32c(&h[..28]);
         h[28..32].copy_from_slice(&crc.to_le_bytes());
+        h[GEN_SLOT as usize..2 * GEN_SLOT as usize].copy_from_slice(&gens.encode(1));
         f.write_all_at(&h, 0).map_err(io)?;
-        f.write_all_at(&vec![0u8; pages_for(size, region) * PAGE], HEADER).map_err(io)?;
+        let mut bits = vec![0u64; pages_for(size, region) * WORDS_PER_PAGE];
+        if all_dirty {
+            for r in 0..size.div_ceil(region) {
+                set_bit(&mut bits, r, true);
+            }
+        }
+        let raw: Vec<u8> = bits.iter().flat_map(|w| w.to_le_bytes()).collect();
+        f.write_all_at(&raw, HEADER).map_err(io)?;
         f.sync_all().map_err(io)?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(io)?;
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
-        Self::open(path, size, region, clear_delay)
+        Self::open(path, clear_delay)
     }
 
-    /// Opens the log at `path` of a volume of `size` bytes in regions of
-    /// `region` bytes. A missing file is an error, never a clean log: the
+    /// Opens the log at `path`, for this process alone (an exclusive lock
+    /// on the file: two initiators writing one mirror would each believe
+    /// its own log). A missing file is an error, never a clean log: the
     /// regions it marked would be forgotten. Every region dirty in it needs
     /// a resync (a crash, or a leg away, left it so).
-    pub fn open(
-        path: &Path,
-        size: u64,
-        region: u64,
-        clear_delay: Duration,
-    ) -> Result<Arc<DirtyLog>, DirtyLogError> {
-        check_region(region)?;
-        let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
+    pub fn open(path: &Path, clear_delay: Duration) -> Result<Arc<DirtyLog>, DirtyLogError> {
+        let (file, size, region, gens) = Self::read_header(path, true)?;
+        Self::lock(path, &file)?;
         let regions = size.div_ceil(region);
-        let pages = pages_for(size, region);
-        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
-        let mut h = [0u8; 32];
-        if file.read_exact_at(&mut h, 0).is_err() {
-            return Err(DirtyLogError::NotALog { path: path.to_owned() });
-        }
-        let crc = u32::from_le_bytes(h[28..32].try_into().expect("4 bytes"));
-        if &h[..8] != MAGIC || h[8..12] != VERSION.to_le_bytes() || crc != crc32c::crc32c(&h[..28]) {
-            return Err(DirtyLogError::NotALog { path: path.to_owned() });
-        }
-        let found_region = u64::from_le_bytes(h[12..20].try_into().expect("8 bytes"));
-        let found = u64::from_le_bytes(h[20..28].try_into().expect("8 bytes"));
-        if found != size || found_region != region {
-            return Err(DirtyLogError::Mismatch { path: path.to_owned(), found, found_region, size, region });
-        }
-        let mut raw = vec![0u8; pages * PAGE];
-        file.read_exact_at(&mut raw, HEADER).map_err(|_| DirtyLogError::NotALog { path: path.to_owned() })?;
-        let mut bits = vec![0u64; pages * WORDS_PER_PAGE];
-        for (w, c) in bits.iter_mut().zip(raw.chunks_exact(8)) {
-            *w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-        }
-        // Bits past the last region mean nothing.
-        for r in regions..(bits.len() as u64 * 64) {
-            set_bit(&mut bits, r, false);
-        }
+        let bits = Self::read_bits(path, &file, size, region)?;
         let resync = (0..regions).filter(|r| bit(&bits, *r)).collect();
         let state = State {
             bits,
@@ -201,7 +261,10 @@ impl DirtyLog {
         Ok(Arc::new(DirtyLog {
             path: path.to_owned(),
             file: Arc::new(file),
+            size,
             region,
+            gens: Mutex::new(gens),
+            gen_write: tokio::sync::Mutex::new(()),
             regions,
             clear_delay,
             state: Mutex::new(state),
@@ -209,14 +272,133 @@ impl DirtyLog {
         }))
     }
 
+    /// What a log holds, read without taking it (for a status of a mirror
+    /// another process has open): the volume size, the region size, the
+    /// generation record and the dirty regions.
+    pub fn peek(path: &Path) -> Result<(u64, u64, Generations, Vec<u64>), DirtyLogError> {
+        let (file, size, region, (_, gens)) = Self::read_header(path, false)?;
+        let bits = Self::read_bits(path, &file, size, region)?;
+        let dirty = (0..size.div_ceil(region)).filter(|r| bit(&bits, *r)).collect();
+        Ok((size, region, gens, dirty))
+    }
+
+    fn read_header(path: &Path, write: bool) -> Result<(File, u64, u64, (u64, Generations)), DirtyLogError> {
+        let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
+        let not = || DirtyLogError::NotALog { path: path.to_owned() };
+        let file = OpenOptions::new().read(true).write(write).open(path).map_err(io)?;
+        let mut h = vec![0u8; HEADER as usize];
+        file.read_exact_at(&mut h, 0).map_err(|_| not())?;
+        let crc = u32::from_le_bytes(h[28..32].try_into().expect("4 bytes"));
+        if &h[..8] != MAGIC || h[8..12] != VERSION.to_le_bytes() || crc != crc32c::crc32c(&h[..28]) {
+            return Err(not());
+        }
+        let region = u64::from_le_bytes(h[12..20].try_into().expect("8 bytes"));
+        let size = u64::from_le_bytes(h[20..28].try_into().expect("8 bytes"));
+        check_region(region).map_err(|_| not())?;
+        if size.div_ceil(region) > MAX_REGIONS {
+            return Err(not());
+        }
+        let slot =
+            |k: u64| Generations::decode(&h[(GEN_SLOT * (1 + k)) as usize..(GEN_SLOT * (2 + k)) as usize]);
+        // The newer whole slot: a torn write leaves the other one.
+        let gens = match (slot(0), slot(1)) {
+            (Some(a), Some(b)) => Some(if a.0 >= b.0 { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        Ok((file, size, region, gens.ok_or_else(not)?))
+    }
+
+    fn read_bits(path: &Path, file: &File, size: u64, region: u64) -> Result<Vec<u64>, DirtyLogError> {
+        let pages = pages_for(size, region);
+        let mut raw = vec![0u8; pages * PAGE];
+        file.read_exact_at(&mut raw, HEADER).map_err(|_| DirtyLogError::NotALog { path: path.to_owned() })?;
+        let mut bits = vec![0u64; pages * WORDS_PER_PAGE];
+        for (w, c) in bits.iter_mut().zip(raw.chunks_exact(8)) {
+            *w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        }
+        // Bits past the last region mean nothing.
+        for r in size.div_ceil(region)..(bits.len() as u64 * 64) {
+            set_bit(&mut bits, r, false);
+        }
+        Ok(bits)
+    }
+
+    fn lock(path: &Path, file: &File) -> Result<(), DirtyLogError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(DirtyLogError::Io { path: path.to_owned(), source: e });
+        }
+        let pid = std::fs::read_to_string(status_path(path))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .and_then(|v| v["pid"].as_u64())
+            .map_or_else(|| "unknown".to_string(), |p| p.to_string());
+        Err(DirtyLogError::InUse { path: path.to_owned(), pid })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The volume's size and the region size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
     pub fn region_size(&self) -> u64 {
         self.region
+    }
+    pub fn regions(&self) -> u64 {
+        self.regions
+    }
+
+    pub fn generations(&self) -> Generations {
+        self.gens.lock().1.clone()
+    }
+
+    /// Replaces the generation record, durably, before returning.
+    pub async fn set_generations(&self, gens: &Generations) -> Result<(), DirtyLogError> {
+        if gens.legs.is_empty() || gens.legs.len() > MAX_LEGS {
+            return Err(DirtyLogError::Legs(gens.legs.len()));
+        }
+        let _one = self.gen_write.lock().await;
+        let seq = self.gens.lock().0 + 1;
+        let bytes = gens.encode(seq);
+        let file = self.file.clone();
+        let at = GEN_SLOT * (1 + seq % 2);
+        tokio::task::spawn_blocking(move || {
+            file.write_all_at(&bytes, at)?;
+            file.sync_data()
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+        .map_err(|source| DirtyLogError::Io { path: self.path.clone(), source })?;
+        *self.gens.lock() = (seq, gens.clone());
+        Ok(())
+    }
+
+    /// Whether any write has begun and not finished on these regions.
+    pub fn in_flight(&self, region: u64) -> bool {
+        self.state.lock().inflight.contains_key(&region)
     }
 
     /// The dirty regions, in order.
     pub fn dirty(&self) -> Vec<u64> {
         let s = self.state.lock();
         (0..self.regions).filter(|r| bit(&s.bits, *r)).collect()
+    }
+
+    /// How many regions are dirty, and how many wait to be cleared.
+    pub fn dirty_count(&self) -> u64 {
+        let s = self.state.lock();
+        s.bits.iter().map(|w| w.count_ones() as u64).sum()
+    }
+    pub fn idle_count(&self) -> usize {
+        self.state.lock().idle.len()
     }
 
     pub fn stats(&self) -> DirtyStats {
@@ -270,13 +452,29 @@ impl DirtyLog {
     /// flight or begun since), in one update. Run it now and then (a mirror
     /// runs it on a timer); returns how many were cleared.
     pub async fn clear_idle(self: &Arc<Self>) -> Result<u64, DirtyLogError> {
+        self.clear_idle_before(Instant::now()).await
+    }
+
+    /// As [`DirtyLog::clear_idle`], only regions idle since before `t` (a
+    /// flush of every leg that began at `t` covered their writes).
+    pub async fn clear_idle_before(self: &Arc<Self>, t: Instant) -> Result<u64, DirtyLogError> {
+        self.clear_idle_since(t, self.clear_delay).await
+    }
+
+    /// Clears every region idle since before `t`, however recently: for a
+    /// clean close, after a flush of every leg that began at `t`.
+    pub async fn clear_all_idle(self: &Arc<Self>, t: Instant) -> Result<u64, DirtyLogError> {
+        self.clear_idle_since(t, Duration::ZERO).await
+    }
+
+    async fn clear_idle_since(self: &Arc<Self>, t: Instant, delay: Duration) -> Result<u64, DirtyLogError> {
         let epoch = {
             let mut s = self.state.lock();
             let now = Instant::now();
             let ripe: Vec<u64> = s
                 .idle
                 .iter()
-                .filter(|(_, t)| now.duration_since(**t) >= self.clear_delay)
+                .filter(|(_, i)| **i <= t && now.duration_since(**i) >= delay)
                 .map(|(r, _)| *r)
                 .collect();
             if ripe.is_empty() {
@@ -294,7 +492,11 @@ impl DirtyLog {
         Ok(epoch.1)
     }
 
-    /// Clears regions a resync made identical on every leg.
+    /// Clears regions a resync made identical on every leg. The caller
+    /// makes sure no write to them has been sent meanwhile (the mirror holds
+    /// the region's lock); a write that has begun but not been sent yet
+    /// keeps its region dirty until it is done, and decides then, as any
+    /// write does, whether it may become clean.
     pub async fn clear(self: &Arc<Self>, regions: &[u64]) -> Result<(), DirtyLogError> {
         let epoch = {
             let mut s = self.state.lock();
@@ -305,11 +507,10 @@ impl DirtyLog {
                 });
             }
             for r in regions {
-                // A write in flight may not be in what the resync copied.
+                s.resync.remove(r);
                 if s.inflight.get(r).copied().unwrap_or(0) > 0 {
                     continue;
                 }
-                s.resync.remove(r);
                 if bit(&s.bits, *r) {
                     set_bit(&mut s.bits, *r, false);
                     s.changed.insert(page_of(*r));
@@ -473,4 +674,12 @@ fn pages_for(size: u64, region: u64) -> usize {
 
 fn page_of(r: u64) -> usize {
     (r / 64) as usize / WORDS_PER_PAGE
+}
+
+/// Where a mirror's process publishes its state for `fastsan mirror status`:
+/// next to the log, `LOG.status.json`.
+pub fn status_path(log: &Path) -> PathBuf {
+    let mut s = log.as_os_str().to_owned();
+    s.push(".status.json");
+    PathBuf::from(s)
 }
