@@ -200,9 +200,10 @@ fn render(s: &MirrorStatus) -> String {
             out += &format!("        {why}\n");
         }
     }
-    if s.open {
+    if s.open || s.writes + s.reads > 0 {
+        out += if s.open { "  " } else { "  last run: " };
         out += &format!(
-            "  resynced {} region(s) ({}), legs degraded {} time(s), log updates {} (hot writes {})\n",
+            "resynced {} region(s) ({}), legs degraded {} time(s), log updates {} (hot writes {})\n",
             s.resynced_regions,
             HumanBytes(s.resynced_bytes),
             s.degraded_events,

@@ -1041,16 +1041,20 @@ async fn stop_with(stop: CancellationToken, work: impl std::future::Future<Outpu
 }
 
 /// The status of the mirror whose log is at `log`: what its process
-/// publishes while it has it open, or else what the log says.
+/// publishes while it has it open; or else what the log says, with the
+/// counters of the last process that had it open.
 pub fn status_of(spec: &MirrorSpec) -> Result<MirrorStatus, Error> {
     let (size, region, gens, dirty) = DirtyLog::peek(&spec.log)?;
     let published = std::fs::read(dirty_log::status_path(&spec.log))
         .ok()
-        .and_then(|b| serde_json::from_slice::<MirrorStatus>(&b).ok())
-        .filter(|s| s.open && std::path::Path::new(&format!("/proc/{}", s.pid)).exists());
-    if let Some(s) = published {
-        return Ok(s);
+        .and_then(|b| serde_json::from_slice::<MirrorStatus>(&b).ok());
+    if let Some(s) = &published {
+        if s.open && std::path::Path::new(&format!("/proc/{}", s.pid)).exists() {
+            return Ok(s.clone());
+        }
     }
+    let last = published.filter(|s| s.legs.len() == gens.legs.len());
+    let count = |f: fn(&MirrorStatus) -> u64| last.as_ref().map_or(0, f);
     Ok(MirrorStatus {
         pid: 0,
         open: false,
@@ -1062,23 +1066,24 @@ pub fn status_of(spec: &MirrorSpec) -> Result<MirrorStatus, Error> {
             .legs
             .iter()
             .zip(&gens.legs)
-            .map(|(u, g)| LegStatus {
+            .enumerate()
+            .map(|(i, (u, g))| LegStatus {
                 url: u.clone(),
                 state: if *g == gens.current { LegState::InSync } else { LegState::Degraded },
                 generation: *g,
                 needs: if *g == gens.current { 0 } else { dirty.len() as u64 },
                 why: (*g != gens.current).then(|| "missed writes: resynced at the next open".to_string()),
                 in_flight: 0,
-                reads: 0,
+                reads: last.as_ref().map_or(0, |s| s.legs[i].reads),
                 resync: None,
             })
             .collect(),
-        degraded_events: 0,
-        resynced_regions: 0,
-        resynced_bytes: 0,
-        log_updates: 0,
-        log_hot: 0,
-        writes: 0,
-        reads: 0,
+        degraded_events: count(|s| s.degraded_events),
+        resynced_regions: count(|s| s.resynced_regions),
+        resynced_bytes: count(|s| s.resynced_bytes),
+        log_updates: count(|s| s.log_updates),
+        log_hot: count(|s| s.log_hot),
+        writes: count(|s| s.writes),
+        reads: count(|s| s.reads),
     })
 }
