@@ -204,3 +204,29 @@ async fn a_caller_giving_up_mid_update_leaves_the_log_working() {
     assert_eq!(on_disk(&p, 16 * MIB), vec![0, 1]);
     let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
+
+/// With the optimizations off (what the benchmark compares against), every
+/// write costs its own update, hot or not, and its region is cleared as soon
+/// as it is done.
+#[tokio::test]
+async fn naive_tracking_pays_an_update_per_write_and_clears_at_once() {
+    let p = path("naive");
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
+    log.set_naive(true);
+    let (a, b) = futures::join!(log.begin(0, 4096), log.begin(4096, 4096));
+    assert_eq!(log.stats().updates, 2, "no group commit");
+    assert_eq!(on_disk(&p, 16 * MIB), vec![0]);
+    a.unwrap().done(true);
+    b.unwrap().done(true);
+    // The clears go out on their own, right away (no delay, no clear_idle).
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while !on_disk(&p, 16 * MIB).is_empty() {
+        assert!(std::time::Instant::now() < until, "never cleared");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = log.stats().updates;
+    log.begin(0, 4096).await.unwrap().done(false);
+    assert_eq!(log.stats().updates, before + 1);
+    assert_eq!(on_disk(&p, 16 * MIB), vec![0], "a region a leg missed stays dirty");
+    let _ = std::fs::remove_dir_all(p.parent().unwrap());
+}

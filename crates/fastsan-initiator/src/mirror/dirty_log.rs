@@ -165,6 +165,10 @@ pub struct DirtyLog {
     /// The generation record and the sequence of its last write.
     gens: Mutex<(u64, Generations)>,
     gen_write: tokio::sync::Mutex<()>,
+    /// The optimizations off (for measuring them): one update per write,
+    /// none shared, hot regions too, and a clear right after every write.
+    naive: std::sync::atomic::AtomicBool,
+    naive_one: tokio::sync::Mutex<()>,
     regions: u64,
     clear_delay: Duration,
     state: Mutex<State>,
@@ -265,6 +269,8 @@ impl DirtyLog {
             region,
             gens: Mutex::new(gens),
             gen_write: tokio::sync::Mutex::new(()),
+            naive: std::sync::atomic::AtomicBool::new(false),
+            naive_one: tokio::sync::Mutex::new(()),
             regions,
             clear_delay,
             state: Mutex::new(state),
@@ -405,6 +411,18 @@ impl DirtyLog {
         self.state.lock().stats
     }
 
+    /// Turns the optimizations off (`naive`) or on: for measuring what
+    /// they save. Off, every write costs its own update before it leaves
+    /// (no group commit, no free hot regions) and one more after it (the
+    /// clear, at once), as a write-intent bitmap without them would.
+    pub fn set_naive(&self, naive: bool) {
+        self.naive.store(naive, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_naive(&self) -> bool {
+        self.naive.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Marks the regions of `[offset, offset + len)` dirty and returns once
     /// that is durable: only then may the write leave for the legs.
     pub async fn begin(self: &Arc<Self>, offset: u64, len: u64) -> Result<WriteIntent, DirtyLogError> {
@@ -413,6 +431,26 @@ impl DirtyLog {
             _ => return Err(DirtyLogError::OutOfRange { offset, len }),
         }
         let regions = self.regions_of(offset, len);
+        if self.is_naive() {
+            let _one = self.naive_one.lock().await;
+            let epoch = {
+                let mut s = self.state.lock();
+                if let Some(why) = &s.failed {
+                    return Err(self.failed(why));
+                }
+                for r in regions.clone() {
+                    *s.inflight.entry(r).or_insert(0) += 1;
+                    s.idle.remove(&r);
+                    set_bit(&mut s.bits, r, true);
+                    s.changed.insert(page_of(r));
+                    s.stats.set += 1;
+                }
+                s.next
+            };
+            let intent = WriteIntent { regions, finished: false, log: self.clone() };
+            self.wait_durable(epoch).await?;
+            return Ok(intent);
+        }
         let wait_for = {
             let mut s = self.state.lock();
             if let Some(why) = &s.failed {
@@ -632,8 +670,25 @@ impl WriteIntent {
             if left == 0 {
                 s.inflight.remove(&r);
                 if !s.resync.contains(&r) {
-                    s.idle.insert(r, now);
+                    if self.log.is_naive() {
+                        set_bit(&mut s.bits, r, false);
+                        s.changed.insert(page_of(r));
+                        s.stats.cleared += 1;
+                    } else {
+                        s.idle.insert(r, now);
+                    }
                 }
+            }
+        }
+        drop(s);
+        if self.log.is_naive() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let log = self.log.clone();
+                rt.spawn(async move {
+                    let _one = log.naive_one.lock().await;
+                    let epoch = log.state.lock().next;
+                    let _ = log.wait_durable(epoch).await;
+                });
             }
         }
     }

@@ -315,6 +315,7 @@ impl Mirror {
             }
             e => e.into(),
         })?;
+        log.set_naive(ms.naive);
         let mut gens = log.generations();
         if gens.legs.len() != ms.legs.len() {
             return Err(mirror_err(format!(

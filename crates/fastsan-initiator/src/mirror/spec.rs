@@ -1,7 +1,7 @@
 //! The name of a mirrored volume, taken wherever a volume URL is:
 //!
 //! ```text
-//! mirror:URL1,URL2[,URL3...],log=PATH[,region=SIZE][,rate=SIZE][,failover=SECS]
+//! mirror:URL1,URL2[,URL3...],log=PATH[,region=SIZE][,rate=SIZE][,failover=SECS][,tracking=naive]
 //! ```
 //!
 //! Each leg is a `brp://`, `brp+unix://` or `nbd://` URL; `log` is the
@@ -9,7 +9,9 @@
 //! `region` is the region size for `create` (default 1M); `rate` bounds a
 //! resync's copy in bytes per second (default 256M; 0 for no bound);
 //! `failover` is how long a leg may stay unreachable before it is marked
-//! degraded and I/O goes on without it (default 5 s). Sizes take K, M, G.
+//! degraded and I/O goes on without it (default 5 s); `tracking=naive`
+//! turns the dirty-region log's optimizations off, for measuring them.
+//! Sizes take K, M, G.
 
 use crate::Error;
 use std::path::PathBuf;
@@ -25,6 +27,8 @@ pub struct MirrorSpec {
     /// Bytes per second a resync may copy; 0 for no bound.
     pub rate: u64,
     pub failover: Duration,
+    /// The dirty-region log without its optimizations (benchmarks only).
+    pub naive: bool,
 }
 
 impl MirrorSpec {
@@ -41,6 +45,7 @@ impl MirrorSpec {
             region: 1 << 20,
             rate: 256 << 20,
             failover: Duration::from_secs(5),
+            naive: false,
         };
         for item in body.split(',') {
             if item.contains("://") {
