@@ -205,8 +205,43 @@ def attach_table(r):
         "fastsan attach with --threads 32 over BRP (2 connections, adaptive merge); nbdfuse with its defaults.\n"
 
 
+def mirror_table(r):
+    """A 2-leg mirror vs one leg: IOPS, latency, and the ratios the mirroring issue sets goals for."""
+    mr = {k: v for k, v in (r.get("mirror") or {}).items() if k != "status after"}
+    if not mr:
+        return "not measured\n"
+    rows = []
+    for label, p in mr.items():
+        one = p.get("one leg", {})
+        for name in ("one leg", "mirror", "mirror, naive log"):
+            if name not in p:
+                continue
+            e = p[name]
+            ratio = f"{e['iops'] / one['iops']:.2f}x" if one.get("iops") and name != "one leg" else ""
+            rows.append([label, name, fmt(e.get("iops")), f"{e.get('lat_mean_us', 0):.0f}", f"{e.get('lat_p99_us', 0):.0f}",
+                         f"{e.get('client_cpu_us_per_io', 0):.1f}", ratio])
+    out = table(["point", "system", "IOPS", "mean us", "p99 us", "client CPU us/IO", "vs one leg"], rows)
+    checks = []
+    w, rd = mr.get("4K randwrite QD32", {}), mr.get("4K randread QD32", {})
+    dev = next((v for k, v in mr.items() if k.startswith("4K randread QD64")), {})
+    for what, got, goal in (("mirror 4K randwrite QD32 vs one leg", w, 0.8), ("mirror 4K randread QD32 vs one leg (CPU-bound legs)", rd, 1.5),
+                            ("mirror 4K randread vs one leg (device-bound legs)", dev, 1.5)):
+        check(checks, what, got.get("mirror", {}).get("iops"), got.get("one leg", {}).get("iops"), goal)
+    out += "\n" + table(["goal", "ratio", "target", "verdict"], checks)
+    return out + ("\n`fastsan bench` with 2 connections per leg, adaptive merge, 1 job; legs are memory volumes of 1 GiB on two "
+                  "fastsan targets on this host; the dirty-region log is a file on the local ext4 disk. \"naive log\": "
+                  "tracking=naive (an update and an fdatasync before every write and another after it; nothing shared).\n")
+
+
 def write(r, out):
     m = r["machine"]
+    if "latency" not in r and "mirror" in r:  # the mirror experiment alone
+        md = f"# fastsan mirror benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
+             f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
+             f"commands in raw.json. Total {r['elapsed_s']:.0f} s.\n\n" + mirror_table(r)
+        with open(os.path.join(out, "report.md"), "w") as fh:
+            fh.write(md)
+        return
     if "latency" not in r and "attach" in r:  # the attach experiment alone
         md = f"# fastsan attach benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
              f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
@@ -287,6 +322,7 @@ def write(r, out):
     if "iperf3_mib_s" in f:
         md += f"\niperf3, 1 MiB writes: {f['iperf3_mib_s']:.0f} MiB/s (`{f['iperf3_command']}`)\n"
     md += "\n## 8. A volume as a local file: fio on fastsan attach --fuse vs nbdfuse\n\n" + attach_table(r)
+    md += "\n## 9. Mirroring: a 2-leg mirror vs one leg\n\n" + mirror_table(r)
     for c in charts(r, out):
         md += f"\n![{c}]({c})\n"
     with open(os.path.join(out, "report.md"), "w") as fh:

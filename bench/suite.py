@@ -278,6 +278,8 @@ def main():
     ap.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
     ap.add_argument("--honesty", action="store_true",
                     help="only the honesty check: fastsan bench and fio against nbdkit, same settings")
+    ap.add_argument("--mirror", action="store_true",
+                    help="only the mirror experiment: a 2-leg mirror vs one leg, dirty-region log optimized and naive")
     ap.add_argument("--attach", action="store_true",
                     help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
     args = ap.parse_args()
@@ -314,7 +316,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems and not args.attach:
+        if "nbdkit" in systems and not args.attach and not args.mirror:
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -333,6 +335,9 @@ def main():
             raise StopIteration
         if args.attach:
             results["attach"] = attach_experiment(run, reps, systems, have)
+            raise StopIteration
+        if args.mirror:
+            results["mirror"] = mirror_experiment(run, reps)
             raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
@@ -415,6 +420,9 @@ def main():
 
         # 7. A volume used as a local file.
         results["attach"] = attach_experiment(run, reps, systems, have)
+
+        # 8. Mirroring: its cost on writes, its gain on reads.
+        results["mirror"] = mirror_experiment(run, reps)
     except StopIteration:
         pass
     finally:
@@ -426,6 +434,54 @@ def main():
     import report
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
+
+
+# Device-bound legs for the read point: each leg's volume adds this latency and
+# its target takes this many requests in flight per connection, so a leg
+# serves at most 2 x MIRROR_QD / MIRROR_DELAY (the storage node's limit),
+# however fast the loopback and the CPUs are.
+MIRROR_DELAY, MIRROR_QD = "2ms", 16
+
+
+def mirror_experiment(run, reps):
+    """The Veritas talk's figure: a host mirroring across two targets. `fastsan bench` (2 connections per
+    leg, adaptive merge) on one leg alone, on a 2-leg mirror with the dirty-region log's optimizations
+    (hot regions free, group commit, delayed clearing) and without them (tracking=naive), each point
+    alternating; the log is a file on the local disk (not tmpfs: its fdatasync is what it costs)."""
+    log("mirror: one leg vs two")
+    legs, base = [], tempfile.mkdtemp(prefix="fastsan-bench-mirror-", dir="/var/tmp")
+    res = {}
+    try:
+        for name in ("mirror-a", "mirror-b"):
+            p = free_port()
+            s = System(name, "fastsan")
+            s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{p}", "--no-nbd", "--queue-depth", str(MIRROR_QD),
+                     "--volume", "v=memory:1G", "--volume", f"d=memory:1G,delay={MIRROR_DELAY}"], p)
+            s.port = p
+            legs.append(s)
+        a, b = legs
+
+        def spec(vol, tracking="optimized"):
+            return (f"mirror:brp://127.0.0.1:{a.port}/{vol},brp://127.0.0.1:{b.port}/{vol},"
+                    f"log={os.path.join(base, vol + '.log')},tracking={tracking}")
+        for vol in ("v", "d"):
+            subprocess.run([FASTSAN, "mirror", "create", "--assume-clean", spec(vol)], check=True, capture_output=True)
+        one = f"brp://127.0.0.1:{a.port}/v"
+        points = [("4K randwrite QD32", "randwrite", 32, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
+                  ("4K randwrite QD1", "randwrite", 1, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
+                  ("4K randread QD32", "randread", 32, {"one leg": one, "mirror": spec("v")}),
+                  (f"4K randread QD64, legs of {MIRROR_DELAY} and {MIRROR_QD} in flight per connection", "randread", 64,
+                   {"one leg": f"brp://127.0.0.1:{a.port}/d", "mirror": spec("d")})]
+        for label, rw, qd, urls in points:
+            fns = {name: (lambda url=url, rw=rw, qd=qd: run.fastsan_bench(url, rw, "4k", qd, 1)) for name, url in urls.items()}
+            res[label] = run_point(run, reps, "mirror", {"rw": rw, "bs": "4k", "qd": qd}, fns)
+        st = subprocess.run([FASTSAN, "mirror", "status", "--json", spec("v")], capture_output=True, text=True)
+        res["status after"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
+    finally:
+        for s in legs:
+            s.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    return res
 
 
 # The attach experiment's points: (label, rw, bs, jobs). fio's psync engine

@@ -130,6 +130,9 @@ fn a_target_killed_mid_run_costs_no_error_and_a_dirty_only_resync() {
     assert!(s["legs"].as_array().unwrap().iter().all(|l| l["state"] == "insync"), "{s:#}");
     assert_eq!(s["dirty"], 0, "a clean close leaves nothing dirty");
     assert!(s["degraded_events"].as_u64().unwrap() >= 1);
+    for l in s["legs"].as_array().unwrap() {
+        assert!(l["reads"].as_u64().unwrap() > 100, "reads are spread over both legs: {s:#}");
+    }
     let copied = s["resynced_regions"].as_u64().unwrap();
     assert!(
         (1..=24).contains(&copied),
@@ -217,4 +220,25 @@ fn a_leg_away_at_open_and_legs_that_do_not_match_the_log() {
     assert!(s["open"].as_bool().unwrap(), "{s:#}");
     holder.wait().unwrap();
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// A leg whose device fails writes (EIO in one range) is degraded at the
+/// first failure; the caller sees no error and reads back what it wrote.
+#[test]
+fn a_leg_with_io_errors_is_degraded_and_the_caller_sees_none() {
+    let dir = temp_dir("mirror-eio");
+    let a = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:64M"]);
+    let b = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:64M,faults=write:eio@2M-3M"]);
+    let spec = format!("mirror:{},{},log={}", a.url("v"), b.url("v"), dir.join("m.log").display());
+    ok(&["mirror", "create", "--assume-clean", &spec]);
+    let data = common::random_file(&dir.join("in.img"), 4 << 20);
+    let text = ok(&["cp", dir.join("in.img").to_str().unwrap(), &spec]);
+    assert!(text.contains("copied"), "{text}");
+    let s = status(&spec);
+    assert!(s["degraded_events"].as_u64().unwrap() >= 1, "{s:#}");
+    assert_eq!(s["legs"][0]["state"], "insync");
+    let back = dir.join("back.img");
+    ok(&["cp", &spec, back.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&back).unwrap()[..data.len()], &data[..]);
+    let _ = std::fs::remove_dir_all(&dir);
 }

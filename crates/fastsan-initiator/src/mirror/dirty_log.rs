@@ -561,6 +561,21 @@ impl DirtyLog {
         self.wait_durable(epoch).await
     }
 
+    /// Regions a resync made identical on every leg, under their locks:
+    /// they become idle now, and are cleared like any idle region, after
+    /// the delay and a flush of every leg. (A region with a write begun but
+    /// not sent yet goes as that write says when it is done.)
+    pub fn resynced(&self, regions: &[u64]) {
+        let mut s = self.state.lock();
+        let now = Instant::now();
+        for r in regions.iter().filter(|r| **r < self.regions) {
+            s.resync.remove(r);
+            if !s.inflight.contains_key(r) && bit(&s.bits, *r) {
+                s.idle.insert(*r, now);
+            }
+        }
+    }
+
     fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
         let first = (offset / self.region).min(self.regions);
         let last = offset.saturating_add(len.max(1)).div_ceil(self.region).min(self.regions);

@@ -352,6 +352,11 @@ impl Mirror {
                     check_leg(&r, url, size)?;
                     match read_record(&r, size).await {
                         Err(e) => leg.why = Some(format!("its record cannot be read: {}", chain(&e))),
+                        Ok(None) => {
+                            // Emptied (a memory volume restarted, a volume
+                            // replaced): not a copy of anything; the others serve.
+                            leg.why = check_record(None, &gens, i, url).err().map(|e| e.to_string());
+                        }
                         Ok(rec) => {
                             check_record(rec, &gens, i, url)?;
                             block_size = block_size.max(r.block_size());
@@ -419,7 +424,9 @@ impl Mirror {
                     legs: legs.len() as u32,
                     generation: gens.current,
                 };
-                r.write_bytes(rec.encode(), size, true).await?;
+                if let Err(e) = r.write_bytes(rec.encode(), size, true).await {
+                    warn!(leg = i, error = %chain(&e), "cannot update a leg's record");
+                }
             }
         }
         let n = legs.len();
@@ -489,6 +496,9 @@ impl Mirror {
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
         let inner = self.inner();
         inner.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
         inner.counters.reads.fetch_add(1, Relaxed);
         loop {
             let (i, leg) = {
@@ -632,11 +642,16 @@ impl Inner {
     }
 
     fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
-        offset / self.region..offset.saturating_add(len.max(1)).div_ceil(self.region)
+        let regions = self.log.regions();
+        (offset / self.region).min(regions)
+            ..offset.saturating_add(len.max(1)).div_ceil(self.region).min(regions)
     }
 
     async fn mutate(&self, offset: u64, len: u64, op: Op) -> Result<(), Error> {
         self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
         self.counters.writes.fetch_add(1, Relaxed);
         let intent = self.log.begin(offset, len).await?;
         let regions = self.regions_of(offset, len);
@@ -695,7 +710,7 @@ impl Inner {
     }
 
     /// Flushes every leg that gets writes; a leg that fails is degraded.
-    /// Whether every leg of the mirror was flushed.
+    /// Whether every leg of the mirror was in sync and flushed.
     async fn flush_all(&self) -> Result<bool, Error> {
         let targets: Vec<(usize, Remote)> = {
             let legs = self.legs.lock();
@@ -706,7 +721,9 @@ impl Inner {
                 .collect()
         };
         let results = futures::future::join_all(targets.iter().map(|(_, r)| r.flush())).await;
-        let mut all = targets.len() == self.in_flight.len();
+        // "Every leg" means every leg in sync: a resyncing leg's flush does
+        // not make it hold the regions it still lacks.
+        let mut all = self.legs.lock().iter().all(|l| l.state == LegState::InSync && l.remote.is_some());
         for ((i, _), r) in targets.iter().zip(results) {
             if let Err(e) = r {
                 all = false;
@@ -739,9 +756,9 @@ impl Inner {
         let why = chain(e);
         let _g = self.gen_change.lock().await;
         let (was_in_sync, url) = {
-            let mut legs = self.legs.lock();
+            let legs = self.legs.lock();
             let in_sync = legs.iter().filter(|l| l.state == LegState::InSync).count();
-            let leg = &mut legs[i];
+            let leg = &legs[i];
             if leg.state == LegState::Degraded {
                 return Ok(());
             }
@@ -751,34 +768,40 @@ impl Inner {
                     leg.url
                 )));
             }
-            let was = leg.state == LegState::InSync;
+            (leg.state == LegState::InSync, leg.url.clone())
+        };
+        // The log says the leg is behind before any write may skip it: a
+        // crash (or this future dropped) before this point leaves the leg
+        // in sync in memory and getting every write; after it, behind.
+        if was_in_sync {
+            self.bump_generation(Some(i)).await?;
+        }
+        {
+            let mut legs = self.legs.lock();
+            let leg = &mut legs[i];
             leg.state = LegState::Degraded;
             leg.fresh = !e.is_retryable();
             leg.why = Some(why.clone());
             for r in self.log.dirty() {
                 leg.need(r);
             }
-            (was, leg.url.clone())
-        };
+        }
         self.counters.degraded.fetch_add(1, Relaxed);
         warn!(leg = i, %url, error = %why, "mirror leg degraded; I/O goes on without it");
-        if was_in_sync {
-            self.bump_generation().await?;
-        }
         self.publish(true);
         Ok(())
     }
 
-    /// A new generation held by the in-sync legs alone: in the log first,
-    /// then in their records. The caller holds `gen_change`.
-    async fn bump_generation(&self) -> Result<(), Error> {
+    /// A new generation held by the in-sync legs (but `leaving`) alone: in
+    /// the log first, then in their records. The caller holds `gen_change`.
+    async fn bump_generation(&self, leaving: Option<usize>) -> Result<(), Error> {
         let mut g = self.log.generations();
         g.current += 1;
         let in_sync: Vec<(usize, Option<Remote>)> = {
             let legs = self.legs.lock();
             legs.iter()
                 .enumerate()
-                .filter(|(_, l)| l.state == LegState::InSync)
+                .filter(|(i, l)| l.state == LegState::InSync && Some(*i) != leaving)
                 .map(|(i, l)| (i, l.remote.clone()))
                 .collect()
         };
@@ -859,6 +882,13 @@ impl Inner {
                 _ => connect_leg(&url, &self.opts).await?,
             };
             check_leg(&leg, &url, self.size)?;
+            if leg.block_size() > self.block_size {
+                return Err(mirror_err(format!(
+                    "its blocks are of {} bytes, the mirror's of {}: reopen the mirror to take it back",
+                    leg.block_size(),
+                    self.block_size
+                )));
+            }
             let rec = read_record(&leg, self.size).await?;
             check_record(rec, &self.log.generations(), i, &url)?;
             Ok::<Remote, Error>(leg)
@@ -937,6 +967,17 @@ impl Inner {
             let len = self.region.min(self.size - off);
             {
                 let _alone = self.stripes[(r % STRIPES) as usize].write().await;
+                // While we waited for the lock the source may have failed a
+                // write (and been degraded), or the leg left its resync.
+                {
+                    let legs = self.legs.lock();
+                    if legs[src.0].state != LegState::InSync
+                        || legs[i].state != LegState::Resyncing
+                        || !legs[i].needs(r)
+                    {
+                        continue;
+                    }
+                }
                 let data = match src.1.read(off, len).await {
                     Ok(d) => d,
                     Err(e) => {
@@ -946,15 +987,17 @@ impl Inner {
                     }
                 };
                 dst.write_bytes(data, off, false).await.map_err(|e| (e, true))?;
-                let clear = {
+                let clean = {
                     let mut legs = self.legs.lock();
                     legs[i].unneed(r);
                     legs[i].progress.copied += 1;
                     !legs.iter().any(|l| l.needs(r))
                 };
-                if clear {
-                    // Under the region's lock: no write can have missed a leg here since.
-                    self.log.clear(&[r]).await.map_err(|e| (e.into(), false))?;
+                if clean {
+                    // Under the region's lock: no write can have missed a leg
+                    // here since. Cleared later, by the keeper, after a flush
+                    // of every leg (in sync by then) covered the copy.
+                    self.log.resynced(&[r]);
                 }
             }
             bytes += len;

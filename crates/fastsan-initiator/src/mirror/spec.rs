@@ -10,7 +10,10 @@
 //! resync's copy in bytes per second (default 256M; 0 for no bound);
 //! `failover` is how long a leg may stay unreachable before it is marked
 //! degraded and I/O goes on without it (default 5 s); `tracking=naive`
-//! turns the dirty-region log's optimizations off, for measuring them.
+//! turns the dirty-region log's optimizations off, for measuring them
+//! (benchmarks only: it clears a region as soon as its write is done,
+//! before any flush of the legs, so a leg's host crashing could lose
+//! writes the log no longer marks).
 //! Sizes take K, M, G.
 
 use crate::Error;
@@ -73,9 +76,10 @@ impl MirrorSpec {
                         .map(Duration::from_secs_f64)
                         .ok_or_else(|| bad(format!("bad failover seconds {v:?}")))?
                 }
+                "tracking" if v == "naive" || v == "optimized" => spec.naive = v == "naive",
                 _ => {
                     return Err(bad(format!(
-                        "unknown or empty option {item:?} (log, region, rate, failover)"
+                        "unknown or empty option {item:?} (log, region, rate, failover, tracking=optimized|naive)"
                     )))
                 }
             }
@@ -125,6 +129,8 @@ mod tests {
         assert_eq!(s.legs, ["brp://a:1/v", "nbd://b:2/e", "brp+unix:///v?socket=/s"]);
         assert_eq!((s.log.to_str().unwrap(), s.region, s.rate), ("/l", 65536, 0));
         assert_eq!(s.failover, Duration::from_millis(1500));
+        assert!(!s.naive);
+        assert!(MirrorSpec::parse("mirror:brp://a:1/v,brp://b:1/v,log=/l,tracking=naive").unwrap().naive);
     }
 
     #[test]
