@@ -219,13 +219,16 @@ def mirror_table(r):
             e = p[name]
             ratio = f"{e['iops'] / one['iops']:.2f}x" if one.get("iops") and name != "one leg" else ""
             rows.append([label, name, fmt(e.get("iops")), f"{e.get('lat_mean_us', 0):.0f}", f"{e.get('lat_p99_us', 0):.0f}",
-                         f"{e.get('client_cpu_us_per_io', 0):.1f}", ratio])
-    out = table(["point", "system", "IOPS", "mean us", "p99 us", "client CPU us/IO", "vs one leg"], rows)
+                         f"{e.get('client_cpu_us_per_io', 0):.1f}", f"{e.get('server_cpu_us_per_io', 0):.1f}", ratio])
+    out = table(["point", "system", "IOPS", "mean us", "p99 us", "initiator CPU us/IO", "targets' CPU us/IO", "vs one leg"], rows)
     checks = []
     w, rd = mr.get("4K randwrite QD32", {}), mr.get("4K randread QD32", {})
-    dev = next((v for k, v in mr.items() if k.startswith("4K randread QD64")), {})
-    for what, got, goal in (("mirror 4K randwrite QD32 vs one leg", w, 0.8), ("mirror 4K randread QD32 vs one leg (CPU-bound legs)", rd, 1.5),
-                            ("mirror 4K randread vs one leg (device-bound legs)", dev, 1.5)):
+    devw = next((v for k, v in mr.items() if k.startswith("4K randwrite QD64")), {})
+    devr = next((v for k, v in mr.items() if k.startswith("4K randread QD64")), {})
+    for what, got, goal in (("mirror 4K randwrite vs one leg (device-bound legs)", devw, 0.8),
+                            ("mirror 4K randread vs one leg (device-bound legs)", devr, 1.5),
+                            ("mirror 4K randwrite QD32 vs one leg (memory legs, all on 2 shared cores)", w, 0.8),
+                            ("mirror 4K randread QD32 vs one leg (memory legs, all on 2 shared cores)", rd, 1.5)):
         check(checks, what, got.get("mirror", {}).get("iops"), got.get("one leg", {}).get("iops"), goal)
     out += "\n" + table(["goal", "ratio", "target", "verdict"], checks)
     return out + ("\n`fastsan bench` with 2 connections per leg, adaptive merge, 1 job; legs are memory volumes of 1 GiB on two "

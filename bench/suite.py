@@ -467,13 +467,26 @@ def mirror_experiment(run, reps):
         for vol in ("v", "d"):
             subprocess.run([FASTSAN, "mirror", "create", "--assume-clean", spec(vol)], check=True, capture_output=True)
         one = f"brp://127.0.0.1:{a.port}/v"
+        dev = f"brp://127.0.0.1:{a.port}/d"
+        devlabel = f"device-bound legs ({MIRROR_DELAY}, {MIRROR_QD} in flight per connection)"
         points = [("4K randwrite QD32", "randwrite", 32, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
                   ("4K randwrite QD1", "randwrite", 1, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
                   ("4K randread QD32", "randread", 32, {"one leg": one, "mirror": spec("v")}),
-                  (f"4K randread QD64, legs of {MIRROR_DELAY} and {MIRROR_QD} in flight per connection", "randread", 64,
-                   {"one leg": f"brp://127.0.0.1:{a.port}/d", "mirror": spec("d")})]
+                  (f"4K randwrite QD64, {devlabel}", "randwrite", 64,
+                   {"one leg": dev, "mirror": spec("d"), "mirror, naive log": spec("d", "naive")}),
+                  (f"4K randread QD64, {devlabel}", "randread", 64, {"one leg": dev, "mirror": spec("d")})]
+
+        def with_legs_cpu(fn):
+            """`fn`, with the CPU both targets spent per I/O (one leg's run costs only a's)."""
+            def go():
+                before = [cpu_ticks(x.pid) for x in legs]
+                cmd, res = fn()
+                res["_cpu"] = sum(cpu_ticks(x.pid) - b for x, b in zip(legs, before)) * TICK_US / max(res["ios_total"], 1)
+                return cmd, res
+            return go
         for label, rw, qd, urls in points:
-            fns = {name: (lambda url=url, rw=rw, qd=qd: run.fastsan_bench(url, rw, "4k", qd, 1)) for name, url in urls.items()}
+            fns = {name: with_legs_cpu(lambda url=url, rw=rw, qd=qd: run.fastsan_bench(url, rw, "4k", qd, 1))
+                   for name, url in urls.items()}
             res[label] = run_point(run, reps, "mirror", {"rw": rw, "bs": "4k", "qd": qd}, fns)
         st = subprocess.run([FASTSAN, "mirror", "status", "--json", spec("v")], capture_output=True, text=True)
         res["status after"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
