@@ -10,11 +10,87 @@ use crate::{BrpUrl, Error, InitiatorStats, Options, Volume};
 use bytes::Bytes;
 use std::sync::Arc;
 
+/// One volume on one target (what a mirror's legs are).
 #[derive(Clone)]
-pub enum Remote {
+pub enum Single {
     Brp(Volume),
     Nbd(Arc<NbdVolume>),
+}
+
+/// Any volume: one, or a mirror of several.
+#[derive(Clone)]
+pub enum Remote {
+    One(Single),
     Mirror(Mirror),
+}
+
+/// Calls the same method on either kind of single volume.
+macro_rules! single {
+    ($self:expr, $v:ident => $e:expr) => {
+        match $self {
+            Single::Brp($v) => $e,
+            Single::Nbd($v) => $e,
+        }
+    };
+}
+
+impl Single {
+    /// Opens `brp://`, `brp+unix://` or `nbd://` (the options apply to BRP).
+    pub async fn connect(url: &str, opts: Options) -> Result<Single, Error> {
+        if url.starts_with("nbd://") {
+            Ok(Single::Nbd(Arc::new(NbdVolume::connect(url, &opts).await?)))
+        } else if BrpUrl::has_scheme(url) {
+            Ok(Single::Brp(Volume::connect(url, opts).await?))
+        } else {
+            Err(Error::Url(format!("{url}: expected brp://..., brp+unix://... or nbd://...")))
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        single!(self, v => v.size())
+    }
+    pub fn block_size(&self) -> u32 {
+        single!(self, v => v.block_size())
+    }
+    pub fn read_only(&self) -> bool {
+        single!(self, v => v.read_only())
+    }
+    /// Whether TRIM may be offered (an NBD export says; a BRP volume
+    /// answers UNSUPPORTED where it cannot).
+    pub fn can_trim(&self) -> bool {
+        match self {
+            Single::Brp(_) => true,
+            Single::Nbd(v) => v.can_trim(),
+        }
+    }
+    /// Connections up, and in all.
+    pub fn connections(&self) -> (usize, usize) {
+        match self {
+            Single::Brp(v) => v.connections(),
+            Single::Nbd(v) => (v.connected() as usize, 1),
+        }
+    }
+    pub fn stats(&self) -> InitiatorStats {
+        match self {
+            Single::Brp(v) => v.stats(),
+            Single::Nbd(_) => InitiatorStats::default(),
+        }
+    }
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
+        single!(self, v => v.read(offset, len).await)
+    }
+    pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
+        single!(self, v => v.write_bytes(data, offset, fua).await)
+    }
+    pub async fn flush(&self) -> Result<(), Error> {
+        single!(self, v => v.flush().await)
+    }
+    pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
+        single!(self, v => v.trim(offset, len).await)
+    }
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
+        single!(self, v => v.write_zeroes(offset, len, fua).await)
+    }
 }
 
 impl Remote {
@@ -24,18 +100,12 @@ impl Remote {
         if MirrorSpec::is_mirror(url) {
             return Ok(Remote::Mirror(Mirror::open(url, opts).await?));
         }
-        Self::connect_one(url, opts).await
-    }
-
-    /// Opens a single volume: `brp://`, `brp+unix://` or `nbd://`.
-    pub async fn connect_one(url: &str, opts: Options) -> Result<Remote, Error> {
-        if url.starts_with("nbd://") {
-            Ok(Remote::Nbd(Arc::new(NbdVolume::connect(url, &opts).await?)))
-        } else if BrpUrl::has_scheme(url) {
-            Ok(Remote::Brp(Volume::connect(url, opts).await?))
-        } else {
-            Err(Error::Url(format!("{url}: expected brp://..., brp+unix://..., nbd://... or mirror:...")))
-        }
+        Single::connect(url, opts).await.map(Remote::One).map_err(|e| match e {
+            Error::Url(_) => {
+                Error::Url(format!("{url}: expected brp://..., brp+unix://..., nbd://... or mirror:..."))
+            }
+            e => e,
+        })
     }
 
     /// The volume's name in a URL: the file name under a FUSE mount.
@@ -54,60 +124,52 @@ impl Remote {
 
     pub fn size(&self) -> u64 {
         match self {
-            Remote::Brp(v) => v.size(),
-            Remote::Nbd(v) => v.size(),
+            Remote::One(v) => v.size(),
             Remote::Mirror(m) => m.size(),
         }
     }
     pub fn block_size(&self) -> u32 {
         match self {
-            Remote::Brp(v) => v.block_size(),
-            Remote::Nbd(v) => v.block_size(),
+            Remote::One(v) => v.block_size(),
             Remote::Mirror(m) => m.block_size(),
         }
     }
     pub fn read_only(&self) -> bool {
         match self {
-            Remote::Brp(v) => v.read_only(),
-            Remote::Nbd(v) => v.read_only(),
+            Remote::One(v) => v.read_only(),
             Remote::Mirror(_) => false,
         }
     }
-    /// Whether TRIM may be offered (an NBD export says; a BRP volume
-    /// answers UNSUPPORTED where it cannot).
     pub fn can_trim(&self) -> bool {
         match self {
-            Remote::Brp(_) | Remote::Mirror(_) => true,
-            Remote::Nbd(v) => v.can_trim(),
+            Remote::One(v) => v.can_trim(),
+            Remote::Mirror(_) => true,
         }
     }
-    /// Connections up, and in all.
+    /// Connections (a mirror: legs) up, and in all.
     pub fn connections(&self) -> (usize, usize) {
         match self {
-            Remote::Brp(v) => v.connections(),
-            Remote::Nbd(v) => (v.connected() as usize, 1),
+            Remote::One(v) => v.connections(),
             Remote::Mirror(m) => m.connections(),
         }
     }
     pub fn stats(&self) -> InitiatorStats {
         match self {
-            Remote::Brp(v) => v.stats(),
-            Remote::Nbd(_) | Remote::Mirror(_) => InitiatorStats::default(),
+            Remote::One(v) => v.stats(),
+            Remote::Mirror(_) => InitiatorStats::default(),
         }
     }
 
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
         match self {
-            Remote::Brp(v) => v.read(offset, len).await,
-            Remote::Nbd(v) => v.read(offset, len).await,
-            Remote::Mirror(m) => Box::pin(m.read(offset, len)).await,
+            Remote::One(v) => v.read(offset, len).await,
+            Remote::Mirror(m) => m.read(offset, len).await,
         }
     }
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
         match self {
-            Remote::Brp(v) => v.write_bytes(data, offset, fua).await,
-            Remote::Nbd(v) => v.write_bytes(data, offset, fua).await,
-            Remote::Mirror(m) => Box::pin(m.write_bytes(data, offset, fua)).await,
+            Remote::One(v) => v.write_bytes(data, offset, fua).await,
+            Remote::Mirror(m) => m.write_bytes(data, offset, fua).await,
         }
     }
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
@@ -115,31 +177,28 @@ impl Remote {
     }
     pub async fn flush(&self) -> Result<(), Error> {
         match self {
-            Remote::Brp(v) => v.flush().await,
-            Remote::Nbd(v) => v.flush().await,
-            Remote::Mirror(m) => Box::pin(m.flush()).await,
+            Remote::One(v) => v.flush().await,
+            Remote::Mirror(m) => m.flush().await,
         }
     }
     /// Flushes; a mirror also clears its log of what every leg holds (see
     /// [`Mirror::close`]). Call it when done with the volume.
     pub async fn close(&self) -> Result<(), Error> {
         match self {
-            Remote::Mirror(m) => Box::pin(m.close()).await,
-            other => other.flush().await,
+            Remote::One(v) => v.flush().await,
+            Remote::Mirror(m) => m.close().await,
         }
     }
     pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
         match self {
-            Remote::Brp(v) => v.trim(offset, len).await,
-            Remote::Nbd(v) => v.trim(offset, len).await,
-            Remote::Mirror(m) => Box::pin(m.trim(offset, len)).await,
+            Remote::One(v) => v.trim(offset, len).await,
+            Remote::Mirror(m) => m.trim(offset, len).await,
         }
     }
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
         match self {
-            Remote::Brp(v) => v.write_zeroes(offset, len, fua).await,
-            Remote::Nbd(v) => v.write_zeroes(offset, len, fua).await,
-            Remote::Mirror(m) => Box::pin(m.write_zeroes(offset, len, fua)).await,
+            Remote::One(v) => v.write_zeroes(offset, len, fua).await,
+            Remote::Mirror(m) => m.write_zeroes(offset, len, fua).await,
         }
     }
 }

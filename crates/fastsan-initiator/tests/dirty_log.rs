@@ -96,6 +96,12 @@ async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
     log.begin(9 * MIB, 4096).await.unwrap().done(true);
     assert_eq!(log.clear_idle().await.unwrap(), 1, "only region 9");
     assert_eq!(on_disk(&p, 16 * MIB), vec![3, 7]);
+    // An idle region a leg may lack (it was just degraded) is not cleared.
+    log.begin(11 * MIB, 4096).await.unwrap().done(true);
+    log.missed(&[11]);
+    assert_eq!(log.clear_idle().await.unwrap(), 0);
+    log.resynced(&[11]);
+    assert_eq!(log.clear_idle().await.unwrap(), 1, "idle again once resynced");
     // A write begun (not sent yet) when the resync clears: the region
     // stays dirty until it is done, and then goes as that write says.
     let pending = log.begin(3 * MIB, 4096).await.unwrap();

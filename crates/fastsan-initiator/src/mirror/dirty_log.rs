@@ -367,24 +367,35 @@ impl DirtyLog {
     }
 
     /// Replaces the generation record, durably, before returning.
-    pub async fn set_generations(&self, gens: &Generations) -> Result<(), DirtyLogError> {
+    pub async fn set_generations(self: &Arc<Self>, gens: &Generations) -> Result<(), DirtyLogError> {
         if gens.legs.is_empty() || gens.legs.len() > MAX_LEGS {
             return Err(DirtyLogError::Legs(gens.legs.len()));
         }
-        let _one = self.gen_write.lock().await;
-        let seq = self.gens.lock().0 + 1;
-        let bytes = gens.encode(seq);
-        let file = self.file.clone();
-        let at = GEN_SLOT * (1 + seq % 2);
-        tokio::task::spawn_blocking(move || {
-            file.write_all_at(&bytes, at)?;
-            file.sync_data()
+        // In a task of its own: a caller that gives up cannot leave the
+        // write running while the record in memory (and its sequence, which
+        // picks the slot) stays old for the next writer.
+        let log = self.clone();
+        let gens = gens.clone();
+        tokio::spawn(async move {
+            let _one = log.gen_write.lock().await;
+            let seq = log.gens.lock().0 + 1;
+            let bytes = gens.encode(seq);
+            let file = log.file.clone();
+            let at = GEN_SLOT * (1 + seq % 2);
+            tokio::task::spawn_blocking(move || {
+                file.write_all_at(&bytes, at)?;
+                file.sync_data()
+            })
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            .map_err(|source| DirtyLogError::Io { path: log.path.clone(), source })?;
+            *log.gens.lock() = (seq, gens);
+            Ok(())
         })
         .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
-        .map_err(|source| DirtyLogError::Io { path: self.path.clone(), source })?;
-        *self.gens.lock() = (seq, gens.clone());
-        Ok(())
+        .unwrap_or_else(|e| {
+            Err(DirtyLogError::Io { path: self.path.clone(), source: std::io::Error::other(e) })
+        })
     }
 
     /// Whether any write has begun and not finished on these regions.
@@ -559,6 +570,18 @@ impl DirtyLog {
             s.next
         };
         self.wait_durable(epoch).await
+    }
+
+    /// Regions a leg may lack (it was just degraded): kept dirty until a
+    /// resync says otherwise, however idle they were.
+    pub fn missed(&self, regions: &[u64]) {
+        let mut s = self.state.lock();
+        for r in regions.iter().filter(|r| **r < self.regions) {
+            if bit(&s.bits, *r) {
+                s.idle.remove(r);
+                s.resync.insert(*r);
+            }
+        }
     }
 
     /// Regions a resync made identical on every leg, under their locks:

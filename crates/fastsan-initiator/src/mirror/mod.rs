@@ -37,7 +37,8 @@ pub use dirty_log::{DirtyLog, DirtyLogError, DirtyStats, Generations, WriteInten
 pub use spec::MirrorSpec;
 
 use crate::error::chain;
-use crate::{Error, Options, Remote};
+use crate::remote::Single;
+use crate::{Error, Options};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use record::{LegRecord, RECORD_SIZE};
@@ -72,7 +73,7 @@ pub enum LegState {
 
 struct Leg {
     url: String,
-    remote: Option<Remote>,
+    remote: Option<Single>,
     state: LegState,
     /// Regions this leg may lack (while not in sync): one bit each.
     needs: Vec<u64>,
@@ -224,11 +225,11 @@ fn request_error(e: &Error) -> bool {
 }
 
 /// Opens a leg (never itself a mirror).
-async fn connect_leg(url: &str, opts: &Options) -> Result<Remote, Error> {
-    Remote::connect_one(url, opts.clone()).await
+async fn connect_leg(url: &str, opts: &Options) -> Result<Single, Error> {
+    Single::connect(url, opts.clone()).await
 }
 
-async fn read_record(leg: &Remote, size: u64) -> Result<Option<LegRecord>, Error> {
+async fn read_record(leg: &Single, size: u64) -> Result<Option<LegRecord>, Error> {
     let b = leg.read(size, RECORD_SIZE).await?;
     LegRecord::decode(&b).map_err(mirror_err)
 }
@@ -558,6 +559,31 @@ impl Mirror {
     }
 }
 
+/// A write given up before its legs answered: every leg it went to but
+/// one in sync may now differ in its regions; they wait for a resync.
+struct Abandoned<'a> {
+    inner: &'a Inner,
+    targets: Vec<usize>,
+    regions: std::ops::Range<u64>,
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        let mut legs = self.inner.legs.lock();
+        let keep = self.targets.iter().copied().find(|i| legs[*i].state == LegState::InSync);
+        for i in &self.targets {
+            let leg = &mut legs[*i];
+            if Some(*i) == keep || leg.state == LegState::Degraded {
+                continue;
+            }
+            self.regions.clone().for_each(|r| leg.need(r));
+            leg.state = LegState::Resyncing;
+        }
+        let regions: Vec<u64> = self.regions.clone().collect();
+        self.inner.log.missed(&regions);
+    }
+}
+
 #[derive(Clone)]
 enum Op {
     Write(Bytes, bool),
@@ -566,7 +592,7 @@ enum Op {
 }
 
 impl Op {
-    async fn run(&self, leg: &Remote, offset: u64, len: u64) -> Result<(), Error> {
+    async fn run(&self, leg: &Single, offset: u64, len: u64) -> Result<(), Error> {
         match self {
             Op::Write(data, fua) => leg.write_bytes(data.clone(), offset, *fua).await,
             Op::Trim => leg.trim(offset, len).await,
@@ -582,7 +608,7 @@ fn leg_options(opts: &Options, ms: &MirrorSpec) -> Options {
     o
 }
 
-fn check_leg(r: &Remote, url: &str, size: u64) -> Result<(), Error> {
+fn check_leg(r: &Single, url: &str, size: u64) -> Result<(), Error> {
     if r.read_only() {
         return Err(mirror_err(format!("leg {url} is read-only")));
     }
@@ -647,7 +673,7 @@ impl Inner {
             ..offset.saturating_add(len.max(1)).div_ceil(self.region).min(regions)
     }
 
-    async fn mutate(&self, offset: u64, len: u64, op: Op) -> Result<(), Error> {
+    async fn mutate(self: &Arc<Self>, offset: u64, len: u64, op: Op) -> Result<(), Error> {
         self.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
@@ -657,7 +683,7 @@ impl Inner {
         let regions = self.regions_of(offset, len);
         let _shared = self.lock_shared(regions.clone()).await;
         // Which legs get it; the others will need these regions.
-        let targets: Vec<(usize, Remote)> = {
+        let targets: Vec<(usize, Single)> = {
             let mut legs = self.legs.lock();
             let mut t = Vec::new();
             for (i, leg) in legs.iter_mut().enumerate() {
@@ -667,6 +693,13 @@ impl Inner {
                 }
             }
             t
+        };
+        // Given up halfway (the caller's future dropped), the write may be
+        // on some legs and not others: all but one then wait for a resync.
+        let abandoned = Abandoned {
+            inner: self,
+            targets: targets.iter().map(|t| t.0).collect(),
+            regions: regions.clone(),
         };
         let results = futures::future::join_all(targets.iter().map(|(i, leg)| {
             let op = op.clone();
@@ -678,41 +711,42 @@ impl Inner {
             }
         }))
         .await;
-        let mut ok = 0;
-        let mut first_err = None;
+        std::mem::forget(abandoned);
+        let ok = results.iter().filter(|r| r.is_ok()).count();
+        let mut request_err = None;
+        let mut refused = None;
         for ((i, _), r) in targets.iter().zip(results) {
-            match r {
-                Ok(()) => ok += 1,
-                Err(e) if request_error(&e) => {
-                    // The same on every leg, normally; if not, the legs
-                    // may differ here: the region stays dirty.
-                    first_err.get_or_insert(e);
+            let e = match r {
+                Ok(()) => continue,
+                // The request's own fault, the same on every leg: nothing
+                // differs. If another leg took it, this leg now differs.
+                Err(e) if request_error(&e) && ok == 0 => {
+                    request_err.get_or_insert(e);
+                    continue;
                 }
-                Err(e) => {
-                    // Its regions are dirty in the log: a degraded leg needs them.
-                    if let Err(e) = self.degrade(*i, &e).await {
-                        intent.done(false);
-                        return Err(e);
-                    }
-                }
+                Err(e) => e,
+            };
+            // Its regions are dirty in the log: a degraded leg needs them.
+            if let Err(e) = self.degrade(*i, &e).await {
+                refused.get_or_insert(e);
             }
         }
-        let on_every_leg = first_err.is_none() && ok == self.in_flight.len() && {
+        let on_every_leg = ok == self.in_flight.len() && {
             let legs = self.legs.lock();
             !legs.iter().any(|l| regions.clone().any(|r| l.needs(r)))
         };
         intent.done(on_every_leg);
-        match first_err {
-            Some(e) => Err(e),
-            None if ok == 0 => Err(mirror_err("no leg took the write")),
-            None => Ok(()),
+        match (refused, request_err) {
+            (Some(e), _) | (None, Some(e)) => Err(e),
+            (None, None) if ok == 0 => Err(mirror_err("no leg took the write")),
+            (None, None) => Ok(()),
         }
     }
 
     /// Flushes every leg that gets writes; a leg that fails is degraded.
-    /// Whether every leg of the mirror was in sync and flushed.
-    async fn flush_all(&self) -> Result<bool, Error> {
-        let targets: Vec<(usize, Remote)> = {
+    /// Whether every leg of the mirror (none degraded) was flushed.
+    async fn flush_all(self: &Arc<Self>) -> Result<bool, Error> {
+        let targets: Vec<(usize, Single)> = {
             let legs = self.legs.lock();
             legs.iter()
                 .enumerate()
@@ -721,9 +755,10 @@ impl Inner {
                 .collect()
         };
         let results = futures::future::join_all(targets.iter().map(|(_, r)| r.flush())).await;
-        // "Every leg" means every leg in sync: a resyncing leg's flush does
-        // not make it hold the regions it still lacks.
-        let mut all = self.legs.lock().iter().all(|l| l.state == LegState::InSync && l.remote.is_some());
+        // Every leg (none degraded) flushed: what each holds of the idle
+        // regions is durable. (A resyncing leg lacks regions, but those are
+        // never idle: a region a leg needs stays in the log's resync set.)
+        let mut all = targets.len() == self.in_flight.len();
         for ((i, _), r) in targets.iter().zip(results) {
             if let Err(e) = r {
                 all = false;
@@ -752,8 +787,17 @@ impl Inner {
     /// resynced. When it held every write, the generation moves on first
     /// (durably): after a crash the log still knows the leg missed writes.
     /// Refused for the last leg holding every write.
-    async fn degrade(&self, i: usize, e: &Error) -> Result<(), Error> {
-        let why = chain(e);
+    async fn degrade(self: &Arc<Self>, i: usize, e: &Error) -> Result<(), Error> {
+        // In a task of its own: a caller that gives up halfway must not
+        // leave the log's generations and the legs' states apart.
+        let this = self.clone();
+        let (why, fresh) = (chain(e), !e.is_retryable());
+        tokio::spawn(async move { this.degrade_now(i, why, fresh).await })
+            .await
+            .unwrap_or_else(|e| Err(mirror_err(format!("degrading leg {i}: {e}"))))
+    }
+
+    async fn degrade_now(&self, i: usize, why: String, fresh: bool) -> Result<(), Error> {
         let _g = self.gen_change.lock().await;
         let (was_in_sync, url) = {
             let legs = self.legs.lock();
@@ -780,11 +824,14 @@ impl Inner {
             let mut legs = self.legs.lock();
             let leg = &mut legs[i];
             leg.state = LegState::Degraded;
-            leg.fresh = !e.is_retryable();
+            leg.fresh = fresh;
             leg.why = Some(why.clone());
-            for r in self.log.dirty() {
-                leg.need(r);
+            let dirty = self.log.dirty();
+            for r in &dirty {
+                leg.need(*r);
             }
+            // Regions it may lack are not idle any more: never cleared before its resync.
+            self.log.missed(&dirty);
         }
         self.counters.degraded.fetch_add(1, Relaxed);
         warn!(leg = i, %url, error = %why, "mirror leg degraded; I/O goes on without it");
@@ -797,7 +844,7 @@ impl Inner {
     async fn bump_generation(&self, leaving: Option<usize>) -> Result<(), Error> {
         let mut g = self.log.generations();
         g.current += 1;
-        let in_sync: Vec<(usize, Option<Remote>)> = {
+        let in_sync: Vec<(usize, Option<Single>)> = {
             let legs = self.legs.lock();
             legs.iter()
                 .enumerate()
@@ -891,7 +938,7 @@ impl Inner {
             }
             let rec = read_record(&leg, self.size).await?;
             check_record(rec, &self.log.generations(), i, &url)?;
-            Ok::<Remote, Error>(leg)
+            Ok::<Single, Error>(leg)
         };
         let result = tokio::time::timeout(PROBE_TIMEOUT, attempt).await;
         let mut legs = self.legs.lock();
@@ -934,7 +981,7 @@ impl Inner {
     }
 
     /// The error, and whether it is the resynced leg's.
-    async fn copy_needed(&self, i: usize) -> Result<(), (Error, bool)> {
+    async fn copy_needed(self: &Arc<Self>, i: usize) -> Result<(), (Error, bool)> {
         let started = Instant::now();
         let mut bytes = 0u64;
         {
@@ -996,7 +1043,8 @@ impl Inner {
                 if clean {
                     // Under the region's lock: no write can have missed a leg
                     // here since. Cleared later, by the keeper, after a flush
-                    // of every leg (in sync by then) covered the copy.
+                    // of every leg covered the copy (so a resync's progress
+                    // survives the process).
                     self.log.resynced(&[r]);
                 }
             }
@@ -1017,7 +1065,7 @@ impl Inner {
 
     /// Leg `i` has every region: its data flushed, its record and then the
     /// log say it holds the current generation, and it serves reads.
-    async fn finish_resync(&self, i: usize) -> Result<(), (Error, bool)> {
+    async fn finish_resync(self: &Arc<Self>, i: usize) -> Result<(), (Error, bool)> {
         let dst = self.legs.lock()[i].remote.clone().expect("a resyncing leg has a session");
         dst.flush().await.map_err(|e| (e, true))?;
         let _g = self.gen_change.lock().await;
