@@ -223,6 +223,9 @@ class Runner:
                f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
                f"--connections={connections}", "--json"]
         p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)
+        warned = [line for line in p.stderr.splitlines() if " WARN " in line or " ERROR " in line]
+        for line in warned[:5]:  # what went wrong during a point, if anything (a leg degraded...)
+            log(f"  {url[:40]}: {line[:400]}")
         r = json.loads(p.stdout)
         r["ios_total"] = r["ios"] * (self.secs + self.ramp) / self.secs
         return cmd, r
@@ -456,7 +459,9 @@ def mirror_experiment(run, reps):
             p = free_port()
             s = System(name, "fastsan")
             s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{p}", "--no-nbd", "--queue-depth", str(MIRROR_QD),
-                     "--volume", "v=memory:1G", "--volume", f"d=memory:1G,delay={MIRROR_DELAY}"], p)
+                     "--volume", "v=memory:1G", "--volume", f"d=memory:1G,delay={MIRROR_DELAY}",
+                     # One-leg runs use volumes of their own: a bench over a leg would overwrite its record.
+                     "--volume", "s=memory:1G", "--volume", f"sd=memory:1G,delay={MIRROR_DELAY}"], p)
             s.port = p
             legs.append(s)
         a, b = legs
@@ -466,8 +471,8 @@ def mirror_experiment(run, reps):
                     f"log={os.path.join(base, vol + '.log')},tracking={tracking}")
         for vol in ("v", "d"):
             subprocess.run([FASTSAN, "mirror", "create", "--assume-clean", spec(vol)], check=True, capture_output=True)
-        one = f"brp://127.0.0.1:{a.port}/v"
-        dev = f"brp://127.0.0.1:{a.port}/d"
+        one = f"brp://127.0.0.1:{a.port}/s"
+        dev = f"brp://127.0.0.1:{a.port}/sd"
         devlabel = f"device-bound legs ({MIRROR_DELAY}, {MIRROR_QD} in flight per connection)"
         points = [("4K randwrite QD32", "randwrite", 32, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
                   ("4K randwrite QD1", "randwrite", 1, {"one leg": one, "mirror": spec("v"), "mirror, naive log": spec("v", "naive")}),
@@ -477,7 +482,7 @@ def mirror_experiment(run, reps):
                   (f"4K randread QD64, {devlabel}", "randread", 64, {"one leg": dev, "mirror": spec("d")})]
 
         def with_legs_cpu(fn):
-            """`fn`, with the CPU both targets spent per I/O (one leg's run costs only a's)."""
+            """`fn`, with the CPU both targets spent per I/O (a one-leg run costs only a's)."""
             def go():
                 before = [cpu_ticks(x.pid) for x in legs]
                 cmd, res = fn()
