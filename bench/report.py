@@ -238,20 +238,14 @@ def mirror_table(r):
 
 def write(r, out):
     m = r["machine"]
-    if "latency" not in r and "mirror" in r:  # the mirror experiment alone
-        md = f"# fastsan mirror benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
-             f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
-             f"commands in raw.json. Total {r['elapsed_s']:.0f} s.\n\n" + mirror_table(r)
-        with open(os.path.join(out, "report.md"), "w") as fh:
-            fh.write(md)
-        return
-    if "latency" not in r and "attach" in r:  # the attach experiment alone
-        md = f"# fastsan attach benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
-             f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
-             f"commands in raw.json. Total {r['elapsed_s']:.0f} s.\n\n" + attach_table(r)
-        with open(os.path.join(out, "report.md"), "w") as fh:
-            fh.write(md)
-        return
+    for name, table_of in (("mirror", mirror_table), ("attach", attach_table)):
+        if "latency" not in r and name in r:  # one experiment alone
+            md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
+                 f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
+                 f"commands in raw.json. Total {r['elapsed_s']:.0f} s.\n\n" + table_of(r)
+            with open(os.path.join(out, "report.md"), "w") as fh:
+                fh.write(md)
+            return
     if "latency" not in r:  # the honesty check alone
         md = "# fastsan honesty check\n\n" + table(["check", "measured", "required", "verdict"], honesty(r))
         md += honesty_detail(r)

@@ -58,7 +58,7 @@ for r in $(seq "$ROUNDS"); do
     [ "$(echo "$s" | field 'all(l["state"] == "insync" for l in s["legs"])')" = True ] && break
     sleep 0.1
   done
-  echo "round $r/$ROUNDS: leg $i killed and back; $(echo "$s" | field 'f"{s[\"resynced_regions\"]} regions resynced so far, {s[\"degraded_events\"]} degrades, legs " + ", ".join(l["state"] for l in s["legs"])')"
+  echo "round $r/$ROUNDS: leg $i killed and back; $(echo "$s" | field '"{} regions resynced so far, {} degrades, legs {}".format(s["resynced_regions"], s["degraded_events"], ", ".join(l["state"] for l in s["legs"]))')"
 done
 echo "$ROUNDS rounds in $(( $(date +%s) - start )) s; waiting for the bench to end"
 wait "$bench" || { echo "bench FAILED:"; tail -5 "$dir/bench.log"; cat "$dir/bench.json"; exit 1; }
@@ -71,6 +71,6 @@ assert r["errors"] == 0 and r["verify_mismatches"] == 0
 EOF
 s=$("$F" mirror status --json "$spec")
 size=$(echo "$s" | field 's["size"]')
-echo "$s" | field 'f"after: {s[\"degraded_events\"]} degrades, {s[\"resynced_regions\"]} regions ({s[\"resynced_bytes\"] >> 20} MiB) resynced, {s[\"dirty\"]} dirty"'
+echo "$s" | field '"after: {} degrades, {} regions ({} MiB) resynced, {} dirty".format(s["degraded_events"], s["resynced_regions"], s["resynced_bytes"] >> 20, s["dirty"])'
 cmp -n "$size" "${files[@]}"
 echo "legs identical ($size bytes compared)"
