@@ -43,7 +43,7 @@ serve 1
 spec="mirror:brp://${addrs[0]}/v,brp://${addrs[1]}/v,log=$dir/m.log,failover=0.5"
 "$F" mirror create --assume-clean "$spec" > /dev/null 2>&1
 "$F" bench "$spec" --rw randrw --bs 4k --iodepth 16 --size 64M --verify --json \
-  --runtime $((ROUNDS * 3 + 10)) > "$dir/bench.json" 2> "$dir/bench.log" &
+  --runtime $((ROUNDS * 4 + 10)) > "$dir/bench.json" 2> "$dir/bench.log" &
 bench=$!
 sleep 2
 start=$(date +%s)
@@ -53,14 +53,18 @@ for r in $(seq "$ROUNDS"); do
   wait "${pids[$i]}" 2>/dev/null || true
   sleep 1.2   # past the failover time: the leg is degraded, I/O goes on
   serve "$i"
+  t0=$(date +%s.%N)
   for _ in $(seq 300); do
     s=$("$F" mirror status --json "$spec")
     [ "$(echo "$s" | field 'all(l["state"] == "insync" for l in s["legs"])')" = True ] && break
     sleep 0.1
   done
-  echo "round $r/$ROUNDS: leg $i killed and back; $(echo "$s" | field '"{} regions resynced so far, {} degrades, legs {}".format(s["resynced_regions"], s["degraded_events"], ", ".join(l["state"] for l in s["legs"]))')"
+  echo "round $r/$ROUNDS: leg $i killed, back and in sync after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s; $(echo "$s" | field '"{} regions resynced so far, {} degrades, legs {}".format(s["resynced_regions"], s["degraded_events"], ", ".join(l["state"] for l in s["legs"]))')"
 done
-echo "$ROUNDS rounds in $(( $(date +%s) - start )) s; waiting for the bench to end"
+elapsed=$(( $(date +%s) - start ))
+echo "$ROUNDS rounds in $elapsed s; waiting for the bench to end"
+# The load must have lasted through every round.
+[ "$elapsed" -lt $((ROUNDS * 4 + 5)) ] || { echo "the rounds outlasted the bench: raise its runtime"; exit 1; }
 wait "$bench" || { echo "bench FAILED:"; tail -5 "$dir/bench.log"; cat "$dir/bench.json"; exit 1; }
 python3 - "$dir/bench.json" <<'EOF'
 import json, sys

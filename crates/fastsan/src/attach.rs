@@ -35,8 +35,9 @@ use tracing::{info, warn};
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH, or
-    /// nbd://HOST:PORT/EXPORT (any NBD server: one connection, no retries)
+    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH,
+    /// nbd://HOST:PORT/EXPORT (any NBD server: one connection, no retries), or
+    /// mirror:LEG,LEG,log=PATH (a mirrored volume; see `fastsan mirror --help`)
     #[arg(required_unless_present = "list")]
     url: Option<String>,
     /// The NBD device to use (default: the first free one).

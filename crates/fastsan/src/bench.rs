@@ -20,7 +20,8 @@ use std::time::Duration;
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH or nbd://HOST:PORT/EXPORT
+    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH, nbd://HOST:PORT/EXPORT
+    /// or mirror:LEG,LEG,log=PATH
     url: String,
     /// Access pattern, as fio names it.
     #[arg(long, default_value = "randread", value_name = "PATTERN")]

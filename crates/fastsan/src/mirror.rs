@@ -35,6 +35,7 @@ enum Cmd {
     /// then copy the first leg to the others (a full sync), unless
     /// --assume-clean.
     Create {
+        /// mirror:LEG,LEG[,...],log=PATH[,region=SIZE]
         spec: String,
         /// The legs are identical already (fresh, zeroed volumes): no full sync.
         #[arg(long)]
@@ -50,6 +51,7 @@ enum Cmd {
     /// resync's progress, from the process that has the mirror open or
     /// else from the log.
     Status {
+        /// mirror:LEG,LEG[,...],log=PATH
         spec: String,
         /// Print the status as JSON.
         #[arg(long)]
@@ -61,6 +63,7 @@ enum Cmd {
     /// Open the mirror and copy to every leg the regions it misses, until
     /// all legs are in sync (the mirror must not be open elsewhere).
     Resync {
+        /// mirror:LEG,LEG[,...],log=PATH[,rate=SIZE]
         spec: String,
         /// Give up when a leg stays unreachable this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
