@@ -284,7 +284,7 @@ fn an_attached_mirror_rides_out_a_target_restart() {
     ok(&["mirror", "create", "--assume-clean", &spec]);
     let fuse = legs.dir.join("fuse");
     std::fs::create_dir_all(&fuse).unwrap();
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .args(["attach", &spec, "--fuse", fuse.to_str().unwrap()])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
