@@ -21,17 +21,31 @@ fi
 # test stacks on top (loop device, ext4, fusermount3), and kill for signals;
 # qemu-system-x86 and busybox-static boot the throw-away guest whose kernel
 # runs the kernel-client tests (scripts/guest-image.sh fetches the kernel).
-need_apt=()
-for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
-            nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
-            losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
-            busybox:busybox-static; do
-  command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
-done
-if [ ${#need_apt[@]} -gt 0 ]; then
+# Two passes: installing one package can remove another (qemu-system-x86
+# from Debian removes a newer qemu-utils from backports, and with it
+# qemu-img); the second pass installs what the first one took away.
+missing_apt() {
+  need_apt=()
+  for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
+              nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
+              losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
+              busybox:busybox-static; do
+    command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
+  done
+  mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | grep -v '^$' || true)
+}
+for pass in 1 2; do
+  missing_apt
+  [ ${#need_apt[@]} -eq 0 ] && break
   say "installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+  if [ "$pass" = 1 ]; then apt-get update -qq; fi
+  apt-get install -y -qq "${need_apt[@]}"
+done
+missing_apt
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "still missing after installing: ${need_apt[*]}" >&2
+  exit 1
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt || true
 
