@@ -169,6 +169,9 @@ pub struct ServerConfig {
     pub nbd_unix: Option<PathBuf>,
     /// Allow NBD (which has no authentication here yet) on a non-loopback address.
     pub nbd_allow_remote: bool,
+    /// Serve NBD although a secret is set: NBD cannot authenticate its
+    /// clients (no TLS yet), so anyone who reaches it bypasses the secret.
+    pub nbd_insecure: bool,
     pub volumes: Vec<VolumeSpec>,
     /// Shared secret; when set, every connection must authenticate.
     pub secret: Option<Vec<u8>>,
@@ -206,6 +209,7 @@ impl Default for ServerConfig {
             nbd: Some("127.0.0.1:10809".parse().expect("valid address")),
             nbd_unix: None,
             nbd_allow_remote: false,
+            nbd_insecure: false,
             volumes: Vec::new(),
             secret: None,
             handshake_timeout: Duration::from_secs(10),
@@ -257,6 +261,13 @@ impl ServerConfig {
                 )));
             }
         }
+        if self.secret.is_some() && !self.nbd_insecure && (self.nbd.is_some() || self.nbd_unix.is_some()) {
+            return Err(ConfigError::Invalid(
+                "NBD cannot authenticate its clients (no TLS yet): with a secret set, anyone who reaches \
+                 the NBD listener would bypass it; serve no NBD (--no-nbd) or pass --nbd-insecure"
+                    .into(),
+            ));
+        }
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return Err(ConfigError::Invalid("the secret file is empty".into()));
         }
@@ -303,7 +314,7 @@ impl ServerConfig {
 /// nbd = "127.0.0.1:10809"          # or no_nbd = true
 /// nbd_unix = "/run/fastsan/nbd.sock"
 /// nbd_allow_remote = false
-/// secret_file = "/etc/fastsan/secret"
+/// secret_file = "/etc/fastsan/secret"  # then NBD is off unless nbd_insecure = true
 /// volumes = ["vol0=memory:1G", "disk=file:/dev/nvme0n1,direct"]
 /// queue_depth = 256
 /// max_transfer = "8M"
@@ -326,6 +337,8 @@ pub struct ConfigFile {
     pub nbd_unix: Option<PathBuf>,
     #[serde(default)]
     pub nbd_allow_remote: bool,
+    #[serde(default)]
+    pub nbd_insecure: bool,
     pub secret_file: Option<PathBuf>,
     #[serde(default)]
     pub volumes: Vec<String>,
@@ -440,7 +453,17 @@ mod tests {
         let mut c = ServerConfig { brp: "0.0.0.0:10810".parse().unwrap(), ..Default::default() };
         assert!(c.validate().is_err());
         c.secret = Some(b"k".to_vec());
+        // NBD (on by default) cannot check the secret: refused, unless off
+        // or explicitly insecure.
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("NBD cannot authenticate"), "{e}");
+        c.nbd_insecure = true;
         assert!(c.validate().is_ok());
+        c.nbd_insecure = false;
+        c.nbd = None;
+        assert!(c.validate().is_ok());
+        c.nbd_unix = Some("/run/n.sock".into());
+        assert!(c.validate().is_err());
     }
 
     #[test]

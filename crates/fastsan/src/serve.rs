@@ -6,7 +6,7 @@ use fastsan_target::Server;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use tracing::info;
+use tracing::{info, warn};
 
 /// Serve volumes over BRP and NBD until SIGINT or SIGTERM.
 ///
@@ -52,8 +52,14 @@ pub struct Args {
     /// Allow NBD on a non-loopback address (NBD has no authentication yet).
     #[arg(long)]
     nbd_allow_remote: bool,
+    /// Serve NBD even with --secret-file: NBD cannot authenticate clients (no
+    /// TLS yet), so anyone who reaches it bypasses the secret. Without it, a
+    /// secret turns the default NBD listener off and refuses an explicit one.
+    #[arg(long)]
+    nbd_insecure: bool,
     /// File holding the shared secret BRP clients must prove they know. Required
-    /// when listening on an address other than loopback.
+    /// when listening on an address other than loopback. NBD, which cannot
+    /// check it, is then off (see --nbd-insecure).
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
     /// Requests in flight per connection (credits granted to the initiator) [default: 256].
@@ -111,8 +117,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     c.brp_unix = a.brp_unix.or(file.brp_unix);
     c.nbd_unix = a.nbd_unix.or(file.nbd_unix);
     c.nbd_allow_remote = a.nbd_allow_remote || file.nbd_allow_remote;
+    c.nbd_insecure = a.nbd_insecure || file.nbd_insecure;
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
+        // NBD cannot check the secret: the default listener stays off (an
+        // explicit one is refused by the config's check, unless insecure).
+        if a.nbd.is_none() && file.nbd.is_none() && !c.nbd_insecure && c.nbd.is_some() {
+            c.nbd = None;
+            info!("NBD is off: it cannot authenticate clients, and a secret is set (--nbd-insecure serves it anyway)");
+        }
+    }
+    if c.nbd_insecure && c.secret.is_some() && (c.nbd.is_some() || c.nbd_unix.is_some()) {
+        warn!("serving NBD with a secret set (--nbd-insecure): NBD clients are not authenticated");
     }
     c.volumes = file.volumes.iter().map(|s| VolumeSpec::parse(s)).collect::<Result<_, _>>()?;
     c.volumes.extend(a.volumes);

@@ -264,3 +264,68 @@ fn brp_and_nbd_see_the_same_bytes() {
     vol.read_at(&mut back, 4 << 20).unwrap();
     assert!(back.iter().all(|&b| b == 0x24), "a write through NBD reads back through BRP");
 }
+
+/// NBD cannot check the BRP secret (no TLS yet): with a secret set, the
+/// NBD listener is off, so `qemu-io` cannot write around the secret; an
+/// explicit NBD listener is refused at start; `--nbd-insecure` is the
+/// operator's explicit opt-out, and then NBD serves (unauthenticated).
+#[test]
+fn a_secret_is_not_bypassed_over_nbd() {
+    let dir = temp_dir("nbd-secret");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "only for BRP").unwrap();
+    let s = secret.to_str().unwrap();
+    // Default NBD: off. Nothing but BRP is served; the secret still guards BRP.
+    let locked = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:1M", "--secret-file", s]);
+    assert!(locked.nbd.is_empty());
+    let (served_nbd, text) = tool("nbdinfo", &["--list", "nbd://127.0.0.1:10809/"]);
+    assert!(
+        !served_nbd || !text.contains("export=\"v\""),
+        "an NBD listener serves v with a secret set: {text}"
+    );
+    let (signal_status, log) = locked.signal("TERM");
+    assert!(signal_status.success(), "{log}");
+    assert!(log.contains("NBD is off"), "{log}");
+    // Asked for explicitly: refused with the reason.
+    let out = fastsan(&[
+        "serve",
+        "--brp",
+        "127.0.0.1:0",
+        "--nbd",
+        "127.0.0.1:0",
+        "--volume",
+        "v=memory:1M",
+        "--secret-file",
+        s,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("NBD cannot authenticate"), "{err}");
+    let sock = dir.join("nbd.sock");
+    let out = fastsan(&[
+        "serve",
+        "--brp",
+        "127.0.0.1:0",
+        "--no-nbd",
+        "--nbd-unix",
+        sock.to_str().unwrap(),
+        "--volume",
+        "v=memory:1M",
+        "--secret-file",
+        s,
+    ]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--nbd-insecure"));
+    // The explicit opt-out serves NBD, and says what it costs.
+    let open = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "v=memory:1M",
+        "--secret-file",
+        s,
+        "--nbd-insecure",
+    ]);
+    ok("qemu-io", &["-f", "raw", "-c", "write -P 0xaa 0 4k", &open.nbd_url("v")]);
+    let (_, log) = open.signal("TERM");
+    assert!(log.contains("NBD clients are not authenticated"), "{log}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

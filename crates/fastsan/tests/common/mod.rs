@@ -16,11 +16,14 @@ pub struct Served {
 }
 
 impl Served {
+    /// Starts `fastsan serve ARGS`, with NBD on a free port unless a secret
+    /// turns it off (NBD cannot check one; `--nbd-insecure` keeps it).
     pub fn start(args: &[&str]) -> Served {
+        let nbd = !args.contains(&"--secret-file") || args.contains(&"--nbd-insecure");
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(args)
-            .args(["--nbd", "127.0.0.1:0"])
+            .args(if nbd { &["--nbd", "127.0.0.1:0"][..] } else { &[][..] })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -33,7 +36,7 @@ impl Served {
             addr.unwrap_or_else(|| panic!("no address in {line:?}")).to_owned()
         };
         let addr = addr_after_on();
-        let nbd = addr_after_on();
+        let nbd = if nbd { addr_after_on() } else { String::new() };
         Served { child, addr, nbd }
     }
 
