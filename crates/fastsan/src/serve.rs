@@ -161,11 +161,15 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let brp_unix = c.brp_unix.clone();
     let server = Server::bind(c).await?;
     let handle = server.handle();
+    // The handlers are in place before the addresses are printed: a signal
+    // sent as soon as a supervisor (or a test) sees them is a clean
+    // shutdown, not the default action that kills without draining.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install a SIGTERM handler");
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+            _ = int.recv() => info!("SIGINT received"),
             _ = term.recv() => info!("SIGTERM received"),
         }
         handle.shutdown();
