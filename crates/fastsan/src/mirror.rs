@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 ///   fastsan mirror create --assume-clean mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
 ///   fastsan attach mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
 ///   fastsan mirror status mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
+///   fastsan mirror replace --leg 1 mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -60,6 +61,23 @@ enum Cmd {
         #[arg(long)]
         watch: bool,
     },
+    /// Take back a leg whose volume was replaced or emptied (a memory target
+    /// restarted, a new disk): it is copied whole from an in-sync leg.
+    Replace {
+        /// mirror:LEG,LEG[,...],log=PATH
+        spec: String,
+        /// The leg's index in the spec (0 is the first).
+        #[arg(long, value_name = "N")]
+        leg: usize,
+        /// Also take a leg that carries a record (its data is overwritten).
+        #[arg(long)]
+        force: bool,
+        /// Give up when a leg stays unreachable this many seconds.
+        #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+        timeout: f64,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Open the mirror and copy to every leg the regions it misses, until
     /// all legs are in sync (the mirror must not be open elsewhere).
     Resync {
@@ -87,6 +105,13 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 HumanBytes(s.region)
             );
             wait_in_sync(&m, Duration::from_secs(30)).await
+        }
+        Cmd::Replace { spec, leg, force, timeout, client } => {
+            anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout must be more than 0");
+            let m = Mirror::replace(&spec, client.options()?, leg, force)
+                .await
+                .with_context(|| format!("cannot replace leg {leg} of {spec}"))?;
+            wait_in_sync(&m, Duration::from_secs_f64(timeout)).await
         }
         Cmd::Resync { spec, timeout, client } => {
             anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout must be more than 0");

@@ -329,3 +329,29 @@ fn an_attached_mirror_rides_out_a_target_restart() {
     assert!(s["resynced_regions"].as_u64().unwrap() <= 5, "only dirty regions: {s:#}");
     assert!(legs.identical(size));
 }
+
+/// A leg whose volume is replaced (here its file emptied and the target
+/// restarted over it) carries no record: the mirror serves from the other
+/// leg, and `mirror replace` copies everything back to it.
+#[test]
+fn a_replaced_leg_is_taken_back_by_a_whole_copy() {
+    let mut legs = Legs::start("mirror-replace");
+    let spec = legs.spec(",failover=1");
+    ok(&["mirror", "create", "--assume-clean", &spec]);
+    let data = common::random_file(&legs.dir.join("in.img"), 5 << 20);
+    ok(&["cp", legs.dir.join("in.img").to_str().unwrap(), &spec]);
+    legs.kill(1);
+    std::fs::File::create(&legs.files[1]).unwrap().set_len(LEG).unwrap(); // a new, empty disk
+    legs.restart(1);
+    // Leg 0 still carries this mirror's record: replacing it is refused.
+    let e = fastsan(&["mirror", "replace", "--leg", "0", &spec]);
+    assert!(String::from_utf8_lossy(&e.stderr).contains("carries this mirror's record"), "{e:?}");
+    let text = ok(&["mirror", "replace", "--leg", "1", &spec]);
+    assert!(text.contains("every leg in sync; 256 regions"), "{text}");
+    let s = status(&spec);
+    assert!(s["legs"].as_array().unwrap().iter().all(|l| l["state"] == "insync"), "{s:#}");
+    assert!(legs.identical(s["size"].as_u64().unwrap()));
+    let back = legs.dir.join("back.img");
+    ok(&["cp", &spec, back.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&back).unwrap()[..data.len()], &data[..]);
+}

@@ -541,6 +541,25 @@ impl DirtyLog {
         Ok(epoch.1)
     }
 
+    /// Marks every region dirty, durably, for a resync (a leg replaced:
+    /// everything must be copied to it).
+    pub async fn mark_all(self: &Arc<Self>) -> Result<(), DirtyLogError> {
+        let epoch = {
+            let mut s = self.state.lock();
+            for r in 0..self.regions {
+                if !bit(&s.bits, r) {
+                    set_bit(&mut s.bits, r, true);
+                    s.changed.insert(page_of(r));
+                    s.stats.set += 1;
+                }
+                s.idle.remove(&r);
+                s.resync.insert(r);
+            }
+            s.next
+        };
+        self.wait_durable(epoch).await
+    }
+
     /// Clears regions a resync made identical on every leg. The caller
     /// makes sure no write to them has been sent meanwhile (the mirror holds
     /// the region's lock); a write that has begun but not been sent yet

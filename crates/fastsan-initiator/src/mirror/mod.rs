@@ -300,6 +300,51 @@ impl Mirror {
         Mirror::open(spec, opts).await
     }
 
+    /// Takes back leg `leg` whose volume was replaced or emptied (it carries
+    /// no record; `force` also takes a leg that carries one): every region
+    /// is marked dirty and the leg behind, durably, then its record is
+    /// written; the open that follows copies everything to it from an
+    /// in-sync leg. Refused unless another leg holds every write.
+    pub async fn replace(spec: &str, opts: Options, leg: usize, force: bool) -> Result<Mirror, Error> {
+        let ms = MirrorSpec::parse(spec)?;
+        let url = ms.legs.get(leg).ok_or_else(|| mirror_err(format!("the mirror has no leg {leg}")))?.clone();
+        let log = DirtyLog::open(&ms.log, CLEAR_DELAY)?;
+        let mut gens = log.generations();
+        if gens.legs.len() != ms.legs.len() {
+            return Err(mirror_err(format!(
+                "{} is the log of a mirror of {} legs",
+                ms.log.display(),
+                gens.legs.len()
+            )));
+        }
+        if !(0..gens.legs.len()).any(|j| j != leg && gens.legs[j] == gens.current) {
+            return Err(mirror_err(format!("no leg but {leg} holds every write: nothing to copy from")));
+        }
+        let l = connect_leg(&url, &leg_options(&opts, &ms)).await?;
+        check_leg(&l, &url, log.size())?;
+        if let Some(rec) = read_record(&l, log.size()).await? {
+            if !force {
+                let whose = if rec.uuid == gens.uuid { "this mirror's" } else { "another mirror's" };
+                return Err(mirror_err(format!(
+                    "leg {leg} ({url}) carries {whose} record (generation {}): `mirror resync` brings a leg \
+                     back; give --force to copy it whole anyway",
+                    rec.generation
+                )));
+            }
+        }
+        // Everything dirty first, then the leg behind: a crash between
+        // leaves a leg that is at worst copied whole, never one taken as a
+        // copy of regions the log no longer marks.
+        log.mark_all().await?;
+        gens.legs[leg] = 0;
+        log.set_generations(&gens).await?;
+        let rec = LegRecord { uuid: gens.uuid, leg: leg as u32, legs: gens.legs.len() as u32, generation: 0 };
+        l.write_bytes(rec.encode(), log.size(), true).await?;
+        info!(leg, %url, "mirror leg replaced: it will be copied whole");
+        drop((l, log));
+        Mirror::open(spec, opts).await
+    }
+
     /// Opens the mirror named by `spec` (see [`MirrorSpec`]). Legs that
     /// cannot be reached are degraded; at least one leg holding every write
     /// must answer. Regions dirty in the log are copied from one in-sync
