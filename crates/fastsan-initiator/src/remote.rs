@@ -34,6 +34,16 @@ macro_rules! single {
     };
 }
 
+/// Calls the same method on a single volume or a mirror.
+macro_rules! any {
+    ($self:expr, $v:ident => $e:expr) => {
+        match $self {
+            Remote::One($v) => $e,
+            Remote::Mirror($v) => $e,
+        }
+    };
+}
+
 impl Single {
     /// Opens `brp://`, `brp+unix://` or `nbd://` (the options apply to BRP).
     pub async fn connect(url: &str, opts: Options) -> Result<Single, Error> {
@@ -123,16 +133,10 @@ impl Remote {
     }
 
     pub fn size(&self) -> u64 {
-        match self {
-            Remote::One(v) => v.size(),
-            Remote::Mirror(m) => m.size(),
-        }
+        any!(self, v => v.size())
     }
     pub fn block_size(&self) -> u32 {
-        match self {
-            Remote::One(v) => v.block_size(),
-            Remote::Mirror(m) => m.block_size(),
-        }
+        any!(self, v => v.block_size())
     }
     pub fn read_only(&self) -> bool {
         match self {
@@ -148,10 +152,7 @@ impl Remote {
     }
     /// Connections (a mirror: legs) up, and in all.
     pub fn connections(&self) -> (usize, usize) {
-        match self {
-            Remote::One(v) => v.connections(),
-            Remote::Mirror(m) => m.connections(),
-        }
+        any!(self, v => v.connections())
     }
     pub fn stats(&self) -> InitiatorStats {
         match self {
@@ -161,25 +162,16 @@ impl Remote {
     }
 
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
-        match self {
-            Remote::One(v) => v.read(offset, len).await,
-            Remote::Mirror(m) => m.read(offset, len).await,
-        }
+        any!(self, v => v.read(offset, len).await)
     }
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
-        match self {
-            Remote::One(v) => v.write_bytes(data, offset, fua).await,
-            Remote::Mirror(m) => m.write_bytes(data, offset, fua).await,
-        }
+        any!(self, v => v.write_bytes(data, offset, fua).await)
     }
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
         self.write_bytes(Bytes::copy_from_slice(data), offset, fua).await
     }
     pub async fn flush(&self) -> Result<(), Error> {
-        match self {
-            Remote::One(v) => v.flush().await,
-            Remote::Mirror(m) => m.flush().await,
-        }
+        any!(self, v => v.flush().await)
     }
     /// Flushes; a mirror also clears its log of what every leg holds (see
     /// [`Mirror::close`]). Call it when done with the volume.
@@ -190,15 +182,9 @@ impl Remote {
         }
     }
     pub async fn trim(&self, offset: u64, len: u64) -> Result<(), Error> {
-        match self {
-            Remote::One(v) => v.trim(offset, len).await,
-            Remote::Mirror(m) => m.trim(offset, len).await,
-        }
+        any!(self, v => v.trim(offset, len).await)
     }
     pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-        match self {
-            Remote::One(v) => v.write_zeroes(offset, len, fua).await,
-            Remote::Mirror(m) => m.write_zeroes(offset, len, fua).await,
-        }
+        any!(self, v => v.write_zeroes(offset, len, fua).await)
     }
 }

@@ -347,10 +347,6 @@ impl DirtyLog {
         Err(DirtyLogError::InUse { path: path.to_owned(), pid })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The volume's size and the region size.
     pub fn size(&self) -> u64 {
         self.size
@@ -396,11 +392,6 @@ impl DirtyLog {
         .unwrap_or_else(|e| {
             Err(DirtyLogError::Io { path: self.path.clone(), source: std::io::Error::other(e) })
         })
-    }
-
-    /// Whether any write has begun and not finished on these regions.
-    pub fn in_flight(&self, region: u64) -> bool {
-        self.state.lock().inflight.contains_key(&region)
     }
 
     /// The dirty regions, in order.

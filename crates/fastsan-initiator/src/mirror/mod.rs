@@ -224,14 +224,46 @@ fn request_error(e: &Error) -> bool {
     }
 }
 
-/// Opens a leg (never itself a mirror).
-async fn connect_leg(url: &str, opts: &Options) -> Result<Single, Error> {
-    Single::connect(url, opts.clone()).await
-}
-
 async fn read_record(leg: &Single, size: u64) -> Result<Option<LegRecord>, Error> {
     let b = leg.read(size, RECORD_SIZE).await?;
     LegRecord::decode(&b).map_err(mirror_err)
+}
+
+/// Writes leg `i`'s record (durably: FUA) right after the mirror's data.
+async fn write_record(
+    leg: &Single,
+    size: u64,
+    g: &Generations,
+    i: usize,
+    generation: u64,
+) -> Result<(), Error> {
+    let rec = LegRecord { uuid: g.uuid, leg: i as u32, legs: g.legs.len() as u32, generation };
+    leg.write_bytes(rec.encode(), size, true).await
+}
+
+/// Opens the mirror's log (for this process alone) and checks it names as
+/// many legs as the spec; a missing log says how to make one.
+fn open_log(ms: &MirrorSpec) -> Result<(Arc<DirtyLog>, Generations), Error> {
+    let log = DirtyLog::open(&ms.log, CLEAR_DELAY).map_err(|e| match e {
+        DirtyLogError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            mirror_err(format!(
+                "{} not found: make the mirror first with `fastsan mirror create` (a mirror never \
+             starts without its log: the regions it marked would be forgotten)",
+                ms.log.display()
+            ))
+        }
+        e => e.into(),
+    })?;
+    let gens = log.generations();
+    if gens.legs.len() != ms.legs.len() {
+        return Err(mirror_err(format!(
+            "{} is the log of a mirror of {} legs, not {}",
+            ms.log.display(),
+            gens.legs.len(),
+            ms.legs.len()
+        )));
+    }
+    Ok((log, gens))
 }
 
 impl Mirror {
@@ -249,7 +281,7 @@ impl Mirror {
             )));
         }
         let lo = leg_options(&opts, &ms);
-        let legs = futures::future::join_all(ms.legs.iter().map(|u| connect_leg(u, &lo))).await;
+        let legs = futures::future::join_all(ms.legs.iter().map(|u| Single::connect(u, lo.clone()))).await;
         let mut opened = Vec::new();
         for (u, l) in ms.legs.iter().zip(legs) {
             let l = l.map_err(|e| mirror_err(format!("leg {u}: {}", chain(&e))))?;
@@ -290,8 +322,7 @@ impl Mirror {
         let log = DirtyLog::create(&ms.log, size, ms.region, &gens, !assume_clean, CLEAR_DELAY)?;
         drop(log);
         for (i, l) in opened.iter().enumerate() {
-            let rec = LegRecord { uuid, leg: i as u32, legs: n as u32, generation: gens.legs[i] };
-            l.write_bytes(rec.encode(), size, true).await.map_err(|e| {
+            write_record(l, size, &gens, i, gens.legs[i]).await.map_err(|e| {
                 mirror_err(format!("writing the record of leg {}: {}", ms.legs[i], chain(&e)))
             })?;
         }
@@ -308,19 +339,11 @@ impl Mirror {
     pub async fn replace(spec: &str, opts: Options, leg: usize, force: bool) -> Result<Mirror, Error> {
         let ms = MirrorSpec::parse(spec)?;
         let url = ms.legs.get(leg).ok_or_else(|| mirror_err(format!("the mirror has no leg {leg}")))?.clone();
-        let log = DirtyLog::open(&ms.log, CLEAR_DELAY)?;
-        let mut gens = log.generations();
-        if gens.legs.len() != ms.legs.len() {
-            return Err(mirror_err(format!(
-                "{} is the log of a mirror of {} legs",
-                ms.log.display(),
-                gens.legs.len()
-            )));
-        }
+        let (log, mut gens) = open_log(&ms)?;
         if !(0..gens.legs.len()).any(|j| j != leg && gens.legs[j] == gens.current) {
             return Err(mirror_err(format!("no leg but {leg} holds every write: nothing to copy from")));
         }
-        let l = connect_leg(&url, &leg_options(&opts, &ms)).await?;
+        let l = Single::connect(&url, leg_options(&opts, &ms)).await?;
         check_leg(&l, &url, log.size())?;
         if let Some(rec) = read_record(&l, log.size()).await? {
             if !force {
@@ -338,8 +361,7 @@ impl Mirror {
         log.mark_all().await?;
         gens.legs[leg] = 0;
         log.set_generations(&gens).await?;
-        let rec = LegRecord { uuid: gens.uuid, leg: leg as u32, legs: gens.legs.len() as u32, generation: 0 };
-        l.write_bytes(rec.encode(), log.size(), true).await?;
+        write_record(&l, log.size(), &gens, leg, 0).await?;
         info!(leg, %url, "mirror leg replaced: it will be copied whole");
         drop((l, log));
         Mirror::open(spec, opts).await
@@ -351,29 +373,11 @@ impl Mirror {
     /// leg to the others before those are read.
     pub async fn open(spec: &str, opts: Options) -> Result<Mirror, Error> {
         let ms = MirrorSpec::parse(spec)?;
-        let log = DirtyLog::open(&ms.log, CLEAR_DELAY).map_err(|e| match e {
-            DirtyLogError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                mirror_err(format!(
-                    "{} not found: make the mirror first with `fastsan mirror create` (a mirror never \
-                 starts without its log: the regions it marked would be forgotten)",
-                    ms.log.display()
-                ))
-            }
-            e => e.into(),
-        })?;
+        let (log, mut gens) = open_log(&ms)?;
         log.set_naive(ms.naive);
-        let mut gens = log.generations();
-        if gens.legs.len() != ms.legs.len() {
-            return Err(mirror_err(format!(
-                "{} is the log of a mirror of {} legs, not {}",
-                ms.log.display(),
-                gens.legs.len(),
-                ms.legs.len()
-            )));
-        }
         let size = log.size();
         let lo = leg_options(&opts, &ms);
-        let conns = futures::future::join_all(ms.legs.iter().map(|u| connect_leg(u, &lo))).await;
+        let conns = futures::future::join_all(ms.legs.iter().map(|u| Single::connect(u, lo.clone()))).await;
         let dirty = log.dirty();
         let regions = log.regions();
         let words = regions.div_ceil(64) as usize;
@@ -464,13 +468,7 @@ impl Mirror {
         // may have come between the log's update and theirs).
         for (i, leg) in legs.iter().enumerate() {
             if let (LegState::InSync, Some(r)) = (leg.state, &leg.remote) {
-                let rec = LegRecord {
-                    uuid: gens.uuid,
-                    leg: i as u32,
-                    legs: legs.len() as u32,
-                    generation: gens.current,
-                };
-                if let Err(e) = r.write_bytes(rec.encode(), size, true).await {
+                if let Err(e) = write_record(r, size, &gens, i, gens.current).await {
                     warn!(leg = i, error = %chain(&e), "cannot update a leg's record");
                 }
             }
@@ -519,24 +517,9 @@ impl Mirror {
         let legs = self.inner().legs.lock();
         (legs.iter().filter(|l| l.state != LegState::Degraded).count(), legs.len())
     }
-    pub fn spec(&self) -> &MirrorSpec {
-        &self.inner().spec
-    }
 
     pub fn status(&self) -> MirrorStatus {
         self.inner().status(true)
-    }
-
-    /// Waits until every leg is in sync, or `timeout` passes; the status then.
-    pub async fn wait_in_sync(&self, timeout: Duration) -> MirrorStatus {
-        let until = Instant::now() + timeout;
-        loop {
-            let s = self.status();
-            if s.legs.iter().all(|l| l.state == LegState::InSync) || Instant::now() >= until {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
     }
 
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
@@ -547,15 +530,9 @@ impl Mirror {
         }
         inner.counters.reads.fetch_add(1, Relaxed);
         loop {
-            let (i, leg) = {
-                let legs = inner.legs.lock();
-                legs.iter()
-                    .enumerate()
-                    .filter(|(_, l)| l.state == LegState::InSync)
-                    .filter_map(|(i, l)| l.remote.clone().map(|r| (i, r)))
-                    .min_by_key(|(i, _)| inner.in_flight[*i].load(Relaxed))
-                    .ok_or_else(|| mirror_err("no leg holding every write is reachable"))?
-            };
+            let (i, leg) = inner
+                .least_busy_in_sync(&inner.legs.lock())
+                .ok_or_else(|| mirror_err("no leg holding every write is reachable"))?;
             inner.in_flight[i].fetch_add(1, Relaxed);
             let r = leg.read(offset, len).await;
             inner.in_flight[i].fetch_sub(1, Relaxed);
@@ -710,6 +687,16 @@ impl Inner {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(Error::Status(fastsan_brp::Status::OUT_OF_RANGE)),
         }
+    }
+
+    /// The in-sync leg with the fewest requests in flight: where reads,
+    /// and a resync's copies, come from.
+    fn least_busy_in_sync(&self, legs: &[Leg]) -> Option<(usize, Single)> {
+        legs.iter()
+            .enumerate()
+            .filter(|(_, l)| l.state == LegState::InSync)
+            .filter_map(|(i, l)| l.remote.clone().map(|r| (i, r)))
+            .min_by_key(|(i, _)| self.in_flight[*i].load(Relaxed))
     }
 
     fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
@@ -902,10 +889,8 @@ impl Inner {
         }
         self.log.set_generations(&g).await?;
         for (i, r) in in_sync {
-            let rec =
-                LegRecord { uuid: g.uuid, leg: i as u32, legs: g.legs.len() as u32, generation: g.current };
             if let Some(r) = r {
-                if let Err(e) = r.write_bytes(rec.encode(), self.size, true).await {
+                if let Err(e) = write_record(&r, self.size, &g, i, g.current).await {
                     // The log is what decides; the record only guards against
                     // foreign and newer logs, and is rewritten at the next open.
                     warn!(leg = i, error = %chain(&e), "cannot update a leg's record");
@@ -971,7 +956,7 @@ impl Inner {
         let attempt = async {
             let leg = match old {
                 Some(r) if !fresh => r,
-                _ => connect_leg(&url, &self.opts).await?,
+                _ => Single::connect(&url, self.opts.clone()).await?,
             };
             check_leg(&leg, &url, self.size)?;
             if leg.block_size() > self.block_size {
@@ -1028,7 +1013,6 @@ impl Inner {
     /// The error, and whether it is the resynced leg's.
     async fn copy_needed(self: &Arc<Self>, i: usize) -> Result<(), (Error, bool)> {
         let started = Instant::now();
-        let mut bytes = 0u64;
         {
             let mut legs = self.legs.lock();
             let total = legs[i].needed;
@@ -1044,20 +1028,14 @@ impl Inner {
                     return Err((mirror_err("the leg is no longer resyncing"), false));
                 }
                 let Some(r) = legs[i].first_needed() else { return Ok(()) };
-                let src = legs
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, l)| l.state == LegState::InSync)
-                    .filter_map(|(j, l)| l.remote.clone().map(|x| (j, x)))
-                    .min_by_key(|(j, _)| self.in_flight[*j].load(Relaxed));
-                let Some(src) = src else {
+                let Some(src) = self.least_busy_in_sync(&legs) else {
                     return Err((mirror_err("no in-sync leg to copy from"), false));
                 };
                 (r, legs[i].remote.clone().expect("a resyncing leg has a session"), src)
             };
             let off = r * self.region;
             let len = self.region.min(self.size - off);
-            {
+            let copied = {
                 let _alone = self.stripes[(r % STRIPES) as usize].write().await;
                 // While we waited for the lock the source may have failed a
                 // write (and been degraded), or the leg left its resync.
@@ -1079,11 +1057,15 @@ impl Inner {
                     }
                 };
                 dst.write_bytes(data, off, false).await.map_err(|e| (e, true))?;
-                let clean = {
+                let (clean, copied) = {
                     let mut legs = self.legs.lock();
                     legs[i].unneed(r);
-                    legs[i].progress.copied += 1;
-                    !legs.iter().any(|l| l.needs(r))
+                    let p = &mut legs[i].progress;
+                    p.copied += 1;
+                    p.bytes += len;
+                    p.rate = p.bytes as f64 / started.elapsed().as_secs_f64().max(1e-3);
+                    let copied = p.bytes;
+                    (!legs.iter().any(|l| l.needs(r)), copied)
                 };
                 if clean {
                     // Under the region's lock: no write can have missed a leg
@@ -1092,15 +1074,12 @@ impl Inner {
                     // survives the process).
                     self.log.resynced(&[r]);
                 }
-            }
-            bytes += len;
+                copied
+            };
             self.counters.resynced_regions.fetch_add(1, Relaxed);
             self.counters.resynced_bytes.fetch_add(len, Relaxed);
-            let secs = started.elapsed().as_secs_f64();
-            self.legs.lock()[i].progress.bytes = bytes;
-            self.legs.lock()[i].progress.rate = bytes as f64 / secs.max(1e-3);
             if self.spec.rate > 0 {
-                let due = Duration::from_secs_f64(bytes as f64 / self.spec.rate as f64);
+                let due = Duration::from_secs_f64(copied as f64 / self.spec.rate as f64);
                 if let Some(wait) = due.checked_sub(started.elapsed()) {
                     tokio::time::sleep(wait).await;
                 }
@@ -1121,8 +1100,7 @@ impl Inner {
             }
         }
         let mut g = self.log.generations();
-        let rec = LegRecord { uuid: g.uuid, leg: i as u32, legs: g.legs.len() as u32, generation: g.current };
-        dst.write_bytes(rec.encode(), self.size, true).await.map_err(|e| (e, true))?;
+        write_record(&dst, self.size, &g, i, g.current).await.map_err(|e| (e, true))?;
         g.legs[i] = g.current;
         self.log.set_generations(&g).await.map_err(|e| (e.into(), false))?;
         let mut legs = self.legs.lock();
