@@ -73,7 +73,7 @@ fn main() {
     let msgs = [
         Message::Hello { min_version: 2, max_version: 2, features: 1 },
         Message::HelloReply { version: 2, auth: 1, features: 1, challenge: [3; 32] },
-        Message::Auth { client_nonce: [1; 32], proof: [2; 32] },
+        Message::Auth { client_nonce: [1; 32], proof: [2; 32], identity: "alice".into() },
         Message::AuthOk { proof: [4; 32] },
         Message::List,
         Message::ListReply {

@@ -85,6 +85,10 @@ pub enum Message {
     Auth {
         client_nonce: [u8; 32],
         proof: [u8; 32],
+        /// Who the client says it is (a name in the target's secrets file);
+        /// empty: the target's one secret (`default`). Not sent when empty,
+        /// so the message is the same as before identities existed.
+        identity: String,
     },
     AuthOk {
         proof: [u8; 32],
@@ -174,9 +178,12 @@ impl Message {
                 out.extend_from_slice(&features.to_le_bytes());
                 out.extend_from_slice(challenge);
             }
-            Message::Auth { client_nonce, proof } => {
+            Message::Auth { client_nonce, proof, identity } => {
                 out.extend_from_slice(client_nonce);
                 out.extend_from_slice(proof);
+                if !identity.is_empty() {
+                    put_str8(out, identity);
+                }
             }
             Message::AuthOk { proof } => out.extend_from_slice(proof),
             Message::List => {}
@@ -328,7 +335,11 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
             r.zero(1)?;
             Message::HelloReply { version, auth, features: r.u32()?, challenge: r.arr32()? }
         }
-        kind::AUTH => Message::Auth { client_nonce: r.arr32()?, proof: r.arr32()? },
+        kind::AUTH => {
+            let (client_nonce, proof) = (r.arr32()?, r.arr32()?);
+            let identity = if r.at < r.b.len() { r.str8()? } else { String::new() };
+            Message::Auth { client_nonce, proof, identity }
+        }
         kind::AUTH_OK => Message::AuthOk { proof: r.arr32()? },
         kind::LIST => Message::List,
         kind::LIST_REPLY => {
@@ -397,7 +408,8 @@ mod tests {
         vec![
             Message::Hello { min_version: 1, max_version: 3, features: 1 },
             Message::HelloReply { version: 1, auth: AUTH_HMAC_SHA256, features: 0, challenge: [7; 32] },
-            Message::Auth { client_nonce: [1; 32], proof: [2; 32] },
+            Message::Auth { client_nonce: [1; 32], proof: [2; 32], identity: String::new() },
+            Message::Auth { client_nonce: [1; 32], proof: [2; 32], identity: "alice".into() },
             Message::AuthOk { proof: [3; 32] },
             Message::List,
             Message::ListReply {

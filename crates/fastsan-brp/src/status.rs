@@ -57,6 +57,11 @@ statuses! {
     BAD_VERSION = 23 => "no common protocol version",
     /// Handshake: message not allowed at this point.
     UNEXPECTED = 24 => "unexpected message",
+    /// Handshake: the client's identity may not open this volume (the target's grants).
+    ACCESS_DENIED = 27 => "access denied",
+    /// Handshake: this target serves BRP over TLS only (`brps://`), or requires TLS
+    /// for an authenticated session from another host.
+    TLS_REQUIRED = 28 => "TLS required",
     /// Handshake: the target has no room for another connection.
     BUSY = 25 => "target busy",
 }

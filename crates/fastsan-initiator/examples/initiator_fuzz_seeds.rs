@@ -16,7 +16,7 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let challenge = [0x33; 32];
     let hello = |auth, features| Message::HelloReply { version: 2, auth, features, challenge };
-    let auth_ok = Message::AuthOk { proof: server_proof(SECRET, &challenge, &NONCE) };
+    let auth_ok = Message::AuthOk { proof: server_proof(SECRET, &challenge, &NONCE, "") };
     let list = Message::ListReply {
         volumes: vec![VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 }],
     };

@@ -149,6 +149,10 @@ impl Conn {
                 let (rd, wr) = s.into_split();
                 Conn::start_on(Io { rd, wr, leftover, digests }, place, limits, stats, on_dead)
             }
+            Stream::Tls(s) => {
+                let (rd, wr) = tokio::io::split(*s);
+                Conn::start_on(Io { rd, wr, leftover, digests }, place, limits, stats, on_dead)
+            }
         }
     }
 
@@ -407,5 +411,6 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
         }
         IoSlice::advance_slices(&mut bufs, n);
     }
-    Ok(())
+    // TLS may hold records it could not send yet (a no-op on a socket).
+    w.flush().await
 }

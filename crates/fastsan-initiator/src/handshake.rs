@@ -77,6 +77,9 @@ pub struct ClientHandshake {
     /// The features HELLO asks for.
     features: u32,
     secret: Option<Vec<u8>>,
+    identity: String,
+    /// The connection runs over TLS: the target proved itself with its certificate.
+    tls: bool,
     nonce: [u8; 32],
     /// Bytes received and not yet parsed.
     buf: BytesMut,
@@ -91,6 +94,8 @@ impl ClientHandshake {
             state: State::HelloReply,
             features: if opts.digests { fastsan_brp::FEATURE_DIGEST } else { 0 },
             secret: opts.secret.clone(),
+            identity: opts.identity.clone(),
+            tls: false,
             nonce: client_nonce,
             buf: BytesMut::new(),
             digests: false,
@@ -152,7 +157,7 @@ impl ClientHandshake {
             }
             (State::AuthOk { challenge }, Message::AuthOk { proof }) => {
                 let secret = self.secret.as_deref().expect("AUTH is sent only with a secret");
-                if !auth::verify_server(secret, &challenge, &self.nonce, &proof) {
+                if !auth::verify_server(secret, &challenge, &self.nonce, &proof, &self.identity) {
                     return Err(Error::TargetNotAuthenticated);
                 }
                 self.state = State::Ready;
@@ -192,13 +197,20 @@ impl ClientHandshake {
                 self.state = State::Ready;
                 Ok(Step::Ready)
             }
+            // Over TLS the target proved itself with its certificate, and
+            // took the client's certificate for its identity.
+            (AUTH_NONE, Some(_)) if self.tls => {
+                self.state = State::Ready;
+                Ok(Step::Ready)
+            }
             // A client holding a secret trusts only a target that proves it knows it.
             (AUTH_NONE, Some(_)) => Err(Error::TargetNotAuthenticated),
             (AUTH_HMAC_SHA256, None) => Err(Error::SecretRequired),
             (AUTH_HMAC_SHA256, Some(secret)) => {
-                let proof = auth::client_proof(secret, &challenge, &self.nonce);
+                let proof = auth::client_proof(secret, &challenge, &self.nonce, &self.identity);
                 self.state = State::AuthOk { challenge };
-                Ok(Step::Send(Message::Auth { client_nonce: self.nonce, proof }.to_vec()))
+                let identity = self.identity.clone();
+                Ok(Step::Send(Message::Auth { client_nonce: self.nonce, proof, identity }.to_vec()))
             }
             (other, _) => Err(Error::UnknownAuth(other)),
         }
@@ -238,7 +250,8 @@ impl Handshake {
     /// Connects, agrees on version and features, and authenticates, each
     /// of connecting and the exchange within `opts.connect_timeout`.
     pub async fn start(endpoint: &Endpoint, opts: &Options) -> Result<Handshake, Error> {
-        let connect = tokio::time::timeout(opts.connect_timeout, Stream::connect(endpoint));
+        let connect =
+            tokio::time::timeout(opts.connect_timeout, Stream::connect(endpoint, opts.tls.as_ref()));
         let stream = match connect.await {
             Err(_) => return Err(Error::Timeout("connect")),
             Ok(Err(source)) => return Err(Error::Connect { addr: endpoint.to_string(), source }),
@@ -247,7 +260,9 @@ impl Handshake {
         let mut nonce = [0u8; 32];
         rand::thread_rng().fill_bytes(&mut nonce);
         let step_timeout = opts.connect_timeout;
-        let mut hs = Handshake { stream, machine: ClientHandshake::new(opts, nonce), step_timeout };
+        let mut machine = ClientHandshake::new(opts, nonce);
+        machine.tls = matches!(stream, Stream::Tls(_));
+        let mut hs = Handshake { stream, machine, step_timeout };
         let hello = hs.machine.hello();
         match hs.exchange(hello, "HELLO").await? {
             Step::Ready => Ok(hs),
@@ -368,10 +383,13 @@ mod tests {
     fn success_with_auth_then_list() {
         let mut hs = machine(Some(SECRET));
         let Step::Send(auth) = hs.receive(&hello_reply(AUTH_HMAC_SHA256, 0)).unwrap() else { panic!() };
-        let Message::Auth { client_nonce, proof } = sent(&auth) else { panic!() };
-        assert_eq!(client_nonce, NONCE);
-        assert!(auth::verify_client(SECRET, &CHALLENGE, &NONCE, &proof), "the target can check the proof");
-        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE) };
+        let Message::Auth { client_nonce, proof, identity } = sent(&auth) else { panic!() };
+        assert_eq!((client_nonce, identity.as_str()), (NONCE, ""));
+        assert!(
+            auth::verify_client(SECRET, &CHALLENGE, &NONCE, &proof, ""),
+            "the target can check the proof"
+        );
+        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE, "") };
         assert_eq!(hs.receive(&ok.to_vec()).unwrap(), Step::Ready);
         assert_eq!(sent(&hs.list()), Message::List);
         let volumes = vec![VolumeInfo { name: "v".into(), size: 4096, block_size: 512, flags: 0 }];
@@ -386,7 +404,7 @@ mod tests {
     fn wrong_server_proof_is_refused() {
         let mut hs = machine(Some(SECRET));
         assert!(matches!(hs.receive(&hello_reply(AUTH_HMAC_SHA256, 0)), Ok(Step::Send(_))));
-        let forged = Message::AuthOk { proof: auth::server_proof(b"guess", &CHALLENGE, &NONCE) };
+        let forged = Message::AuthOk { proof: auth::server_proof(b"guess", &CHALLENGE, &NONCE, "") };
         assert!(matches!(hs.receive(&forged.to_vec()), Err(Error::TargetNotAuthenticated)));
     }
 
@@ -481,7 +499,7 @@ mod tests {
     #[test]
     fn bytes_may_arrive_one_at_a_time() {
         let mut hs = machine(Some(SECRET));
-        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE) }.to_vec();
+        let ok = Message::AuthOk { proof: auth::server_proof(SECRET, &CHALLENGE, &NONCE, "") }.to_vec();
         let open = Message::OpenReply(info()).to_vec();
         let feed = |hs: &mut ClientHandshake, bytes: &[u8]| {
             for &b in &bytes[..bytes.len() - 1] {

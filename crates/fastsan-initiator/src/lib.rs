@@ -52,6 +52,7 @@ mod order;
 pub mod remote;
 pub mod session;
 pub mod stats;
+pub mod tls;
 mod transport;
 pub mod url;
 

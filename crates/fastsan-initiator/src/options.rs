@@ -32,6 +32,12 @@ pub struct Options {
     /// Shared secret, when the target requires authentication. With a secret
     /// set, a target that does not prove it knows it is refused too.
     pub secret: Option<Vec<u8>>,
+    /// The identity the secret belongs to, as the target's secrets file
+    /// names it; empty: the target's one secret (`default`).
+    pub identity: String,
+    /// TLS for `brps://`: the CA to verify the target against, and the
+    /// client's certificate if it has one ([`crate::tls::client_config`]).
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     /// Ask for CRC32C digests of headers and data.
     pub digests: bool,
     pub connect_timeout: Duration,
@@ -55,6 +61,8 @@ impl Default for Options {
             connections: 2,
             merge: MergeMode::Adaptive,
             secret: None,
+            identity: String::new(),
+            tls: None,
             digests: false,
             connect_timeout: Duration::from_secs(10),
             reconnect_timeout: Duration::from_secs(30),

@@ -1,6 +1,8 @@
-//! Volume URLs, in two forms:
+//! Volume URLs, in three forms:
 //! - `brp://HOST:PORT/VOLUME`, where HOST is a name, an IPv4 address or a
 //!   bracketed IPv6 address and PORT defaults to 10810;
+//! - `brps://HOST:PORT/VOLUME`, the same over TLS (the target's certificate
+//!   is verified for HOST);
 //! - `brp+unix:///VOLUME?socket=PATH`, a target on a unix socket, in the
 //!   shape of qemu's `nbd+unix://`: no host, and the socket's path in the
 //!   one query parameter, taken as written (no percent-decoding).
@@ -15,12 +17,18 @@ use std::path::PathBuf;
 pub const DEFAULT_PORT: u16 = 10810;
 
 const TCP_SCHEME: &str = "brp://";
+const TLS_SCHEME: &str = "brps://";
 const UNIX_SCHEME: &str = "brp+unix://";
 
 /// Where the target listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
-    Tcp { host: String, port: u16 },
+    /// `tls`: over TLS (`brps://`).
+    Tcp {
+        host: String,
+        port: u16,
+        tls: bool,
+    },
     Unix(PathBuf),
 }
 
@@ -34,12 +42,15 @@ impl BrpUrl {
     pub fn parse(s: &str) -> Result<Self, Error> {
         let bad = |why: &str| {
             Error::Url(format!(
-                "{s:?}: {why} (expected brp://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH)"
+                "{s:?}: {why} (expected brp://HOST:PORT/VOLUME, brps://HOST:PORT/VOLUME or brp+unix:///VOLUME?socket=PATH)"
             ))
         };
-        let (endpoint, volume) = if let Some(rest) = s.strip_prefix(TCP_SCHEME) {
+        let tcp = s.strip_prefix(TCP_SCHEME).map(|r| (r, false));
+        let (endpoint, volume) = if let Some((rest, tls)) =
+            tcp.or(s.strip_prefix(TLS_SCHEME).map(|r| (r, true)))
+        {
             let (authority, volume) = rest.split_once('/').unwrap_or((rest, ""));
-            (parse_authority(authority).map_err(bad)?, volume)
+            (parse_authority(authority, tls).map_err(bad)?, volume)
         } else if let Some(rest) = s.strip_prefix(UNIX_SCHEME) {
             let (path, query) = rest.split_once('?').ok_or_else(|| bad("missing ?socket=PATH"))?;
             let socket = query.strip_prefix("socket=").ok_or_else(|| bad("the query must be socket=PATH"))?;
@@ -53,7 +64,7 @@ impl BrpUrl {
             };
             (Endpoint::Unix(PathBuf::from(socket)), volume)
         } else {
-            return Err(bad("scheme must be brp:// or brp+unix://"));
+            return Err(bad("scheme must be brp://, brps:// or brp+unix://"));
         };
         if volume.contains('/') {
             return Err(bad("volume names have no '/'"));
@@ -64,11 +75,11 @@ impl BrpUrl {
     /// Whether `s` is meant as a BRP URL (it has one of the schemes), so a
     /// command line can tell it from a local path before parsing it.
     pub fn has_scheme(s: &str) -> bool {
-        s.starts_with(TCP_SCHEME) || s.starts_with(UNIX_SCHEME)
+        s.starts_with(TCP_SCHEME) || s.starts_with(TLS_SCHEME) || s.starts_with(UNIX_SCHEME)
     }
 }
 
-fn parse_authority(authority: &str) -> Result<Endpoint, &'static str> {
+fn parse_authority(authority: &str, tls: bool) -> Result<Endpoint, &'static str> {
     let (host, port) = if let Some(r) = authority.strip_prefix('[') {
         let (h, after) = r.split_once(']').ok_or("unclosed '['")?;
         (h, after.strip_prefix(':'))
@@ -85,15 +96,15 @@ fn parse_authority(authority: &str) -> Result<Endpoint, &'static str> {
         None => DEFAULT_PORT,
         Some(p) => p.parse().map_err(|_| "bad port")?,
     };
-    Ok(Endpoint::Tcp { host: host.to_owned(), port })
+    Ok(Endpoint::Tcp { host: host.to_owned(), port, tls })
 }
 
 /// `host:port` (IPv6 in brackets), ready for connecting, or the socket's path.
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Endpoint::Tcp { host, port } if host.contains(':') => write!(f, "[{host}]:{port}"),
-            Endpoint::Tcp { host, port } => write!(f, "{host}:{port}"),
+            Endpoint::Tcp { host, port, .. } if host.contains(':') => write!(f, "[{host}]:{port}"),
+            Endpoint::Tcp { host, port, .. } => write!(f, "{host}:{port}"),
             Endpoint::Unix(path) => write!(f, "{}", path.display()),
         }
     }
@@ -102,7 +113,8 @@ impl fmt::Display for Endpoint {
 impl fmt::Display for BrpUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.endpoint {
-            Endpoint::Tcp { .. } => write!(f, "{TCP_SCHEME}{}/{}", self.endpoint, self.volume),
+            Endpoint::Tcp { tls: false, .. } => write!(f, "{TCP_SCHEME}{}/{}", self.endpoint, self.volume),
+            Endpoint::Tcp { tls: true, .. } => write!(f, "{TLS_SCHEME}{}/{}", self.endpoint, self.volume),
             Endpoint::Unix(path) => write!(f, "{UNIX_SCHEME}/{}?socket={}", self.volume, path.display()),
         }
     }
@@ -113,7 +125,7 @@ mod tests {
     use super::*;
 
     fn tcp(host: &str, port: u16) -> Endpoint {
-        Endpoint::Tcp { host: host.into(), port }
+        Endpoint::Tcp { host: host.into(), port, tls: false }
     }
 
     #[test]
@@ -126,6 +138,9 @@ mod tests {
         assert_eq!(u.to_string(), "brp://[::1]:10810/disk");
         let u = BrpUrl::parse("brp://localhost:1").unwrap();
         assert_eq!(u.volume, "");
+        let u = BrpUrl::parse("brps://san.example:9/v").unwrap();
+        assert_eq!(u.endpoint, Endpoint::Tcp { host: "san.example".into(), port: 9, tls: true });
+        assert_eq!(u.to_string(), "brps://san.example:9/v");
     }
 
     #[test]
@@ -173,6 +188,7 @@ mod tests {
     #[test]
     fn tells_urls_from_local_paths() {
         assert!(BrpUrl::has_scheme("brp://h/v") && BrpUrl::has_scheme("brp+unix:///v?socket=/s"));
+        assert!(BrpUrl::has_scheme("brps://h/v"));
         assert!(!BrpUrl::has_scheme("disk.img") && !BrpUrl::has_scheme("/tmp/brp://x"));
     }
 }

@@ -38,13 +38,29 @@ fn main() {
     let open = |name: &str| Message::Open { session: 0, slot: 0, name: name.into() };
     // fuzz_checks::brp_handshake uses challenge [7; 32] and secret "secret".
     let nonce = [1u8; 32];
-    let proof = fastsan_brp::auth::client_proof(b"secret", &[7; 32], &nonce);
+    let proof = fastsan_brp::auth::client_proof(b"secret", &[7; 32], &nonce, "");
     let seeds = [
         ("list-open", brp(0x00, &[hello(0), Message::List, open("vol0")])),
         ("digests-open-missing-then-ro", brp(0x01, &[hello(1), open("nope"), open("ro")])),
-        ("auth-open", brp(0x80, &[hello(0), Message::Auth { client_nonce: nonce, proof }, open("vol0")])),
+        (
+            "auth-open",
+            brp(
+                0x80,
+                &[
+                    hello(0),
+                    Message::Auth { client_nonce: nonce, proof, identity: String::new() },
+                    open("vol0"),
+                ],
+            ),
+        ),
         ("auth-skipped", brp(0x85, &[hello(0), open("vol0")])),
-        ("bad-proof", brp(0x83, &[hello(0), Message::Auth { client_nonce: nonce, proof: [0; 32] }])),
+        (
+            "bad-proof",
+            brp(
+                0x83,
+                &[hello(0), Message::Auth { client_nonce: nonce, proof: [0; 32], identity: String::new() }],
+            ),
+        ),
         ("bad-version", brp(0x02, &[Message::Hello { min_version: 5, max_version: 9, features: 0 }])),
         ("open-before-hello", brp(0x04, &[open("vol0")])),
     ];

@@ -5,6 +5,7 @@
 //! produce the same [`ServerConfig`].
 
 use crate::backend::FaultRule;
+use crate::tls::TlsMode;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -167,14 +168,24 @@ pub struct ServerConfig {
     pub nbd: Option<SocketAddr>,
     /// NBD listener on a unix socket.
     pub nbd_unix: Option<PathBuf>,
-    /// Allow NBD (which has no authentication here yet) on a non-loopback address.
+    /// Allow NBD without client certificates on a non-loopback address.
     pub nbd_allow_remote: bool,
-    /// Serve NBD although a secret is set: NBD cannot authenticate its
-    /// clients (no TLS yet), so anyone who reaches it bypasses the secret.
+    /// Serve NBD clients that prove no identity although the target
+    /// authenticates (secrets, client certificates): they bypass it.
     pub nbd_insecure: bool,
     pub volumes: Vec<VolumeSpec>,
-    /// Shared secret; when set, every connection must authenticate.
+    /// Shared secret of the identity `default`.
     pub secret: Option<Vec<u8>>,
+    /// Named secrets (a secrets file): identity -> secret.
+    pub secrets: std::collections::HashMap<String, std::sync::Arc<[u8]>>,
+    /// Which identities may open which volumes.
+    pub grants: Vec<crate::access::Grant>,
+    /// The target's TLS certificate, key and client CA.
+    pub tls: Option<crate::tls::TlsFiles>,
+    /// When TLS is used; `None`: `require` with TLS files, `off` without.
+    pub tls_mode: Option<crate::tls::TlsMode>,
+    /// Allow authenticated BRP sessions in plaintext from other hosts.
+    pub insecure_plaintext: bool,
     pub handshake_timeout: Duration,
     /// How long a reply write may make no progress before its connection is dropped.
     pub stall_timeout: Duration,
@@ -212,6 +223,11 @@ impl Default for ServerConfig {
             nbd_insecure: false,
             volumes: Vec::new(),
             secret: None,
+            secrets: Default::default(),
+            grants: Vec::new(),
+            tls: None,
+            tls_mode: None,
+            insecure_plaintext: false,
             handshake_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
             max_connections: 1024,
@@ -239,6 +255,22 @@ impl ServerConfig {
         }
     }
 
+    /// When TLS is used: as given, else `require` when TLS files are given.
+    pub fn tls_mode(&self) -> TlsMode {
+        self.tls_mode.unwrap_or(if self.tls.is_some() { TlsMode::Require } else { TlsMode::Off })
+    }
+
+    /// Whether clients must prove an identity (and so whether NBD, which can
+    /// only do that with client certificates, may serve anyone without one).
+    pub fn authenticates(&self) -> bool {
+        self.secret.is_some() || !self.secrets.is_empty() || self.client_certs()
+    }
+
+    /// Whether TLS clients are asked for certificates (verified against a CA).
+    pub fn client_certs(&self) -> bool {
+        self.tls_mode() != TlsMode::Off && self.tls.as_ref().is_some_and(|t| t.ca.is_some())
+    }
+
     /// Checks the whole configuration before anything starts.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut names = std::collections::HashSet::new();
@@ -247,29 +279,56 @@ impl ServerConfig {
                 return Err(ConfigError::Invalid(format!("volume name {:?} given twice", v.name)));
             }
         }
-        if self.secret.is_none() && !self.brp.ip().is_loopback() {
-            return Err(ConfigError::Invalid(format!(
-                "listening on {} (not loopback) requires --secret-file: anyone on the network could use the volumes",
-                self.brp
-            )));
+        let mode = self.tls_mode();
+        if mode != TlsMode::Off && self.tls.is_none() {
+            return Err(ConfigError::Invalid("--tls allow|require needs --tls-cert and --tls-key".into()));
         }
-        if let Some(a) = self.nbd {
-            if !a.ip().is_loopback() && !self.nbd_allow_remote {
+        let (client_certs, authenticates) = (self.client_certs(), self.authenticates());
+        if !self.brp.ip().is_loopback() {
+            if !authenticates {
                 return Err(ConfigError::Invalid(format!(
-                    "NBD on {a} (not loopback): NBD has no authentication here yet; \
-                     pass --nbd-allow-remote to serve it anyway"
+                    "BRP on {} (not loopback) requires authentication (--secret-file, --secrets-file or \
+                     --tls-ca for client certificates): anyone on the network could use the volumes",
+                    self.brp
+                )));
+            }
+            if mode != TlsMode::Require && !self.insecure_plaintext {
+                return Err(ConfigError::Invalid(format!(
+                    "BRP on {} (not loopback) would carry sessions in plaintext, open to tampering after \
+                     the handshake: give --tls-cert and --tls-key (TLS is then required), or pass \
+                     --insecure-plaintext",
+                    self.brp
                 )));
             }
         }
-        if self.secret.is_some() && !self.nbd_insecure && (self.nbd.is_some() || self.nbd_unix.is_some()) {
+        if let Some(a) = self.nbd {
+            let authenticated = client_certs && mode == TlsMode::Require;
+            if !(a.ip().is_loopback() || self.nbd_allow_remote || authenticated) {
+                return Err(ConfigError::Invalid(format!(
+                    "NBD on {a} (not loopback) without TLS client certificates authenticates nobody: \
+                     give --tls-cert, --tls-key and --tls-ca, or pass --nbd-allow-remote to serve it anyway"
+                )));
+            }
+        }
+        let nbd = self.nbd.is_some() || self.nbd_unix.is_some();
+        if authenticates && !client_certs && !self.nbd_insecure && nbd {
             return Err(ConfigError::Invalid(
-                "NBD cannot authenticate its clients (no TLS yet): with a secret set, anyone who reaches \
-                 the NBD listener would bypass it; serve no NBD (--no-nbd) or pass --nbd-insecure"
+                "NBD clients can prove who they are only with TLS client certificates: with secrets set \
+                 and no --tls-ca, anyone who reaches the NBD listener would bypass them; serve no NBD \
+                 (--no-nbd), give --tls-ca, or pass --nbd-insecure"
                     .into(),
             ));
         }
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return Err(ConfigError::Invalid("the secret file is empty".into()));
+        }
+        for g in &self.grants {
+            if g.volume != "*" && !self.volumes.iter().any(|v| v.name == g.volume) {
+                return Err(ConfigError::Invalid(format!(
+                    "grant for {:?}: no volume of that name",
+                    g.volume
+                )));
+            }
         }
         if self.queue_depth == 0 || self.queue_depth > 65536 {
             return Err(ConfigError::Invalid("queue depth must be 1..=65536".into()));
@@ -314,7 +373,15 @@ impl ServerConfig {
 /// nbd = "127.0.0.1:10809"          # or no_nbd = true
 /// nbd_unix = "/run/fastsan/nbd.sock"
 /// nbd_allow_remote = false
-/// secret_file = "/etc/fastsan/secret"  # then NBD is off unless nbd_insecure = true
+/// secret_file = "/etc/fastsan/secret"  # the identity "default"
+/// secrets_file = "/etc/fastsan/secrets" # lines of IDENTITY SECRET
+/// grants = ["disk:alice:rw", "disk:bob:ro", "*:admin"]
+/// tls_cert = "/etc/fastsan/server-cert.pem"
+/// tls_key = "/etc/fastsan/server-key.pem"
+/// tls_ca = "/etc/fastsan/ca-cert.pem"    # client certificates (CN = identity)
+/// tls = "require"                       # off | allow | require
+/// insecure_plaintext = false
+/// metrics = "127.0.0.1:9810"
 /// volumes = ["vol0=memory:1G", "disk=file:/dev/nvme0n1,direct"]
 /// queue_depth = 256
 /// max_transfer = "8M"
@@ -340,6 +407,16 @@ pub struct ConfigFile {
     #[serde(default)]
     pub nbd_insecure: bool,
     pub secret_file: Option<PathBuf>,
+    pub secrets_file: Option<PathBuf>,
+    #[serde(default)]
+    pub grants: Vec<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
+    pub tls: Option<TlsMode>,
+    #[serde(default)]
+    pub insecure_plaintext: bool,
+    pub metrics: Option<SocketAddr>,
     #[serde(default)]
     pub volumes: Vec<String>,
     pub queue_depth: Option<u32>,
@@ -449,16 +526,25 @@ mod tests {
     }
 
     #[test]
-    fn non_loopback_needs_a_secret() {
+    fn non_loopback_needs_a_secret_and_tls() {
         let mut c = ServerConfig { brp: "0.0.0.0:10810".parse().unwrap(), ..Default::default() };
-        assert!(c.validate().is_err());
+        assert!(c.validate().unwrap_err().to_string().contains("requires authentication"));
         c.secret = Some(b"k".to_vec());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("plaintext"), "{e}");
+        c.insecure_plaintext = true;
         // NBD (on by default) cannot check the secret: refused, unless off
         // or explicitly insecure.
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("NBD cannot authenticate"), "{e}");
+        assert!(e.contains("TLS client certificates"), "{e}");
         c.nbd_insecure = true;
         assert!(c.validate().is_ok());
+        c.grants = vec![crate::access::Grant::parse("nope:alice").unwrap()];
+        assert!(c.validate().unwrap_err().to_string().contains("nope"));
+        c.grants.clear();
+        c.tls_mode = Some(TlsMode::Allow);
+        assert!(c.validate().unwrap_err().to_string().contains("--tls-cert"));
+        c.tls_mode = None;
         c.nbd_insecure = false;
         c.nbd = None;
         assert!(c.validate().is_ok());

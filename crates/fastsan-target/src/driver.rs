@@ -10,19 +10,22 @@
 //! It works over any [`Transport`] (TCP, unix sockets, in-memory streams in
 //! tests). An io_uring engine would replace this module and nothing else.
 
+use crate::access::Who;
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
 use crate::pipeline::{read_room, ConnEnv, Dispatcher, READ_CHUNK};
 use crate::server::HandshakeTicket;
 use crate::stats::Stats;
-use bytes::BytesMut;
+use crate::tls::{cert_identity, MaybeTls, Prefixed};
+use bytes::{Bytes, BytesMut};
 use std::io;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, info, warn};
 
-/// A byte stream a connection can run on, split into its two halves.
-pub trait Transport: Send + 'static {
+/// A byte stream a connection can run on, whole (for the handshake and a
+/// TLS upgrade) or split into its two halves (for transmission).
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     type Read: AsyncRead + Unpin + Send + 'static;
     type Write: AsyncWrite + Unpin + Send + 'static;
     fn split(self) -> (Self::Read, Self::Write);
@@ -58,6 +61,8 @@ enum HandshakeEnd {
     Truncated,
     Abort,
     Refused(String),
+    /// A failed authentication (a wrong secret, a certificate TLS refused).
+    AuthFailed(String),
     Io(io::Error),
     Protocol(WireError),
 }
@@ -82,14 +87,68 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     frontend: Arc<F>,
     stream: S,
     peer: Arc<str>,
+    who: Who,
     env: Arc<ConnEnv>,
     ticket: HandshakeTicket,
 ) {
     let name = F::NAME;
-    let (mut rd, mut wr) = stream.split();
+    if let Some(ip) = who.ip {
+        if let Err(wait) = env.access.limiter.check(ip) {
+            info!(%peer, "{name} connection refused: too many failed authentications from {ip}; refused for {}s more", wait.as_secs() + 1);
+            return Stats::add(&env.stats.refused, 1);
+        }
+    }
+    let stream = MaybeTls::Plain(stream);
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let hs = async {
-        let (mut conn, last) = handshake(frontend.handshake(), &mut rd, &mut wr, &mut buf).await?;
+        let mut stream = stream;
+        let mut machine = frontend.handshake(who.clone());
+        let mut out = Vec::new();
+        machine.start(&mut out);
+        let (mut conn, last) = loop {
+            match handshake(&mut machine, &mut stream, &mut buf, std::mem::take(&mut out)).await? {
+                Ok(done) => break done,
+                Err(replay) => {
+                    let tls = env
+                        .access
+                        .tls
+                        .clone()
+                        .ok_or_else(|| HandshakeEnd::Refused("TLS is not configured".into()))?;
+                    // Only BRP's ClientHello, read before it was known to be
+                    // TLS, goes on into TLS. What a client sent after NBD's
+                    // STARTTLS, before its TLS handshake, is plaintext someone
+                    // may have injected (CVE-2021-3716): refused, never read as
+                    // options, never carried into TLS.
+                    let prefix = match replay {
+                        true => buf.split().freeze(),
+                        false if !buf.is_empty() => {
+                            return Err(HandshakeEnd::Refused(format!(
+                                "{} bytes of plaintext after STARTTLS, before the TLS handshake",
+                                buf.len()
+                            )))
+                        }
+                        false => Bytes::new(),
+                    };
+                    let MaybeTls::Plain(plain) = stream else {
+                        return Err(HandshakeEnd::Refused("a second TLS upgrade".into()));
+                    };
+                    let tls_stream = tls
+                        .acceptor
+                        .accept(Prefixed::new(prefix, plain))
+                        .await
+                        .map_err(|e| HandshakeEnd::AuthFailed(format!("TLS handshake failed: {e}")))?;
+                    let identity = tls_stream
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|c| c.first())
+                        .and_then(|c| cert_identity(c));
+                    debug!(%peer, identity = identity.as_deref().unwrap_or("none"), "{name} TLS established");
+                    machine.tls_started(identity);
+                    stream = MaybeTls::Tls(Box::new(tls_stream));
+                }
+            }
+        };
         // A session's reconnect is answered once its lost connections are done (the fence).
         if let Some(fence) = conn.fence() {
             fence.await;
@@ -101,14 +160,15 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         }
         let Ok(slot) = env.slots.clone().try_acquire_owned() else {
             if let Some(msg) = frontend.busy() {
-                let _ = wr.write_all(&msg).await;
+                let _ = stream.write_all(&msg).await;
             }
             return Err(HandshakeEnd::Refused("too many connections".into()));
         };
-        wr.write_all(&last).await.map_err(HandshakeEnd::Io)?;
-        Ok((conn, slot))
+        stream.write_all(&last).await.map_err(HandshakeEnd::Io)?;
+        stream.flush().await.map_err(HandshakeEnd::Io)?;
+        Ok((conn, slot, stream))
     };
-    let (conn, _slot) = match tokio::time::timeout(env.handshake_timeout, hs).await {
+    let (conn, _slot, stream) = match tokio::time::timeout(env.handshake_timeout, hs).await {
         Ok(Ok(c)) => c,
         Err(_) => {
             info!(%peer, "{name} handshake timed out; closing");
@@ -118,7 +178,18 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             match end {
                 HandshakeEnd::Closed => debug!(%peer, "{name} client left during the handshake"),
                 HandshakeEnd::Abort => debug!(%peer, "{name} client aborted the handshake"),
-                HandshakeEnd::Refused(why) => info!(%peer, "{name} handshake refused: {why}"),
+                HandshakeEnd::Refused(why) => {
+                    info!(%peer, "{name} handshake refused: {why}");
+                    Stats::add(&env.stats.refused, 1);
+                }
+                HandshakeEnd::AuthFailed(why) => {
+                    Stats::add(&env.stats.auth_failures, 1);
+                    let blocked = who.ip.is_some_and(|ip| env.access.limiter.failed(ip));
+                    warn!(%peer, "{name} authentication failed: {why}");
+                    if blocked {
+                        warn!(%peer, "too many failed authentications from this address: refusing it for a minute");
+                    }
+                }
                 HandshakeEnd::Io(e) => debug!(%peer, "{name} connection lost during the handshake: {e}"),
                 HandshakeEnd::Truncated => {
                     info!(%peer, "{name} client closed in the middle of a handshake message");
@@ -132,8 +203,10 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             return;
         }
     };
+    let tls = stream.is_tls();
+    let (rd, wr) = stream.split();
     drop(ticket);
-    info!(%peer, volume = conn.volume().name(), "{name} connection open: {}", conn.describe());
+    info!(%peer, volume = conn.volume().name(), tls, "{name} connection open: {}", conn.describe());
 
     let activity = conn.activity();
     let (dispatcher, writer) = Dispatcher::new(
@@ -147,7 +220,9 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     );
     let writer = tokio::spawn(writer.run());
     let mut conn = conn;
+    Stats::add(&env.stats.open_connections, 1);
     let end = transmission(&dispatcher, &mut conn, rd, buf, &env, &activity).await;
+    env.stats.open_connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     // Whatever ended it, nothing more is dispatched from this connection
     // (what it started may still run: a session's fence waits for that).
     // Dropping the dispatcher drops its reply sender: the writer finishes the
@@ -185,35 +260,39 @@ pub async fn refuse_busy<F: Frontend, S: Transport>(frontend: &F, stream: S, pee
     }
 }
 
-/// Feeds the handshake state machine until it settles. Returns the
-/// connection and its last reply, still to send (after the fence).
-async fn handshake<H: Handshake<Conn = C>, C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-    mut hs: H,
-    rd: &mut R,
-    wr: &mut W,
+/// Feeds the handshake state machine (`out`: what it has to say already)
+/// until it settles: `Ok` with the
+/// connection and its last reply, still to send (after the fence), or
+/// `Err(replay)` when it asks for TLS ([`Step::StartTls`]).
+#[allow(clippy::type_complexity)]
+async fn handshake<H: Handshake<Conn = C>, C: Transmission, S: AsyncRead + AsyncWrite + Unpin>(
+    hs: &mut H,
+    stream: &mut S,
     buf: &mut BytesMut,
-) -> Result<(C, Vec<u8>), HandshakeEnd> {
-    let mut out = Vec::new();
-    hs.start(&mut out);
+    mut out: Vec<u8>,
+) -> Result<Result<(C, Vec<u8>), bool>, HandshakeEnd> {
     loop {
         let step = hs.advance(buf, &mut out);
         let wrote = !out.is_empty();
         if wrote && !matches!(step, Ok(Step::Done(_))) {
-            wr.write_all(&out).await.map_err(HandshakeEnd::Io)?;
+            stream.write_all(&out).await.map_err(HandshakeEnd::Io)?;
+            stream.flush().await.map_err(HandshakeEnd::Io)?;
             out.clear();
         }
         match step.map_err(HandshakeEnd::Protocol)? {
             Step::Continue => {}
-            Step::Done(conn) => return Ok((conn, out)),
+            Step::Done(conn) => return Ok(Ok((conn, out))),
             Step::Abort => return Err(HandshakeEnd::Abort),
             Step::Refused(why) => return Err(HandshakeEnd::Refused(why)),
+            Step::AuthFailed(why) => return Err(HandshakeEnd::AuthFailed(why)),
+            Step::StartTls { replay } => return Ok(Err(replay)),
         }
         if wrote {
             // It may have stopped at its output cap with messages still buffered.
             continue;
         }
         buf.reserve(4096);
-        match rd.read_buf(buf).await {
+        match stream.read_buf(buf).await {
             Ok(0) if buf.is_empty() => return Err(HandshakeEnd::Closed),
             Ok(0) => return Err(HandshakeEnd::Truncated),
             Ok(_) => {}
@@ -297,11 +376,13 @@ mod tests {
             stall_timeout: std::time::Duration::from_secs(5),
             slots: Arc::new(tokio::sync::Semaphore::new(4)),
             budget: crate::pipeline::Budget::new(64 << 20),
+            access: Default::default(),
         });
         let (client, server) = tokio::io::duplex(1 << 16);
-        let nbd = Arc::new(Nbd { catalog: Arc::new(catalog) });
+        let nbd = Arc::new(Nbd { catalog: Arc::new(catalog), access: env.access.clone() });
         let ticket = Arc::new(crate::server::HandshakeGate::new(4)).enter(None).unwrap();
-        let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), env.clone(), ticket));
+        let who = Who { local: true, ..Default::default() };
+        let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), who, env.clone(), ticket));
         let (mut rd, mut wr) = tokio::io::split(client);
         let mut greeting = [0u8; 18];
         rd.read_exact(&mut greeting).await.unwrap();

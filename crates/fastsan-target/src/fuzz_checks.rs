@@ -3,6 +3,7 @@
 //! at arbitrary points, fed to each handshake state machine, must never
 //! panic, and every step must leave the machine consistent.
 
+use crate::access::{Access, Grant, Who, DEFAULT_IDENTITY};
 use crate::backend::{Backend, MemoryBackend};
 use crate::catalog::Catalog;
 use crate::frontend::brp::{Brp, BrpHandshake};
@@ -45,22 +46,37 @@ fn feed<H: Handshake>(mut hs: H, data: &[u8]) {
     }
 }
 
-/// The BRP handshake; the first byte chooses whether the target has a secret.
+/// Security settings chosen by a byte: a secret (0x80), grants (0x40),
+/// NBD opted out of authentication (0x20); and whether the client is local (0x10).
+fn access(b: u8) -> (Arc<Access>, Who) {
+    let mut a = Access::default();
+    if b & 0x80 != 0 {
+        a.secrets.insert(DEFAULT_IDENTITY.into(), Arc::from(&b"secret"[..]));
+    }
+    if b & 0x40 != 0 {
+        a.grants = vec![Grant::parse("vol0:default:ro").unwrap(), Grant::parse("ro:anonymous").unwrap()];
+    }
+    a.nbd_insecure = b & 0x20 != 0;
+    (Arc::new(a), Who { local: b & 0x10 != 0, ..Default::default() })
+}
+
+/// The BRP handshake; the first byte chooses the security settings ([`access`]).
 pub fn brp_handshake(data: &[u8]) {
-    let secret = data.first().is_some_and(|b| b & 0x80 != 0).then(|| Arc::from(&b"secret"[..]));
+    let (access, who) = access(data.first().copied().unwrap_or(0));
     let brp = Brp {
         catalog: catalog(),
         sessions: Arc::new(Sessions::default()),
-        secret,
+        access,
         queue_depth: 8,
         stats: Arc::new(Stats::default()),
         instance: 1,
         boot: 1,
     };
-    feed(BrpHandshake::new(brp, [7; 32]), data.get(1..).unwrap_or_default());
+    feed(BrpHandshake::new(brp, who, [7; 32]), data.get(1..).unwrap_or_default());
 }
 
-/// The NBD handshake.
+/// The NBD handshake; the last byte chooses the security settings ([`access`]).
 pub fn nbd_handshake(data: &[u8]) {
-    feed(NbdHandshake::new(catalog()), data);
+    let (access, who) = access(data.last().copied().unwrap_or(0));
+    feed(NbdHandshake::new(catalog(), access, who), data);
 }

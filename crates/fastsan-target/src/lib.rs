@@ -34,8 +34,12 @@
 //!   (stats, faults, delay, read-only), with capabilities; built in [`backend::build`].
 //! - [`request`] - protocol-neutral requests and refusals (with their context).
 //! - [`stats`] - server-wide counters.
+//! - [`tls`] - TLS (rustls) for every front end, and the stream a
+//!   connection runs on; [`access`] - identities, grants, and the limiter
+//!   of failed authentications: who may open what, the same on every protocol.
 //! - [`fuzz_checks`] - what the handshake fuzz targets run.
 
+pub mod access;
 pub mod backend;
 pub mod catalog;
 pub mod config;
@@ -50,6 +54,7 @@ pub mod request;
 pub mod server;
 pub mod sessions;
 pub mod stats;
+pub mod tls;
 pub mod volume;
 
 pub use config::{ServerConfig, VolumeSpec};

@@ -61,6 +61,8 @@ pub struct ConnEnv {
     pub slots: Arc<Semaphore>,
     /// Payload in flight, all connections together.
     pub budget: Budget,
+    /// TLS, identities, grants and the failed-authentication limiter.
+    pub access: Arc<crate::access::Access>,
 }
 
 /// Bytes of payload in flight, counted in KiB: a request that moves data
@@ -189,7 +191,11 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
             }
             write_all_vectored(&mut self.w, &mut slices, self.stall).await?;
         }
-        Ok(())
+        // TLS may hold records it could not send yet (a no-op on a socket).
+        match tokio::time::timeout(self.stall, self.w.flush()).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies")),
+        }
     }
 }
 

@@ -109,6 +109,8 @@ pub struct Limits {
     pub align: u32,
     /// Largest READ or WRITE.
     pub max_io: u32,
+    /// This connection may not write (a read-only grant), whatever the volume can.
+    pub read_only: bool,
 }
 
 /// One run of the volume with the same allocation state.

@@ -3,6 +3,7 @@
 //! [`crate::driver::serve_connection`] with its front end; shuts down
 //! gracefully (stop accepting, finish what is in flight, flush every volume).
 
+use crate::access::{Access, Who, DEFAULT_IDENTITY};
 use crate::backend::{Faults, VolumeStatsSnapshot};
 use crate::catalog::Catalog;
 use crate::config::{ConfigError, ServerConfig};
@@ -13,6 +14,7 @@ use crate::frontend::Frontend;
 use crate::pipeline::{Budget, ConnEnv};
 use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
+use crate::tls::ServerTls;
 use crate::volume::Volume;
 use std::collections::HashMap;
 use std::future::Future;
@@ -118,6 +120,7 @@ impl Server {
         let brp_unix = config.brp_unix.as_deref().map(Unix::bind).transpose()?;
         let nbd_unix = config.nbd_unix.as_deref().map(Unix::bind).transpose()?;
         let stats = Arc::new(Stats::default());
+        let access = Arc::new(access(&config)?);
         let queue_depth = if config.serial { 1 } else { config.queue_depth };
         let env = Arc::new(ConnEnv {
             stats: stats.clone(),
@@ -128,6 +131,7 @@ impl Server {
             stall_timeout: config.stall_timeout,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             budget: Budget::new(config.memory_budget),
+            access: access.clone(),
         });
         // Random per start: a resuming initiator learns that the target restarted.
         let instance = rand::random::<u64>() | 1;
@@ -136,13 +140,13 @@ impl Server {
         let brp = Brp {
             catalog: catalog.clone(),
             sessions: Arc::new(Sessions::default()),
-            secret: config.secret.as_deref().map(Arc::from),
+            access: access.clone(),
             queue_depth,
             stats,
             instance,
             boot: config.boot_id.unwrap_or_else(boot_id),
         };
-        let nbd = Nbd { catalog: catalog.clone() };
+        let nbd = Nbd { catalog: catalog.clone(), access };
         Ok(Server {
             env,
             catalog,
@@ -177,7 +181,20 @@ impl Server {
         let Server { env, catalog, brp, nbd, brp_tcp, brp_unix, nbd_tcp, nbd_unix, gate, drain_timeout } =
             self;
         let tracker = TaskTracker::new();
-        info!(addr = %brp_tcp.local_addr()?, auth = brp.secret.is_some(), serial = env.serial, "BRP listener ready");
+        let a = &env.access;
+        let tls = a.tls.as_ref().map_or("off", |t| match t.mode {
+            crate::tls::TlsMode::Require => "required",
+            _ => "allowed",
+        });
+        info!(
+            addr = %brp_tcp.local_addr()?,
+            identities = a.secrets.len(),
+            client_certificates = a.tls.as_ref().is_some_and(|t| t.verify_clients),
+            grants = a.grants.len(),
+            tls,
+            serial = env.serial,
+            "BRP listener ready"
+        );
         if let Some(u) = &brp_unix {
             info!(path = %u.path.display(), "BRP unix socket ready");
         }
@@ -228,6 +245,27 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// The security settings of `config`, its TLS files loaded.
+fn access(config: &ServerConfig) -> Result<Access, ServerError> {
+    let mode = config.tls_mode();
+    let tls = match &config.tls {
+        Some(files) if mode != crate::tls::TlsMode::Off => Some(Arc::new(ServerTls::load(files, mode)?)),
+        _ => None,
+    };
+    let mut secrets = config.secrets.clone();
+    if let Some(s) = &config.secret {
+        secrets.insert(DEFAULT_IDENTITY.to_owned(), Arc::from(&s[..]));
+    }
+    Ok(Access {
+        secrets,
+        grants: config.grants.clone(),
+        tls,
+        nbd_insecure: config.nbd_insecure,
+        insecure_plaintext: config.insecure_plaintext,
+        limiter: Default::default(),
+    })
 }
 
 /// Flushes every volume, off the runtime and bounded (a stalled device must
@@ -343,7 +381,9 @@ impl Acceptor<'_> {
                     return refuse_busy(&*frontend, stream, &peer, "too many connections in their handshake")
                         .await;
                 };
-                serve_connection(frontend, stream, peer.into(), env, ticket).await
+                // No address: a unix socket, this host.
+                let who = Who { ip, local: ip.is_none_or(|ip| ip.is_loopback()), ..Default::default() };
+                serve_connection(frontend, stream, peer.into(), who, env, ticket).await
             });
         }
     }

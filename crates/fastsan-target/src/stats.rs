@@ -1,4 +1,4 @@
-//! Counters of what the target did, for logs, tests and (later) metrics.
+//! Counters of what the target did, for logs, tests and `--metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -17,6 +17,12 @@ pub struct Stats {
     /// Connections closed for a malformed frame or handshake.
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
+    /// Connections refused before or in their handshake for a reason other
+    /// than their own bad input: busy, an address over its failed-authentication
+    /// budget, an access rule.
+    pub refused: AtomicU64,
+    /// Connections in the transmission phase now.
+    pub open_connections: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -31,6 +37,8 @@ pub struct StatsSnapshot {
     pub errors: u64,
     pub protocol_errors: u64,
     pub auth_failures: u64,
+    pub refused: u64,
+    pub open_connections: u64,
 }
 
 impl Stats {
@@ -49,6 +57,8 @@ impl Stats {
             errors: self.errors.load(Relaxed),
             protocol_errors: self.protocol_errors.load(Relaxed),
             auth_failures: self.auth_failures.load(Relaxed),
+            refused: self.refused.load(Relaxed),
+            open_connections: self.open_connections.load(Relaxed),
         }
     }
 }

@@ -42,6 +42,20 @@ pub struct ClientArgs {
     /// File holding the shared secret, when the target requires authentication.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
+    /// The identity the secret belongs to, as the target's secrets file
+    /// names it [default: the target's one secret].
+    #[arg(long, value_name = "NAME", requires = "secret_file")]
+    pub identity: Option<String>,
+    /// CA certificate(s) (PEM) to verify a brps:// target's certificate against.
+    #[arg(long, value_name = "PATH")]
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM) to present to a brps:// target, which then
+    /// knows this client by its CN.
+    #[arg(long, value_name = "PATH", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Connections per session.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub connections: usize,
@@ -76,10 +90,19 @@ impl ClientArgs {
         };
         let request_timeout = secs(self.request_timeout, "request-timeout")?;
         anyhow::ensure!(!request_timeout.is_zero(), "--request-timeout must be more than 0");
+        let tls = match &self.tls_ca {
+            None => None,
+            Some(ca) => {
+                let id = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
+                Some(fastsan_initiator::tls::client_config(ca, id)?)
+            }
+        };
         Ok(fastsan_initiator::Options {
             connections: self.connections,
             merge: self.merge,
             secret,
+            identity: self.identity.clone().unwrap_or_default(),
+            tls,
             digests: self.digests,
             reconnect_timeout: secs(self.reconnect_timeout, "reconnect-timeout")?,
             request_timeout,

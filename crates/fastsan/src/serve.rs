@@ -1,7 +1,9 @@
 //! `fastsan serve`: run a target.
 
 use anyhow::Context;
+use fastsan_target::access::{read_secrets, Grant};
 use fastsan_target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSpec};
+use fastsan_target::tls::{TlsFiles, TlsMode};
 use fastsan_target::Server;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,7 +18,9 @@ use tracing::{info, warn};
 /// Examples:
 ///   fastsan serve
 ///   fastsan serve --volume data=memory:4G --volume disk=file:/dev/nvme0n1,direct
-///   fastsan serve --brp 0.0.0.0:10810 --secret-file /etc/fastsan/secret --volume v=file:/srv/v.img
+///   fastsan serve --brp 0.0.0.0:10810 --secrets-file /etc/fastsan/secrets \
+///       --tls-cert server.pem --tls-key server-key.pem --tls-ca ca.pem \
+///       --grant v:alice:rw --grant v:bob:ro --volume v=file:/srv/v.img
 ///   fastsan serve --volume v=brp://10.0.0.5:10810/v     # a gateway: re-exports a remote volume
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
@@ -49,19 +53,47 @@ pub struct Args {
     /// Also serve NBD on this unix socket.
     #[arg(long, value_name = "PATH")]
     nbd_unix: Option<PathBuf>,
-    /// Allow NBD on a non-loopback address (NBD has no authentication yet).
+    /// Allow NBD on a non-loopback address without TLS client certificates
+    /// (which is then unauthenticated).
     #[arg(long)]
     nbd_allow_remote: bool,
-    /// Serve NBD even with --secret-file: NBD cannot authenticate clients (no
-    /// TLS yet), so anyone who reaches it bypasses the secret. Without it, a
-    /// secret turns the default NBD listener off and refuses an explicit one.
+    /// Serve NBD clients that prove no identity although the target
+    /// authenticates: they bypass the secrets. Without it, secrets without
+    /// --tls-ca turn the default NBD listener off and refuse an explicit one.
     #[arg(long)]
     nbd_insecure: bool,
-    /// File holding the shared secret BRP clients must prove they know. Required
-    /// when listening on an address other than loopback. NBD, which cannot
-    /// check it, is then off (see --nbd-insecure).
+    /// File holding the shared secret BRP clients must prove they know (the
+    /// identity "default"). Authentication (this, --secrets-file or --tls-ca)
+    /// is required when listening on an address other than loopback.
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
+    /// File of named secrets, one "IDENTITY SECRET" per line; BRP clients
+    /// name theirs with --identity.
+    #[arg(long, value_name = "PATH")]
+    secrets_file: Option<PathBuf>,
+    /// Who may open what: VOLUME:IDENTITY[:ro|rw] (rw when left out); VOLUME
+    /// may be *, IDENTITY * (anyone authenticated) or anonymous. A volume no
+    /// grant names is open to every authenticated client. Repeatable.
+    #[arg(long = "grant", value_name = "RULE", value_parser = |s: &str| Grant::parse(s))]
+    grants: Vec<Grant>,
+    /// The target's TLS certificate chain (PEM), for BRP (brps://) and NBD (STARTTLS).
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM) of client certificates: clients that present
+    /// one signed by it are known by its subject CN; others are anonymous.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
+    /// When TLS is used: off, allow (clients choose) or require
+    /// [default: require with --tls-cert, off without].
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<TlsMode>())]
+    tls: Option<TlsMode>,
+    /// Allow authenticated BRP sessions in plaintext from other hosts (their
+    /// frames are not protected after the handshake).
+    #[arg(long)]
+    insecure_plaintext: bool,
     /// Requests in flight per connection (credits granted to the initiator) [default: 256].
     #[arg(long, value_name = "N")]
     queue_depth: Option<u32>,
@@ -120,15 +152,32 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     c.nbd_insecure = a.nbd_insecure || file.nbd_insecure;
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
-        // NBD cannot check the secret: the default listener stays off (an
-        // explicit one is refused by the config's check, unless insecure).
-        if a.nbd.is_none() && file.nbd.is_none() && !c.nbd_insecure && c.nbd.is_some() {
+    }
+    if let Some(p) = a.secrets_file.as_ref().or(file.secrets_file.as_ref()) {
+        c.secrets = read_secrets(p)?;
+    }
+    c.grants = file.grants.iter().map(|g| Grant::parse(g)).collect::<Result<_, _>>()?;
+    c.grants.extend(a.grants);
+    let cert = a.tls_cert.or(file.tls_cert);
+    let key = a.tls_key.or(file.tls_key);
+    c.tls = match (cert, key) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key, ca: a.tls_ca.or(file.tls_ca) }),
+        (None, None) => None,
+        _ => anyhow::bail!("give both tls_cert and tls_key, or neither"),
+    };
+    c.tls_mode = a.tls.or(file.tls);
+    c.insecure_plaintext = a.insecure_plaintext || file.insecure_plaintext;
+    if c.authenticates() && !c.client_certs() && !c.nbd_insecure {
+        // NBD clients could prove who they are only with client
+        // certificates: the default listener stays off (an explicit one is
+        // refused by the config's check, unless insecure).
+        if a.nbd.is_none() && file.nbd.is_none() && c.nbd.is_some() {
             c.nbd = None;
-            info!("NBD is off: it cannot authenticate clients, and a secret is set (--nbd-insecure serves it anyway)");
+            info!("NBD is off: its clients cannot authenticate without --tls-ca (--nbd-insecure serves it anyway)");
         }
     }
-    if c.nbd_insecure && c.secret.is_some() && (c.nbd.is_some() || c.nbd_unix.is_some()) {
-        warn!("serving NBD with a secret set (--nbd-insecure): NBD clients are not authenticated");
+    if c.nbd_insecure && c.authenticates() && (c.nbd.is_some() || c.nbd_unix.is_some()) {
+        warn!("serving NBD with --nbd-insecure: NBD clients without a certificate are not authenticated");
     }
     c.volumes = file.volumes.iter().map(|s| VolumeSpec::parse(s)).collect::<Result<_, _>>()?;
     c.volumes.extend(a.volumes);

@@ -11,6 +11,7 @@
 pub mod brp;
 pub mod nbd;
 
+use crate::access::Who;
 use crate::fence::Activity;
 use crate::pipeline::Encoder;
 use crate::request::{IoRequest, Limits, Refusal};
@@ -33,8 +34,9 @@ pub trait Frontend: Send + Sync + 'static {
     type Conn: Transmission;
     /// For logs: `BRP`, `NBD`.
     const NAME: &'static str;
-    /// A new connection's handshake.
-    fn handshake(&self) -> Self::Handshake;
+    /// A new connection's handshake, for the client `who` (its address; no
+    /// identity yet).
+    fn handshake(&self, who: Who) -> Self::Handshake;
     /// What to send a client refused for being over the connection cap, if
     /// the protocol has a way to say it.
     fn busy(&self) -> Option<Vec<u8>>;
@@ -51,6 +53,14 @@ pub enum Step<C> {
     Abort,
     /// Send what is in `out`, then close: the request was refused, for this reason.
     Refused(String),
+    /// Send what is in `out`, then close: the client failed to authenticate
+    /// (counted against its address).
+    AuthFailed(String),
+    /// Send what is in `out`, then run a TLS handshake and go on over it
+    /// ([`Handshake::tls_started`]). `replay`: the bytes buffered are the
+    /// client's first TLS bytes (BRP); otherwise nothing may be buffered
+    /// (NBD's STARTTLS: plaintext sent after it is an injection attempt).
+    StartTls { replay: bool },
 }
 
 /// A handshake as a state machine. The driver calls [`Handshake::start`]
@@ -64,6 +74,9 @@ pub trait Handshake: Send {
     /// [`OUT_CAP`] (the driver sends `out` and calls again before reading).
     /// An error closes the connection (after `out` is sent).
     fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<Self::Conn>, WireError>;
+    /// TLS is up after [`Step::StartTls`]; `identity` is the verified client
+    /// certificate's, if the client presented one.
+    fn tls_started(&mut self, identity: Option<String>);
 }
 
 /// What [`Transmission::decode`] found at the front of the buffer.

@@ -300,7 +300,7 @@ impl Volume {
     pub fn validate(&self, r: IoRequest, limits: &Limits) -> Result<Op, Refusal> {
         let IoRequest { kind, offset, length, fua, payload } = r;
         let caps = &self.caps;
-        if kind.writes() && !caps.write {
+        if kind.writes() && (!caps.write || limits.read_only) {
             return Err(Refusal::ReadOnly);
         }
         match kind {
@@ -364,7 +364,7 @@ mod tests {
         Volume::with_backend("v".into(), b, 65536)
     }
 
-    const BRP: Limits = Limits { align: 512, max_io: 65536 };
+    const BRP: Limits = Limits { align: 512, max_io: 65536, read_only: false };
 
     /// A store whose flushes take 100 ms, the first one failing.
     struct SlowFlush {
@@ -475,7 +475,7 @@ mod tests {
             payload: Bytes::from(vec![0; 512]),
         };
         assert!(matches!(v.validate(short, &BRP), Err(Refusal::Invalid(_))));
-        let bytes = Limits { align: 1, max_io: 1 << 20 };
+        let bytes = Limits { align: 1, max_io: 1 << 20, read_only: false };
         let odd = IoRequest { kind: IoKind::Read, offset: 3, length: 5, fua: false, payload: Bytes::new() };
         assert!(v.validate(odd, &bytes).is_ok(), "byte-granular front ends may read any range");
     }

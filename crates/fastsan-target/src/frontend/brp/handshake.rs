@@ -1,11 +1,21 @@
 //! The target's side of the BRP handshake, as a state machine: HELLO, then
-//! AUTH when the target has a secret, then any number of LIST and OPEN until
+//! AUTH when the target has secrets, then any number of LIST and OPEN until
 //! one OPEN succeeds. No I/O: the driver feeds it bytes and sends what it
 //! writes to `out`.
+//!
+//! A connection whose first byte is a TLS record (0x16; BRP's magic starts
+//! with 0x48) asks the driver for TLS with those bytes replayed into it
+//! ([`Step::StartTls`]), then runs the same handshake over TLS. A client
+//! with a verified certificate is that certificate's identity and skips
+//! AUTH; otherwise AUTH names an identity of the secrets file. Plaintext
+//! is refused with `TLS_REQUIRED` under `--tls require`, and for an
+//! authenticated session from another host unless `--insecure-plaintext`.
+//! LIST shows, and OPEN opens, what the identity's grants allow.
 
 use super::{volume_flags, volume_info, Brp, BrpConn};
+use crate::access::{Mode, Who, DEFAULT_IDENTITY};
 use crate::frontend::{Handshake, Step, WireError, OUT_CAP};
-use crate::stats::Stats;
+use crate::tls::TlsMode;
 use bytes::{Buf, BytesMut};
 use fastsan_brp::handshake::{parse_message, Message, OpenInfo, AUTH_HMAC_SHA256, AUTH_NONE};
 use fastsan_brp::Status;
@@ -17,8 +27,12 @@ enum State {
     Open,
 }
 
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
 pub struct BrpHandshake {
     brp: Brp,
+    who: Who,
     challenge: [u8; 32],
     features: u32,
     state: State,
@@ -27,8 +41,32 @@ pub struct BrpHandshake {
 impl BrpHandshake {
     /// A handshake whose authentication challenge is `challenge` (random in
     /// service; fixed in tests).
-    pub fn new(brp: Brp, challenge: [u8; 32]) -> Self {
-        BrpHandshake { brp, challenge, features: 0, state: State::Hello }
+    pub fn new(brp: Brp, who: Who, challenge: [u8; 32]) -> Self {
+        BrpHandshake { brp, who, challenge, features: 0, state: State::Hello }
+    }
+
+    /// Why a plaintext session may not go on, if it may not.
+    fn plaintext_refused(&self) -> Option<&'static str> {
+        let access = &self.brp.access;
+        if self.who.tls {
+            return None;
+        }
+        if access.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Require) {
+            return Some("this target serves BRP over TLS only: connect with brps://");
+        }
+        if access.authenticates() && !self.who.local && !access.insecure_plaintext {
+            return Some(
+                "an authenticated session from another host must use TLS (brps://): in plaintext, \
+                 its frames could be altered or injected after the handshake",
+            );
+        }
+        None
+    }
+
+    /// Whether the client must answer the challenge: the target has
+    /// secrets and TLS gave the client no identity.
+    fn needs_auth(&self) -> bool {
+        !self.brp.access.secrets.is_empty() && self.who.identity.is_none()
     }
 
     /// Answers with an ERROR message and closes.
@@ -48,8 +86,12 @@ impl BrpHandshake {
                     );
                     return Self::refuse(out, Status::BAD_VERSION, why);
                 }
+                if let Some(why) = self.plaintext_refused() {
+                    return Self::refuse(out, Status::TLS_REQUIRED, why.into());
+                }
                 self.features = features & fastsan_brp::FEATURES_KNOWN;
-                let auth = if brp.secret.is_some() { AUTH_HMAC_SHA256 } else { AUTH_NONE };
+                let needs_auth = self.needs_auth();
+                let auth = if needs_auth { AUTH_HMAC_SHA256 } else { AUTH_NONE };
                 let reply = Message::HelloReply {
                     version: fastsan_brp::VERSION,
                     auth,
@@ -57,26 +99,50 @@ impl BrpHandshake {
                     challenge: self.challenge,
                 };
                 reply.encode(out);
-                self.state = if brp.secret.is_some() { State::Auth } else { State::Open };
+                self.state = if needs_auth { State::Auth } else { State::Open };
                 Step::Continue
             }
-            (State::Auth, Message::Auth { client_nonce, proof }) => {
-                let secret = brp.secret.as_deref().expect("the Auth state needs a secret");
-                if !fastsan_brp::auth::verify_client(secret, &self.challenge, &client_nonce, &proof) {
-                    Stats::add(&brp.stats.auth_failures, 1);
-                    return Self::refuse(out, Status::AUTH_FAILED, "authentication failed".into());
+            (State::Auth, Message::Auth { client_nonce, proof, identity }) => {
+                let name = if identity.is_empty() { DEFAULT_IDENTITY } else { identity.as_str() };
+                // An unknown name is checked against a key nobody has, so
+                // that it costs the same as a wrong secret and says no more.
+                let secret = brp.access.secrets.get(name).cloned().unwrap_or_else(|| self.challenge.into());
+                let known = brp.access.secrets.contains_key(name);
+                let ok = fastsan_brp::auth::verify_client(
+                    &secret,
+                    &self.challenge,
+                    &client_nonce,
+                    &proof,
+                    &identity,
+                );
+                if !(ok && known) {
+                    Message::Error { status: Status::AUTH_FAILED, message: "authentication failed".into() }
+                        .encode(out);
+                    return Step::AuthFailed(format!(
+                        "wrong secret for identity {name:?}, or no such identity"
+                    ));
                 }
-                let proof = fastsan_brp::auth::server_proof(secret, &self.challenge, &client_nonce);
+                let proof =
+                    fastsan_brp::auth::server_proof(&secret, &self.challenge, &client_nonce, &identity);
                 Message::AuthOk { proof }.encode(out);
+                self.who.identity = Some(name.to_owned());
                 self.state = State::Open;
                 Step::Continue
             }
             (State::Auth, _) => {
-                Stats::add(&brp.stats.auth_failures, 1);
-                Self::refuse(out, Status::AUTH_REQUIRED, "this target requires authentication".into())
+                let message = "this target requires authentication".to_owned();
+                Message::Error { status: Status::AUTH_REQUIRED, message: message.clone() }.encode(out);
+                Step::AuthFailed(message)
             }
             (State::Open, Message::List) => {
-                let volumes = brp.catalog.iter().map(|v| volume_info(v)).collect();
+                let volumes = brp
+                    .catalog
+                    .iter()
+                    .filter_map(|v| {
+                        let mode = brp.access.mode_for(&self.who, v.name(), false).ok()?;
+                        Some(volume_info(v, mode == Mode::ReadOnly))
+                    })
+                    .collect();
                 Message::ListReply { volumes }.encode(out);
                 Step::Continue
             }
@@ -85,6 +151,12 @@ impl BrpHandshake {
                     let message = format!("no volume named {name:?}");
                     Message::Error { status: Status::NO_SUCH_VOLUME, message }.encode(out);
                     return Step::Continue;
+                };
+                let mode = match brp.access.mode_for(&self.who, &name, false) {
+                    Ok(m) => m,
+                    Err(message) => {
+                        return Self::refuse(out, Status::ACCESS_DENIED, message);
+                    }
                 };
                 let (session, fence) = match brp.sessions.join(session, slot, &name) {
                     Ok(s) => s,
@@ -100,7 +172,7 @@ impl BrpHandshake {
                     max_transfer: volume.max_transfer(),
                     queue_depth: brp.queue_depth,
                     max_batch: fastsan_brp::limits::MAX_BATCH,
-                    flags: volume_flags(volume),
+                    flags: volume_flags(volume, mode == Mode::ReadOnly),
                     instance: brp.instance,
                     generation: volume.generation(),
                     boot: brp.boot,
@@ -108,7 +180,15 @@ impl BrpHandshake {
                 // The driver sends this only after the fence.
                 Message::OpenReply(info).encode(out);
                 let digests = self.features & fastsan_brp::FEATURE_DIGEST != 0;
-                Step::Done(BrpConn::new(volume.clone(), session, fence, digests, brp.stats.clone()))
+                let read_only = mode == Mode::ReadOnly;
+                Step::Done(BrpConn::new(
+                    volume.clone(),
+                    session,
+                    fence,
+                    digests,
+                    read_only,
+                    brp.stats.clone(),
+                ))
             }
             (state, other) => {
                 let why = format!("unexpected {} in the {state:?} phase", other.name());
@@ -125,7 +205,20 @@ impl Handshake for BrpHandshake {
         // The client speaks first.
     }
 
+    fn tls_started(&mut self, identity: Option<String>) {
+        self.who.tls = true;
+        self.who.identity = identity;
+    }
+
     fn advance(&mut self, input: &mut BytesMut, out: &mut Vec<u8>) -> Result<Step<BrpConn>, WireError> {
+        if self.state == State::Hello && !self.who.tls && input.first() == Some(&TLS_HANDSHAKE_RECORD) {
+            return Ok(match &self.brp.access.tls {
+                Some(t) if t.mode != TlsMode::Off => Step::StartTls { replay: true },
+                _ => {
+                    Step::Refused("a TLS client, but this target serves no TLS (brp://, not brps://)".into())
+                }
+            });
+        }
         while out.len() < OUT_CAP {
             let Some((m, n)) = parse_message(input)? else { break };
             input.advance(n);
@@ -141,12 +234,18 @@ impl Handshake for BrpHandshake {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::access::Access;
     use crate::backend::{Backend, MemoryBackend};
     use crate::catalog::Catalog;
     use crate::frontend::Transmission;
     use crate::sessions::Sessions;
+    use crate::stats::Stats;
     use crate::volume::Volume;
     use std::sync::Arc;
+
+    fn local() -> Who {
+        Who { local: true, ..Default::default() }
+    }
 
     const CHALLENGE: [u8; 32] = [3; 32];
 
@@ -157,7 +256,12 @@ mod tests {
         Brp {
             catalog: Arc::new(c),
             sessions: Arc::new(Sessions::default()),
-            secret: secret.map(Arc::from),
+            access: Arc::new(Access {
+                secrets: secret
+                    .map(|s| [(DEFAULT_IDENTITY.to_owned(), Arc::from(s))].into())
+                    .unwrap_or_default(),
+                ..Default::default()
+            }),
             queue_depth: 32,
             stats: Arc::new(Stats::default()),
             instance: 5,
@@ -190,7 +294,7 @@ mod tests {
     #[test]
     fn hello_list_open_without_auth() {
         let b = brp(None);
-        let mut hs = BrpHandshake::new(b.clone(), CHALLENGE);
+        let mut hs = BrpHandshake::new(b.clone(), local(), CHALLENGE);
         let (step, out) = run(&mut hs, &[hello(), Message::List]);
         assert!(matches!(step, Step::Continue));
         let Message::HelloReply { auth, features, challenge, .. } = &out[0] else { panic!("{out:?}") };
@@ -219,45 +323,60 @@ mod tests {
     fn auth_is_required_and_checked() {
         let secret = b"sesame";
         let nonce = [9u8; 32];
-        let good = fastsan_brp::auth::client_proof(secret, &CHALLENGE, &nonce);
+        let good = fastsan_brp::auth::client_proof(secret, &CHALLENGE, &nonce, "");
         // The right proof: AUTH_OK carries the target's proof.
-        let mut hs = BrpHandshake::new(brp(Some(secret)), CHALLENGE);
-        let (_, out) = run(&mut hs, &[hello(), Message::Auth { client_nonce: nonce, proof: good }]);
+        let mut hs = BrpHandshake::new(brp(Some(secret)), local(), CHALLENGE);
+        let (_, out) = run(
+            &mut hs,
+            &[hello(), Message::Auth { client_nonce: nonce, proof: good, identity: String::new() }],
+        );
         assert!(matches!(&out[0], Message::HelloReply { auth: AUTH_HMAC_SHA256, .. }));
         let Message::AuthOk { proof } = &out[1] else { panic!("{out:?}") };
-        assert!(fastsan_brp::auth::verify_server(secret, &CHALLENGE, &nonce, proof));
-        // A wrong proof: refused and counted.
+        assert!(fastsan_brp::auth::verify_server(secret, &CHALLENGE, &nonce, proof, ""));
+        // A wrong proof: refused, as a failed authentication (the driver counts it).
         let b = brp(Some(secret));
-        let mut hs = BrpHandshake::new(b.clone(), CHALLENGE);
-        let (step, out) = run(&mut hs, &[hello(), Message::Auth { client_nonce: nonce, proof: [0; 32] }]);
-        assert!(matches!(step, Step::Refused(_)));
+        let mut hs = BrpHandshake::new(b.clone(), local(), CHALLENGE);
+        let (step, out) = run(
+            &mut hs,
+            &[hello(), Message::Auth { client_nonce: nonce, proof: [0; 32], identity: String::new() }],
+        );
+        assert!(matches!(step, Step::AuthFailed(_)));
         assert!(matches!(&out[1], Message::Error { status, .. } if *status == Status::AUTH_FAILED));
-        assert_eq!(b.stats.snapshot().auth_failures, 1);
         // Skipping AUTH: refused, and OPEN never reached.
-        let mut hs = BrpHandshake::new(brp(Some(secret)), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(Some(secret)), local(), CHALLENGE);
         let (step, out) =
             run(&mut hs, &[hello(), Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
-        assert!(matches!(step, Step::Refused(_)));
+        assert!(matches!(step, Step::AuthFailed(_)));
         assert!(matches!(&out[1], Message::Error { status, .. } if *status == Status::AUTH_REQUIRED));
+        // From another host, in plaintext: refused before any secret is tried.
+        let remote = Who { ip: Some("10.1.2.3".parse().unwrap()), ..Default::default() };
+        let mut hs = BrpHandshake::new(brp(Some(secret)), remote, CHALLENGE);
+        let (step, out) = run(&mut hs, &[hello()]);
+        assert!(matches!(&step, Step::Refused(why) if why.contains("TLS")), "{step:?}");
+        assert!(matches!(&out[0], Message::Error { status, .. } if *status == Status::TLS_REQUIRED));
+        // A TLS ClientHello at a target without TLS: closed with a reason.
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
+        let step = hs.advance(&mut BytesMut::from(&[0x16u8, 3, 1, 0, 5][..]), &mut Vec::new()).unwrap();
+        assert!(matches!(&step, Step::Refused(why) if why.contains("no TLS")), "{step:?}");
     }
 
     #[test]
     fn bad_versions_and_orders_are_refused_with_a_reason() {
-        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         let (step, out) = run(&mut hs, &[Message::Hello { min_version: 3, max_version: 4, features: 0 }]);
         assert!(matches!(&step, Step::Refused(why) if why.contains("3..=4")));
         assert!(matches!(&out[0], Message::Error { status, .. } if *status == Status::BAD_VERSION));
-        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         let (step, _) = run(&mut hs, &[Message::List]);
         assert!(matches!(&step, Step::Refused(why) if why.contains("LIST in the Hello phase")));
         let mut input = BytesMut::from(&b"definitely not BRP"[..]);
-        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         assert!(hs.advance(&mut input, &mut Vec::new()).is_err(), "bad magic is a protocol error");
     }
 
     #[test]
     fn pipelined_lists_are_answered_at_the_pace_they_are_read() {
-        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         let mut input = BytesMut::from(&hello().to_vec()[..]);
         for _ in 0..20_000 {
             input.extend_from_slice(&Message::List.to_vec());
@@ -279,7 +398,7 @@ mod tests {
 
     #[test]
     fn bytes_one_at_a_time_reach_the_same_end() {
-        let mut hs = BrpHandshake::new(brp(None), CHALLENGE);
+        let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         let mut all = hello().to_vec();
         all.extend(Message::Open { session: 0, slot: 0, name: "vol0".into() }.to_vec());
         let (mut input, mut out) = (BytesMut::new(), Vec::new());

@@ -8,6 +8,7 @@ pub mod handshake;
 
 pub use handshake::BrpHandshake;
 
+use crate::access::{Access, Who};
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
 use crate::fence::Activity;
@@ -31,8 +32,8 @@ use std::sync::Arc;
 pub struct Brp {
     pub catalog: Arc<Catalog>,
     pub sessions: Arc<Sessions>,
-    /// Shared secret; when set, every connection must authenticate.
-    pub secret: Option<Arc<[u8]>>,
+    /// TLS, identities and grants.
+    pub access: Arc<Access>,
     /// Credits granted per connection.
     pub queue_depth: u32,
     pub stats: Arc<Stats>,
@@ -47,10 +48,10 @@ impl Frontend for Brp {
     type Conn = BrpConn;
     const NAME: &'static str = "BRP";
 
-    fn handshake(&self) -> BrpHandshake {
+    fn handshake(&self, who: Who) -> BrpHandshake {
         let mut challenge = [0u8; 32];
         rand::thread_rng().fill_bytes(&mut challenge);
-        BrpHandshake::new(self.clone(), challenge)
+        BrpHandshake::new(self.clone(), who, challenge)
     }
 
     fn busy(&self) -> Option<Vec<u8>> {
@@ -59,14 +60,19 @@ impl Frontend for Brp {
 }
 
 /// A volume as LIST_REPLY describes it.
-pub fn volume_info(v: &Volume) -> VolumeInfo {
-    VolumeInfo { name: v.name().to_owned(), size: v.size(), block_size: v.granule(), flags: volume_flags(v) }
+pub fn volume_info(v: &Volume, read_only: bool) -> VolumeInfo {
+    VolumeInfo {
+        name: v.name().to_owned(),
+        size: v.size(),
+        block_size: v.granule(),
+        flags: volume_flags(v, read_only),
+    }
 }
 
-/// The volume flags of LIST_REPLY and OPEN_REPLY.
-pub fn volume_flags(v: &Volume) -> u32 {
+/// The volume flags of LIST_REPLY and OPEN_REPLY; `read_only`: the client's grant is.
+pub fn volume_flags(v: &Volume, read_only: bool) -> u32 {
     let mut flags = 0;
-    if v.read_only() {
+    if v.read_only() || read_only {
         flags |= VOLUME_READ_ONLY;
     }
     if v.volatile() {
@@ -91,6 +97,8 @@ pub struct BrpConn {
     /// Sent OPEN_REPLY waits for it (taken by the driver).
     fence: Option<Fence>,
     digests: bool,
+    /// The client's grant is read-only.
+    read_only: bool,
     stats: Arc<Stats>,
     batch: Option<BatchCursor>,
 }
@@ -111,9 +119,10 @@ impl BrpConn {
         session: SessionGuard,
         fence: Fence,
         digests: bool,
+        read_only: bool,
         stats: Arc<Stats>,
     ) -> Self {
-        BrpConn { volume, session, fence: Some(fence), digests, stats, batch: None }
+        BrpConn { volume, session, fence: Some(fence), digests, read_only, stats, batch: None }
     }
 
     /// The next sub-request of the BATCH being unpacked, if any is left.
@@ -146,7 +155,7 @@ impl Transmission for BrpConn {
     }
 
     fn limits(&self) -> Limits {
-        Limits { align: self.volume.granule(), max_io: self.volume.max_transfer() }
+        Limits { align: self.volume.granule(), max_io: self.volume.max_transfer(), read_only: self.read_only }
     }
 
     fn encoder(&self) -> BrpEncoder {

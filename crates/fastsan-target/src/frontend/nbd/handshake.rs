@@ -2,10 +2,22 @@
 //! as a state machine: the greeting, the client's flags, then options until
 //! EXPORT_NAME or a successful GO. No I/O: the driver feeds it bytes and
 //! sends what it writes to `out`.
+//!
+//! TLS follows the spec's TLS section: STARTTLS is acknowledged and the
+//! driver upgrades the stream ([`Step::StartTls`]; plaintext the client sent
+//! after STARTTLS closes the connection); everything negotiated before it is
+//! forgotten. When TLS is required (`--tls require`, or a target that
+//! authenticates, unless `--nbd-insecure`), every option but STARTTLS and
+//! ABORT is answered `ERR_TLS_REQD`, and EXPORT_NAME closes (FORCEDTLS).
+//! Every export is checked against the client's grants
+//! ([`Access::mode_for`]): LIST shows what it may open, INFO and GO answer
+//! `ERR_POLICY` for the rest, and a read-only grant exports it read-only.
 
 use super::{tflags, NbdConn, ALLOCATION_CONTEXT};
+use crate::access::{Access, Mode, Who};
 use crate::catalog::Catalog;
 use crate::frontend::{Handshake, Step, WireError, OUT_CAP};
+use crate::tls::TlsMode;
 use crate::volume::Volume;
 use bytes::{Buf, BytesMut};
 use fastsan_nbd::consts::*;
@@ -21,32 +33,64 @@ enum State {
 
 pub struct NbdHandshake {
     catalog: Arc<Catalog>,
+    access: Arc<Access>,
+    who: Who,
     state: State,
     no_zeroes: bool,
     structured: bool,
     /// The export for which `base:allocation` is selected, if any.
     selected: Option<String>,
+    /// GOs refused by the access rules so far.
+    denied: u32,
 }
 
+/// A client refused this many GOs is closed: it is probing, not negotiating.
+const MAX_DENIED: u32 = 8;
+
 impl NbdHandshake {
-    pub fn new(catalog: Arc<Catalog>) -> Self {
+    pub fn new(catalog: Arc<Catalog>, access: Arc<Access>, who: Who) -> Self {
         NbdHandshake {
             catalog,
+            access,
+            who,
             state: State::ClientFlags,
             no_zeroes: false,
             structured: false,
             selected: None,
+            denied: 0,
         }
     }
 
-    fn conn(&self, volume: &Arc<Volume>, name: &str) -> NbdConn {
+    fn conn(&self, volume: &Arc<Volume>, name: &str, mode: Mode) -> NbdConn {
         let allocation_context = self.selected.as_deref() == Some(name);
-        NbdConn::new(volume.clone(), self.structured, allocation_context)
+        NbdConn::new(volume.clone(), self.structured, allocation_context, mode == Mode::ReadOnly)
+    }
+
+    /// Options other than STARTTLS and ABORT wait for TLS.
+    fn tls_required(&self) -> bool {
+        if self.who.tls {
+            return false;
+        }
+        let forced = self.access.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Require);
+        forced || (self.access.authenticates() && !self.access.nbd_insecure)
+    }
+
+    /// How this client may use the volume behind `name` (a volume's own
+    /// name, or "" for the only one), or why not.
+    fn mode(&self, volume: &Volume) -> Result<Mode, String> {
+        self.access.mode_for(&self.who, volume.name(), self.access.nbd_insecure)
     }
 
     fn on_option(&mut self, opt: OptionRequest, out: &mut Vec<u8>) -> Step<NbdConn> {
         let o = opt.option;
         let err = |out: &mut Vec<u8>, code: u32, msg: &str| hs::encode_reply(o, code, msg.as_bytes(), out);
+        if self.tls_required() && o != OPT_STARTTLS && o != OPT_ABORT {
+            if o == OPT_EXPORT_NAME {
+                return Step::Refused("EXPORT_NAME before TLS, which this target requires".into());
+            }
+            err(out, REP_ERR_TLS_REQD, "this server requires TLS: send STARTTLS first");
+            return Step::Continue;
+        }
         match o {
             OPT_EXPORT_NAME => {
                 let Ok(name) = hs::parse_export_name(&opt.data) else {
@@ -56,9 +100,22 @@ impl NbdHandshake {
                 let Some(volume) = self.catalog.export(&name).cloned() else {
                     return Step::Refused(format!("unknown export {name:?}"));
                 };
-                let flags = tflags(&volume, self.structured);
+                let mode = match self.mode(&volume) {
+                    Ok(m) => m,
+                    Err(why) => return Step::Refused(why),
+                };
+                let flags = tflags(&volume, self.structured, mode == Mode::ReadOnly);
                 out.extend_from_slice(&hs::export_name_reply(volume.size(), flags, self.no_zeroes));
-                return Step::Done(self.conn(&volume, &name));
+                return Step::Done(self.conn(&volume, &name, mode));
+            }
+            OPT_STARTTLS if !opt.data.is_empty() => err(out, REP_ERR_INVALID, "STARTTLS takes no data"),
+            OPT_STARTTLS if self.who.tls => err(out, REP_ERR_INVALID, "TLS is already on"),
+            OPT_STARTTLS if !self.access.tls.as_ref().is_some_and(|t| t.mode != TlsMode::Off) => {
+                err(out, REP_ERR_UNSUP, "this server has no TLS configured")
+            }
+            OPT_STARTTLS => {
+                hs::encode_reply(o, REP_ACK, &[], out);
+                return Step::StartTls { replay: false };
             }
             OPT_ABORT => {
                 hs::encode_reply(o, REP_ACK, &[], out);
@@ -66,7 +123,7 @@ impl NbdHandshake {
             }
             OPT_LIST if !opt.data.is_empty() => err(out, REP_ERR_INVALID, "LIST takes no data"),
             OPT_LIST => {
-                for v in self.catalog.iter() {
+                for v in self.catalog.iter().filter(|v| self.mode(v).is_ok()) {
                     hs::encode_reply(o, REP_SERVER, &hs::rep_server(v.name(), v.describe()), out);
                 }
                 hs::encode_reply(o, REP_ACK, &[], out);
@@ -75,13 +132,24 @@ impl NbdHandshake {
                 Err(e) => err(out, REP_ERR_INVALID, &e.to_string()),
                 Ok(req) => match self.catalog.export(&req.name).cloned() {
                     None => err(out, REP_ERR_UNKNOWN, &format!("no export named {:?}", req.name)),
-                    Some(volume) => {
-                        info_replies(o, &volume, &req, self.structured, out);
-                        hs::encode_reply(o, REP_ACK, &[], out);
-                        if o == OPT_GO {
-                            return Step::Done(self.conn(&volume, &req.name));
+                    Some(volume) => match self.mode(&volume) {
+                        Err(why) => {
+                            err(out, REP_ERR_POLICY, &why);
+                            if o == OPT_GO {
+                                self.denied += 1;
+                                if self.denied >= MAX_DENIED {
+                                    return Step::Refused(format!("{why} ({MAX_DENIED} times)"));
+                                }
+                            }
                         }
-                    }
+                        Ok(mode) => {
+                            info_replies(o, &volume, &req, self.structured, mode == Mode::ReadOnly, out);
+                            hs::encode_reply(o, REP_ACK, &[], out);
+                            if o == OPT_GO {
+                                return Step::Done(self.conn(&volume, &req.name, mode));
+                            }
+                        }
+                    },
                 },
             },
             OPT_STRUCTURED_REPLY if !opt.data.is_empty() => {
@@ -113,7 +181,6 @@ impl NbdHandshake {
                     }
                 }
             }
-            OPT_STARTTLS => err(out, REP_ERR_UNSUP, "TLS is not supported yet"),
             _ => err(out, REP_ERR_UNSUP, "unsupported option"),
         }
         Step::Continue
@@ -125,9 +192,10 @@ impl NbdHandshake {
             return Err((REP_ERR_INVALID, "SET_META_CONTEXT needs structured replies".into()));
         }
         let req = MetaContextRequest::parse(&opt.data).map_err(|e| (REP_ERR_INVALID, e.to_string()))?;
-        if self.catalog.export(&req.name).is_none() {
-            return Err((REP_ERR_UNKNOWN, format!("no export named {:?}", req.name)));
-        }
+        match self.catalog.export(&req.name) {
+            None => return Err((REP_ERR_UNKNOWN, format!("no export named {:?}", req.name))),
+            Some(v) => self.mode(v).map_err(|why| (REP_ERR_POLICY, why))?,
+        };
         let matched = if req.queries.is_empty() {
             // LIST with no query lists every context; SET with none selects nothing.
             !set
@@ -140,8 +208,8 @@ impl NbdHandshake {
 
 /// NBD_REP_INFO replies for INFO and GO: always the export's size, flags and
 /// block sizes; its name and description when asked.
-fn info_replies(o: u32, v: &Volume, req: &InfoRequest, structured: bool, out: &mut Vec<u8>) {
-    hs::encode_reply(o, REP_INFO, &hs::info_export(v.size(), tflags(v, structured)), out);
+fn info_replies(o: u32, v: &Volume, req: &InfoRequest, structured: bool, read_only: bool, out: &mut Vec<u8>) {
+    hs::encode_reply(o, REP_INFO, &hs::info_export(v.size(), tflags(v, structured, read_only)), out);
     let b = v.block_sizes();
     let min = b.minimum.max(1);
     let max = MAX_PAYLOAD.min(b.maximum);
@@ -156,6 +224,15 @@ fn info_replies(o: u32, v: &Volume, req: &InfoRequest, structured: bool, out: &m
 
 impl Handshake for NbdHandshake {
     type Conn = NbdConn;
+
+    fn tls_started(&mut self, identity: Option<String>) {
+        self.who.tls = true;
+        self.who.identity = identity;
+        // What was negotiated in plaintext is forgotten (the spec: the
+        // client negotiates again over TLS).
+        self.structured = false;
+        self.selected = None;
+    }
 
     fn start(&mut self, out: &mut Vec<u8>) {
         out.extend_from_slice(&hs::greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES));
@@ -234,7 +311,7 @@ mod tests {
     }
 
     fn start() -> (NbdHandshake, Vec<u8>) {
-        let mut h = NbdHandshake::new(catalog());
+        let mut h = NbdHandshake::new(catalog(), Default::default(), Who::default());
         let mut out = Vec::new();
         h.start(&mut out);
         assert_eq!(out.len(), 18);

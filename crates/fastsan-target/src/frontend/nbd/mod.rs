@@ -15,6 +15,7 @@ pub mod handshake;
 
 pub use handshake::NbdHandshake;
 
+use crate::access::{Access, Who};
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
 use crate::fence::Activity;
@@ -35,6 +36,7 @@ const ALLOCATION_CONTEXT: u32 = 1;
 #[derive(Clone)]
 pub struct Nbd {
     pub catalog: Arc<Catalog>,
+    pub access: Arc<Access>,
 }
 
 impl Frontend for Nbd {
@@ -42,8 +44,8 @@ impl Frontend for Nbd {
     type Conn = NbdConn;
     const NAME: &'static str = "NBD";
 
-    fn handshake(&self) -> NbdHandshake {
-        NbdHandshake::new(self.catalog.clone())
+    fn handshake(&self, who: Who) -> NbdHandshake {
+        NbdHandshake::new(self.catalog.clone(), self.access.clone(), who)
     }
 
     fn busy(&self) -> Option<Vec<u8>> {
@@ -53,8 +55,10 @@ impl Frontend for Nbd {
 }
 
 /// Transmission flags: what this volume can do, from its capabilities.
-pub fn tflags(v: &Volume, structured: bool) -> u16 {
-    let c = v.caps();
+pub fn tflags(v: &Volume, structured: bool, read_only: bool) -> u16 {
+    let mut c = v.caps();
+    // A read-only grant: the volume, as this client sees it, cannot write.
+    c.write &= !read_only;
     let mut f = TFLAG_HAS_FLAGS | TFLAG_CAN_MULTI_CONN;
     let mut set = |on: bool, flag: u16| {
         if on {
@@ -81,6 +85,8 @@ pub struct NbdConn {
     allocation_context: bool,
     /// Bytes of a refused oversized WRITE still to drop.
     skip: u64,
+    /// The client's grant is read-only.
+    read_only: bool,
     activity: Arc<Activity>,
 }
 
@@ -95,8 +101,8 @@ impl std::fmt::Debug for NbdConn {
 }
 
 impl NbdConn {
-    fn new(volume: Arc<Volume>, structured: bool, allocation_context: bool) -> Self {
-        NbdConn { volume, structured, allocation_context, skip: 0, activity: Activity::new() }
+    fn new(volume: Arc<Volume>, structured: bool, allocation_context: bool, read_only: bool) -> Self {
+        NbdConn { volume, structured, allocation_context, skip: 0, read_only, activity: Activity::new() }
     }
 }
 
@@ -115,7 +121,7 @@ impl Transmission for NbdConn {
     }
 
     fn limits(&self) -> Limits {
-        Limits { align: 1, max_io: MAX_PAYLOAD }
+        Limits { align: 1, max_io: MAX_PAYLOAD, read_only: self.read_only }
     }
 
     fn encoder(&self) -> NbdEncoder {
