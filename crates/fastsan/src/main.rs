@@ -146,7 +146,8 @@ fn main() -> std::process::ExitCode {
 /// The target logs what it does; client commands stay quiet unless warned.
 fn default_log(cmd: &Cmd) -> &'static str {
     match cmd {
-        Cmd::Serve(_) => "info",
+        // rustls warns of every IP address sent as SNI (qemu and libnbd do).
+        Cmd::Serve(_) => "info,rustls=error",
         // fuser warns when its own unmount finds the mount already gone (ours).
         Cmd::Attach(_) => "info,fuser=error",
         Cmd::Detach(_) => "warn",

@@ -223,12 +223,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         handle.shutdown();
     });
-    println!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
+    // Where it listens, for people and supervisors. Whoever started it may
+    // have stopped reading (a closed pipe): the target serves on regardless.
+    let say = |line: String| {
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), "{line}");
+    };
+    say(format!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr()));
     if let Some(p) = &brp_unix {
-        println!("fastsan: serving BRP on unix socket {}", p.display());
+        say(format!("fastsan: serving BRP on unix socket {}", p.display()));
     }
     if let Some(a) = server.nbd_addr() {
-        println!("fastsan: serving NBD on {a}");
+        say(format!("fastsan: serving NBD on {a}"));
     }
     server.run().await?;
     Ok(())

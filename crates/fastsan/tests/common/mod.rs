@@ -19,7 +19,9 @@ impl Served {
     /// Starts `fastsan serve ARGS`, with NBD on a free port unless a secret
     /// turns it off (NBD cannot check one; `--nbd-insecure` keeps it).
     pub fn start(args: &[&str]) -> Served {
-        let nbd = !args.contains(&"--secret-file") || args.contains(&"--nbd-insecure");
+        let secret = args.contains(&"--secret-file") || args.contains(&"--secrets-file");
+        let nbd = !args.contains(&"--no-nbd")
+            && (!secret || args.contains(&"--nbd-insecure") || args.contains(&"--tls-ca"));
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(args)

@@ -134,6 +134,8 @@ impl NbdHandshake {
                     None => err(out, REP_ERR_UNKNOWN, &format!("no export named {:?}", req.name)),
                     Some(volume) => match self.mode(&volume) {
                         Err(why) => {
+                            let peer = self.who.ip.map_or_else(|| "unix".to_owned(), |ip| ip.to_string());
+                            tracing::info!(%peer, who = self.who.name(), export = volume.name(), "NBD access refused: {why}");
                             err(out, REP_ERR_POLICY, &why);
                             if o == OPT_GO {
                                 self.denied += 1;
