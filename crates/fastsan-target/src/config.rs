@@ -186,6 +186,8 @@ pub struct ServerConfig {
     pub tls_mode: Option<crate::tls::TlsMode>,
     /// Allow authenticated BRP sessions in plaintext from other hosts.
     pub insecure_plaintext: bool,
+    /// Serve Prometheus metrics at `/metrics` on this address.
+    pub metrics: Option<SocketAddr>,
     pub handshake_timeout: Duration,
     /// How long a reply write may make no progress before its connection is dropped.
     pub stall_timeout: Duration,
@@ -228,6 +230,7 @@ impl Default for ServerConfig {
             tls: None,
             tls_mode: None,
             insecure_plaintext: false,
+            metrics: None,
             handshake_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
             max_connections: 1024,

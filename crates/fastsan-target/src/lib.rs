@@ -33,7 +33,8 @@
 //! - [`backend`] - the backend stack: stores (memory, file, null) and layers
 //!   (stats, faults, delay, read-only), with capabilities; built in [`backend::build`].
 //! - [`request`] - protocol-neutral requests and refusals (with their context).
-//! - [`stats`] - server-wide counters.
+//! - [`stats`] - counters per protocol; [`metrics`] - all of them, and each
+//!   volume's, as Prometheus text at `--metrics ADDR`.
 //! - [`tls`] - TLS (rustls) for every front end, and the stream a
 //!   connection runs on; [`access`] - identities, grants, and the limiter
 //!   of failed authentications: who may open what, the same on every protocol.
@@ -48,6 +49,7 @@ pub mod fence;
 pub mod frontend;
 #[doc(hidden)]
 pub mod fuzz_checks;
+pub mod metrics;
 pub mod pipeline;
 pub mod pool;
 pub mod request;

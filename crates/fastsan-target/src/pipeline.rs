@@ -47,6 +47,7 @@ const LOGGED_DEVICE_ERRORS: u32 = 64;
 const DEVICE_ERROR_EVERY: u32 = 1024;
 
 /// What every connection of a server shares, and nothing more.
+#[derive(Clone)]
 pub struct ConnEnv {
     pub stats: Arc<Stats>,
     pub shutdown: CancellationToken,
@@ -70,6 +71,7 @@ pub struct ConnEnv {
 /// one (64 MiB) and the server one for all of them, so that many
 /// clients that ask for large reads and never take the replies cannot
 /// exhaust memory.
+#[derive(Clone)]
 pub struct Budget {
     units: Arc<Semaphore>,
     max_units: u32,
@@ -114,6 +116,24 @@ pub struct Reply<M> {
 struct Credit {
     _slot: OwnedSemaphorePermit,
     _bytes: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
+    _counted: InFlight,
+}
+
+/// A request counted in [`Stats::in_flight`] from its credit to its reply
+/// (written or dropped).
+struct InFlight(Arc<Stats>);
+
+impl InFlight {
+    fn new(stats: &Arc<Stats>) -> InFlight {
+        stats.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InFlight(stats.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Where the bytes of one encoded reply are: `head` and `tail` in the
@@ -349,7 +369,7 @@ where
         let op = match req.and_then(|r| self.volume.validate(r, &self.limits)) {
             Ok(op) => op,
             Err(refusal) => {
-                Stats::add(&stats.errors, 1);
+                stats.refused_request(&refusal);
                 let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
                 at.log(&refusal, &self.logged);
                 self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: credit });
@@ -406,7 +426,7 @@ where
         } else {
             None
         };
-        Some(Credit { _slot: slot, _bytes: bytes })
+        Some(Credit { _slot: slot, _bytes: bytes, _counted: InFlight::new(&self.env.stats) })
     }
 
     /// Waits for a queue slot and, for requests that move data, byte budget.
@@ -423,7 +443,7 @@ where
         } else {
             None
         };
-        Ok(Credit { _slot: slot, _bytes: bytes })
+        Ok(Credit { _slot: slot, _bytes: bytes, _counted: InFlight::new(&self.env.stats) })
     }
 
     /// A share of `budget`; the replies held are sent first when it must wait.
@@ -477,7 +497,7 @@ fn run(volume: &Volume, op: Op, stats: &Stats, at: Where<'_>, logged: &Logged) -
             Stats::add(&stats.bytes_written, written);
         }
         Err(e) => {
-            Stats::add(&stats.errors, 1);
+            stats.refused_request(e);
             at.log(e, logged);
         }
     }

@@ -96,6 +96,24 @@ pub enum Refusal {
     ShuttingDown,
 }
 
+impl Refusal {
+    /// Its kind, for metrics (`errors_total{kind=...}`): one of [`Refusal::KINDS`].
+    pub fn kind(&self) -> usize {
+        match self {
+            Refusal::Invalid(_) | Refusal::UnknownCommand(_) | Refusal::DigestMismatch => 0,
+            Refusal::Unsupported(_) | Refusal::NotFast => 1,
+            Refusal::OutOfRange { .. } | Refusal::Misaligned { .. } | Refusal::TooLarge { .. } => 2,
+            Refusal::ReadOnly => 3,
+            Refusal::Device(_) => 4,
+            Refusal::ShuttingDown => 5,
+        }
+    }
+
+    /// The names of the kinds, by [`Refusal::kind`].
+    pub const KINDS: [&'static str; 6] =
+        ["invalid", "unsupported", "range", "read_only", "device", "shutdown"];
+}
+
 impl From<BackendError> for Refusal {
     fn from(e: BackendError) -> Self {
         Refusal::Device(e)

@@ -48,7 +48,10 @@ pub enum ServerError {
 }
 
 pub struct Server {
+    /// What BRP connections share; NBD's is the same but for its own
+    /// counters (`nbd_env`), so that metrics tell the protocols apart.
     env: Arc<ConnEnv>,
+    nbd_env: Arc<ConnEnv>,
     catalog: Arc<Catalog>,
     brp: Brp,
     nbd: Nbd,
@@ -58,12 +61,14 @@ pub struct Server {
     nbd_unix: Option<Unix>,
     gate: Arc<HandshakeGate>,
     drain_timeout: Duration,
+    metrics: Option<TcpListener>,
 }
 
 /// Controls a running server from elsewhere (a signal handler, a test).
 #[derive(Clone)]
 pub struct ServerHandle {
     env: Arc<ConnEnv>,
+    nbd_env: Arc<ConnEnv>,
     catalog: Arc<Catalog>,
 }
 
@@ -73,8 +78,19 @@ impl ServerHandle {
         self.env.shutdown.cancel();
     }
 
+    /// The counters of every protocol together.
     pub fn stats(&self) -> StatsSnapshot {
-        self.env.stats.snapshot()
+        StatsSnapshot::sum(self.protocol_stats().into_iter().map(|(_, s)| s))
+    }
+
+    /// The counters of each protocol.
+    pub fn protocol_stats(&self) -> [(&'static str, StatsSnapshot); 2] {
+        [("brp", self.env.stats.snapshot()), ("nbd", self.nbd_env.stats.snapshot())]
+    }
+
+    /// The volumes, for metrics.
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
     }
 
     /// Bytes of request and reply payload in flight now, all connections together.
@@ -117,6 +133,10 @@ impl Server {
             Some(a) => Some(bind(a).await?),
             None => None,
         };
+        let metrics = match config.metrics {
+            Some(a) => Some(bind(a).await?),
+            None => None,
+        };
         let brp_unix = config.brp_unix.as_deref().map(Unix::bind).transpose()?;
         let nbd_unix = config.nbd_unix.as_deref().map(Unix::bind).transpose()?;
         let stats = Arc::new(Stats::default());
@@ -147,8 +167,10 @@ impl Server {
             boot: config.boot_id.unwrap_or_else(boot_id),
         };
         let nbd = Nbd { catalog: catalog.clone(), access };
+        let nbd_env = Arc::new(ConnEnv { stats: Arc::new(Stats::default()), ..(*env).clone() });
         Ok(Server {
             env,
+            nbd_env,
             catalog,
             brp,
             nbd,
@@ -158,6 +180,7 @@ impl Server {
             nbd_unix,
             gate: Arc::new(HandshakeGate::new(config.max_handshakes)),
             drain_timeout: config.drain_timeout,
+            metrics,
         })
     }
 
@@ -166,20 +189,42 @@ impl Server {
         self.brp_tcp.local_addr().expect("a bound listener has an address")
     }
 
+    /// The metrics listener's address, when there is one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
+    }
+
     /// The NBD TCP listener's address, when there is one.
     pub fn nbd_addr(&self) -> Option<SocketAddr> {
         self.nbd_tcp.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
     pub fn handle(&self) -> ServerHandle {
-        ServerHandle { env: self.env.clone(), catalog: self.catalog.clone() }
+        ServerHandle { env: self.env.clone(), nbd_env: self.nbd_env.clone(), catalog: self.catalog.clone() }
     }
 
     /// Serves until shutdown is requested, then drains and flushes. Fails
     /// when a volume could not be flushed: acknowledged writes may be lost.
     pub async fn run(self) -> io::Result<()> {
-        let Server { env, catalog, brp, nbd, brp_tcp, brp_unix, nbd_tcp, nbd_unix, gate, drain_timeout } =
-            self;
+        let handle = self.handle();
+        let Server {
+            env,
+            nbd_env,
+            catalog,
+            brp,
+            nbd,
+            brp_tcp,
+            brp_unix,
+            nbd_tcp,
+            nbd_unix,
+            gate,
+            drain_timeout,
+            metrics,
+        } = self;
+        if let Some(l) = metrics {
+            let collector = crate::metrics::TargetCollector { server: handle.clone() };
+            tokio::spawn(crate::metrics::serve(l, collector, env.shutdown.clone()));
+        }
         let tracker = TaskTracker::new();
         let a = &env.access;
         let tls = a.tls.as_ref().map_or("off", |t| match t.mode {
@@ -210,6 +255,7 @@ impl Server {
         // resume sessions while this one's writes may still land.
         let drained = CancellationToken::new();
         let accept = Acceptor { env: &env, tracker: &tracker, gate: &gate, drained: &drained };
+        let accept_nbd = Acceptor { env: &nbd_env, ..accept };
         let drain = async {
             env.shutdown.cancelled().await;
             tracker.close();
@@ -227,11 +273,11 @@ impl Server {
         let (_, _, _, _, unflushed) = tokio::join!(
             accept.run(brp_tcp, brp.clone()),
             accept.run_opt(brp_unix, brp),
-            accept.run_opt(nbd_tcp, nbd.clone()),
-            accept.run_opt(nbd_unix, nbd),
+            accept_nbd.run_opt(nbd_tcp, nbd.clone()),
+            accept_nbd.run_opt(nbd_unix, nbd),
             drain,
         );
-        let s = env.stats.snapshot();
+        let s = handle.stats();
         info!(
             requests = s.requests,
             batches = s.batches,
@@ -344,6 +390,7 @@ impl Listener for Unix {
 /// Accepts connections until shutdown; each runs as a tracked task. Its
 /// handshake needs a ticket from the [`HandshakeGate`]; its transmission
 /// phase one of the `max_connections` slots (taken by the driver).
+#[derive(Clone, Copy)]
 struct Acceptor<'a> {
     env: &'a Arc<ConnEnv>,
     tracker: &'a TaskTracker,

@@ -14,6 +14,10 @@ pub struct Stats {
     pub bytes_written: AtomicU64,
     /// Requests answered with an error status.
     pub errors: AtomicU64,
+    /// The same, by [`Refusal::kind`](crate::request::Refusal::kind).
+    pub errors_by_kind: [AtomicU64; 6],
+    /// Requests between their credit and their reply now.
+    pub in_flight: AtomicU64,
     /// Connections closed for a malformed frame or handshake.
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
@@ -35,15 +39,44 @@ pub struct StatsSnapshot {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub errors: u64,
+    pub errors_by_kind: [u64; 6],
+    pub in_flight: u64,
     pub protocol_errors: u64,
     pub auth_failures: u64,
     pub refused: u64,
     pub open_connections: u64,
 }
 
+impl StatsSnapshot {
+    /// The counters of several (one per protocol) together.
+    pub fn sum(all: impl IntoIterator<Item = StatsSnapshot>) -> StatsSnapshot {
+        all.into_iter().fold(StatsSnapshot::default(), |a, b| StatsSnapshot {
+            connections: a.connections + b.connections,
+            requests: a.requests + b.requests,
+            batches: a.batches + b.batches,
+            batched_requests: a.batched_requests + b.batched_requests,
+            bytes_read: a.bytes_read + b.bytes_read,
+            bytes_written: a.bytes_written + b.bytes_written,
+            errors: a.errors + b.errors,
+            errors_by_kind: std::array::from_fn(|i| a.errors_by_kind[i] + b.errors_by_kind[i]),
+            in_flight: a.in_flight + b.in_flight,
+            protocol_errors: a.protocol_errors + b.protocol_errors,
+            auth_failures: a.auth_failures + b.auth_failures,
+            refused: a.refused + b.refused,
+            open_connections: a.open_connections + b.open_connections,
+        })
+    }
+}
+
 impl Stats {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
+    }
+
+    /// A request refused or failed.
+    pub fn refused_request(&self, r: &crate::request::Refusal) {
+        self.errors.fetch_add(1, Relaxed);
+        self.errors_by_kind[r.kind()].fetch_add(1, Relaxed);
     }
 
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -55,6 +88,8 @@ impl Stats {
             bytes_read: self.bytes_read.load(Relaxed),
             bytes_written: self.bytes_written.load(Relaxed),
             errors: self.errors.load(Relaxed),
+            errors_by_kind: std::array::from_fn(|i| self.errors_by_kind[i].load(Relaxed)),
+            in_flight: self.in_flight.load(Relaxed),
             protocol_errors: self.protocol_errors.load(Relaxed),
             auth_failures: self.auth_failures.load(Relaxed),
             refused: self.refused.load(Relaxed),

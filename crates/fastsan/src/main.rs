@@ -27,7 +27,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     Ls(ls::Args),
     Cp(cp::Args),
     Bench(bench::Args),
@@ -125,7 +125,7 @@ fn main() -> std::process::ExitCode {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(async {
         match cli.cmd {
-            Cmd::Serve(a) => serve::run(a).await,
+            Cmd::Serve(a) => serve::run(*a).await,
             Cmd::Ls(a) => ls::run(a).await,
             Cmd::Cp(a) => cp::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,

@@ -94,6 +94,10 @@ pub struct Args {
     /// frames are not protected after the handshake).
     #[arg(long)]
     insecure_plaintext: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (per protocol and per
+    /// volume; `fastsan top` shows them).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
     /// Requests in flight per connection (credits granted to the initiator) [default: 256].
     #[arg(long, value_name = "N")]
     queue_depth: Option<u32>,
@@ -167,6 +171,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     };
     c.tls_mode = a.tls.or(file.tls);
     c.insecure_plaintext = a.insecure_plaintext || file.insecure_plaintext;
+    c.metrics = a.metrics.or(file.metrics);
     if c.authenticates() && !c.client_certs() && !c.nbd_insecure {
         // NBD clients could prove who they are only with client
         // certificates: the default listener stays off (an explicit one is
@@ -235,6 +240,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(a) = server.nbd_addr() {
         say(format!("fastsan: serving NBD on {a}"));
+    }
+    if let Some(a) = server.metrics_addr() {
+        say(format!("fastsan: serving metrics on http://{a}/metrics"));
     }
     server.run().await?;
     Ok(())

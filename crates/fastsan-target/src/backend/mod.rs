@@ -30,7 +30,7 @@ pub use memory::MemoryBackend;
 pub use null::NullBackend;
 pub use readonly::ReadOnlyLayer;
 pub use remote::RemoteBackend;
-pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot};
+pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot, LATENCY_SAMPLE};
 
 use crate::config::{BackendSpec, VolumeSpec};
 use crate::request::Extent;

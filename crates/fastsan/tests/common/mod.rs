@@ -13,6 +13,8 @@ pub struct Served {
     pub child: Child,
     pub addr: String,
     pub nbd: String,
+    /// `HOST:PORT` of `/metrics`, with `--metrics`.
+    pub metrics: String,
 }
 
 impl Served {
@@ -39,7 +41,13 @@ impl Served {
         };
         let addr = addr_after_on();
         let nbd = if nbd { addr_after_on() } else { String::new() };
-        Served { child, addr, nbd }
+        let metrics = if args.contains(&"--metrics") {
+            let url = addr_after_on();
+            url.trim_start_matches("http://").trim_end_matches("/metrics").to_owned()
+        } else {
+            String::new()
+        };
+        Served { child, addr, nbd, metrics }
     }
 
     pub fn url(&self, vol: &str) -> String {

@@ -1,0 +1,268 @@
+//! `--metrics ADDR`: the target's counters as Prometheus text at `/metrics`.
+//!
+//! Everything is read at scrape time from the counters the target keeps
+//! anyway ([`crate::stats::Stats`] per protocol, the stats layer of each
+//! volume), through a prometheus-client [`Collector`]: nothing is counted
+//! twice on the I/O path.
+//!
+//! The HTTP side is a few lines over tokio, on purpose: one `GET /metrics`
+//! per connection, a request head of at most 8 KiB read within 5 s, the
+//! answer, and a close. A general HTTP server would bring more code than
+//! the endpoint has.
+
+use crate::backend::LATENCY_SAMPLE;
+use crate::request::Refusal;
+use crate::server::ServerHandle;
+use crate::stats::StatsSnapshot;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::io;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+
+/// Reads a running target's counters for Prometheus.
+#[derive(Clone)]
+pub struct TargetCollector {
+    pub server: ServerHandle,
+}
+
+impl std::fmt::Debug for TargetCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TargetCollector")
+    }
+}
+
+/// One metric with one sample per label set.
+fn family<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
+    for (labels, value) in samples {
+        value.encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// A metric read from the per-protocol counters: name, help, how.
+type Series = (&'static str, &'static str, fn(&StatsSnapshot) -> u64);
+
+fn counter(v: u64) -> ConstCounter<u64> {
+    ConstCounter::new(v)
+}
+
+fn gauge(v: u64) -> ConstGauge<i64> {
+    ConstGauge::new(v.min(i64::MAX as u64) as i64)
+}
+
+impl Collector for TargetCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let protos = self.server.protocol_stats();
+        let per = |f: fn(&StatsSnapshot) -> u64| {
+            protos.iter().map(move |(p, s)| (vec![("protocol", p.to_string())], f(s))).collect::<Vec<_>>()
+        };
+        let counters: [Series; 8] = [
+            ("fastsan_requests", "Requests received (a BATCH's sub-requests each count)", |s| s.requests),
+            ("fastsan_read_bytes", "Bytes read from volumes for clients", |s| s.bytes_read),
+            ("fastsan_written_bytes", "Bytes written to volumes by clients", |s| s.bytes_written),
+            ("fastsan_connections", "Connections accepted", |s| s.connections),
+            ("fastsan_batches", "BATCH frames received (merged requests)", |s| s.batches),
+            ("fastsan_batched_requests", "Requests that arrived inside BATCH frames", |s| s.batched_requests),
+            ("fastsan_protocol_errors", "Connections closed for a malformed frame or handshake", |s| {
+                s.protocol_errors
+            }),
+            ("fastsan_auth_failures", "Failed authentications (wrong secret, refused certificate)", |s| {
+                s.auth_failures
+            }),
+        ];
+        for (name, help, f) in counters {
+            let samples = per(f).into_iter().map(|(l, v)| (l, counter(v)));
+            family(&mut enc, name, help, MetricType::Counter, samples)?;
+        }
+        let refused = per(|s| s.refused).into_iter().map(|(l, v)| (l, counter(v)));
+        let help =
+            "Connections refused: busy, an address over its failed-authentication budget, access rules";
+        family(&mut enc, "fastsan_refused_connections", help, MetricType::Counter, refused)?;
+        let errors = protos.iter().flat_map(|(p, s)| {
+            Refusal::KINDS.iter().enumerate().map(move |(i, kind)| {
+                (vec![("protocol", p.to_string()), ("kind", kind.to_string())], counter(s.errors_by_kind[i]))
+            })
+        });
+        family(
+            &mut enc,
+            "fastsan_request_errors",
+            "Requests refused or failed, by kind",
+            MetricType::Counter,
+            errors,
+        )?;
+        let gauges: [Series; 2] = [
+            ("fastsan_open_connections", "Connections in their transmission phase", |s| s.open_connections),
+            ("fastsan_in_flight_requests", "Requests received and not yet answered", |s| s.in_flight),
+        ];
+        for (name, help, f) in gauges {
+            family(&mut enc, name, help, MetricType::Gauge, per(f).into_iter().map(|(l, v)| (l, gauge(v))))?;
+        }
+        let budget = [(vec![], gauge(self.server.payload_in_flight()))];
+        family(
+            &mut enc,
+            "fastsan_payload_in_flight_bytes",
+            "Request and reply payload held",
+            MetricType::Gauge,
+            budget,
+        )?;
+
+        // Per volume, from each volume's stats layer.
+        let vols: Vec<_> =
+            self.server.catalog().iter().map(|v| (v.name().to_owned(), v.stats(), v.size())).collect();
+        let ops = vols.iter().flat_map(|(name, s, _)| {
+            [
+                ("read", s.reads),
+                ("write", s.writes),
+                ("flush", s.flushes),
+                ("trim", s.trims),
+                ("write_zeroes", s.zeroes),
+            ]
+            .map(|(op, n)| (vec![("volume", name.clone()), ("op", op.to_owned())], counter(n)))
+        });
+        family(&mut enc, "fastsan_volume_ops", "Device operations by kind", MetricType::Counter, ops)?;
+        let bytes = vols.iter().flat_map(|(name, s, _)| {
+            [("read", s.bytes_read), ("write", s.bytes_written)]
+                .map(|(d, n)| (vec![("volume", name.clone()), ("direction", d.to_owned())], counter(n)))
+        });
+        family(&mut enc, "fastsan_volume_bytes", "Bytes moved by the device", MetricType::Counter, bytes)?;
+        let errs = vols.iter().map(|(name, s, _)| (vec![("volume", name.clone())], counter(s.errors)));
+        family(
+            &mut enc,
+            "fastsan_volume_errors",
+            "Device operations that failed",
+            MetricType::Counter,
+            errs,
+        )?;
+        let size = vols.iter().map(|(name, _, size)| (vec![("volume", name.clone())], gauge(*size)));
+        family(&mut enc, "fastsan_volume_size_bytes", "Volume size", MetricType::Gauge, size)?;
+        // Latency: sampled (one call in LATENCY_SAMPLE of each kind), in
+        // power-of-two buckets of nanoseconds, as the stats layer keeps it.
+        let help = format!("Device latency, one call in {LATENCY_SAMPLE} of each kind sampled");
+        let mut h =
+            enc.encode_descriptor("fastsan_volume_latency_seconds", &help, None, MetricType::Histogram)?;
+        for (name, s, _) in &vols {
+            let counts = &s.latency_ns;
+            let buckets: Vec<(f64, u64)> =
+                counts.iter().enumerate().map(|(i, &c)| ((1u64 << (i + 1)) as f64 / 1e9, c)).collect();
+            let count: u64 = counts.iter().sum();
+            // Each bucket's midpoint stands for its calls (the exact sum is not kept).
+            let sum: f64 =
+                counts.iter().enumerate().map(|(i, &c)| c as f64 * 1.5 * (1u64 << i) as f64 / 1e9).sum();
+            let labels = [("volume", name.clone())];
+            h.encode_family(&labels)?
+                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
+        }
+        Ok(())
+    }
+}
+
+/// The Prometheus text of `collector` now.
+pub fn render(collector: &TargetCollector) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(collector.clone()));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");
+    out
+}
+
+/// Serves `/metrics` on `listener` until the server shuts down.
+pub async fn serve(
+    listener: TcpListener,
+    collector: TargetCollector,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    warn!("metrics: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let c = collector.clone();
+        tokio::spawn(async move {
+            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &c))
+                .await
+                .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 5 s")))
+            {
+                debug!(%peer, "metrics request: {e}");
+            }
+        });
+    }
+}
+
+/// Reads one request head and answers it.
+async fn answer(mut s: TcpStream, c: &TargetCollector) -> io::Result<()> {
+    let mut head = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
+        if head.len() >= 8192 {
+            return respond(
+                &mut s,
+                "431 Request Header Fields Too Large",
+                "text/plain",
+                "request head too large\n",
+            )
+            .await;
+        }
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&chunk[..n]);
+    }
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut words = line.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    match (method, path.split('?').next().unwrap_or("")) {
+        ("GET", "/metrics") => {
+            respond(&mut s, "200 OK", "text/plain; version=0.0.4; charset=utf-8", &render(c)).await
+        }
+        ("GET", _) => respond(&mut s, "404 Not Found", "text/plain", "metrics are at /metrics\n").await,
+        _ => respond(&mut s, "405 Method Not Allowed", "text/plain", "GET only\n").await,
+    }
+}
+
+async fn respond(s: &mut TcpStream, status: &str, kind: &str, body: &str) -> io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await?;
+    s.write_all(body.as_bytes()).await?;
+    s.shutdown().await?;
+    // A lingering close: what the client still sends (a head cut short) is
+    // read and dropped, briefly, so the close does not reset the answer away.
+    let mut sink = [0u8; 4096];
+    let linger = async {
+        let mut left = 64 * 1024;
+        while left > 0 {
+            match s.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left -= n.min(left),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), linger).await;
+    Ok(())
+}

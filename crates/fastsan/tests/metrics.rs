@@ -1,0 +1,107 @@
+//! `--metrics`: Prometheus text scraped while `fastsan bench` runs agrees
+//! with the bench's own counts, per protocol; the endpoint refuses what it
+//! should and keeps serving.
+
+mod common;
+
+use common::*;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// One HTTP request to the metrics listener: (status line, body).
+fn http(addr: &str, request: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut all = String::new();
+    s.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    (head.lines().next().unwrap_or_default().to_owned(), body.to_owned())
+}
+
+/// The value of the sample `name{labels}` (labels as written, in order).
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn scrape(addr: &str) -> String {
+    let (status, body) = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    body
+}
+
+fn json_u64(json: &str, key: &str) -> f64 {
+    let at = json.find(&format!("\"{key}\": ")).unwrap_or_else(|| panic!("no {key} in {json}"));
+    let rest = &json[at + key.len() + 4..];
+    rest[..rest.find([',', '\n']).unwrap()].trim().parse().unwrap()
+}
+
+/// Runs `fastsan bench URL --json ...` while scraping; returns its report.
+fn bench_while_scraping(metrics: &str, url: &str, extra: &[&str]) -> String {
+    let child = Command::new(BIN)
+        .args(["bench", url, "--rw", "randrw", "--runtime", "2", "--ramp", "0", "--json", "--size", "16M"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Mid-run: requests are moving and some are in flight or just answered.
+    std::thread::sleep(Duration::from_millis(800));
+    let mid = scrape(metrics);
+    assert!(mid.contains("fastsan_in_flight_requests"), "{mid}");
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn metrics_agree_with_the_bench_within_one_percent() {
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:64M", "--metrics", "127.0.0.1:0"]);
+    let before = scrape(&s.metrics);
+    let brp = |t: &str, name: &str| sample(t, &format!("{name}{{protocol=\"brp\"}}"));
+    let nbd = |t: &str, name: &str| sample(t, &format!("{name}{{protocol=\"nbd\"}}"));
+    assert_eq!(brp(&before, "fastsan_requests_total"), 0.0);
+
+    // BRP, with merging on: requests and BATCHes as the bench counted them.
+    let report = bench_while_scraping(&s.metrics, &s.url("v"), &["--iodepth", "16", "--merge", "always"]);
+    let after = scrape(&s.metrics);
+    let ios = json_u64(&report, "ios");
+    let got = brp(&after, "fastsan_requests_total");
+    assert!(ios > 1000.0, "{report}");
+    assert!((got - ios).abs() <= ios * 0.01, "BRP requests: metrics {got}, bench {ios}");
+    let batched = json_u64(&report, "batched_requests");
+    let got = brp(&after, "fastsan_batched_requests_total");
+    assert!(
+        (got - batched).abs() <= batched * 0.01 + 1.0,
+        "BATCHed requests: metrics {got}, bench {batched}"
+    );
+    let moved = (json_u64(&report, "reads") + json_u64(&report, "writes")) * 4096.0;
+    let bytes = brp(&after, "fastsan_read_bytes_total") + brp(&after, "fastsan_written_bytes_total");
+    assert!((bytes - moved).abs() <= moved * 0.01, "bytes: metrics {bytes}, bench {moved}");
+    let vol = sample(&after, "fastsan_volume_ops_total{volume=\"v\",op=\"read\"}");
+    assert!((vol - json_u64(&report, "reads")).abs() <= ios * 0.01, "volume reads {vol}");
+    assert_eq!(brp(&after, "fastsan_in_flight_requests"), 0.0, "nothing in flight once the bench is done");
+    assert_eq!(nbd(&after, "fastsan_requests_total"), 0.0, "no NBD was used");
+
+    // NBD: counted under its own label.
+    let report = bench_while_scraping(&s.metrics, &s.nbd_url("v"), &["--iodepth", "8"]);
+    let end = scrape(&s.metrics);
+    let ios = json_u64(&report, "ios");
+    let got = nbd(&end, "fastsan_requests_total");
+    assert!((got - ios).abs() <= ios * 0.01, "NBD requests: metrics {got}, bench {ios}");
+    assert_eq!(brp(&end, "fastsan_requests_total"), brp(&after, "fastsan_requests_total"));
+
+    // Bad requests: answered, and the endpoint goes on.
+    assert_eq!(http(&s.metrics, "GET /nope HTTP/1.1\r\n\r\n").0, "HTTP/1.1 404 Not Found");
+    assert_eq!(http(&s.metrics, "POST /metrics HTTP/1.1\r\n\r\n").0, "HTTP/1.1 405 Method Not Allowed");
+    let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(10_000));
+    assert!(http(&s.metrics, &huge).0.contains("431"));
+    assert!(scrape(&s.metrics).contains("fastsan_volume_latency_seconds_bucket"));
+}
