@@ -30,7 +30,7 @@ missing_apt() {
   for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
               nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
               losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
-              busybox:busybox-static certtool:gnutls-bin; do
+              busybox:busybox-static certtool:gnutls-bin tmux:tmux; do
     command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
   done
   mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | grep -v '^$' || true)

@@ -94,6 +94,9 @@ pub fn read_secrets(path: &Path) -> Result<HashMap<String, Arc<[u8]>>, ConfigErr
         if secret.is_empty() || id.len() > 255 {
             return Err(err(format!("line {}: empty secret or identity over 255 bytes", i + 1)));
         }
+        if id == "*" || id == ANONYMOUS {
+            return Err(err(format!("line {}: {id:?} is reserved for grants", i + 1)));
+        }
         if out.insert(id.to_owned(), Arc::from(secret.as_bytes())).is_some() {
             return Err(err(format!("line {}: identity {id:?} given twice", i + 1)));
         }
@@ -172,9 +175,12 @@ impl Access {
 /// Failed authentications allowed from one address in [`AuthLimiter::WINDOW`].
 pub const MAX_FAILURES: u32 = 10;
 
-/// Counts failed authentications per address and refuses an address that
-/// had [`MAX_FAILURES`] within a minute, until that minute is over: a
-/// guesser gets ten tries a minute, not thousands a second.
+/// Counts failed authentications per address (IPv6: per /64) and refuses
+/// secret authentication to an address that had [`MAX_FAILURES`] within a
+/// minute, until that minute is over: a guesser gets ten tries a minute, not
+/// thousands a second. Only the secret check is refused (checked when AUTH
+/// arrives, so handshakes begun earlier count too): clients with
+/// certificates, and targets without secrets, go on serving that address.
 #[derive(Default)]
 pub struct AuthLimiter {
     by_ip: Mutex<HashMap<IpAddr, (Instant, u32)>>,
@@ -188,22 +194,40 @@ impl AuthLimiter {
     /// `Err(wait)` when `ip` is refused for now.
     pub fn check(&self, ip: IpAddr) -> Result<(), Duration> {
         let map = self.by_ip.lock();
-        match map.get(&ip) {
-            Some(&(start, n)) if n >= MAX_FAILURES && start.elapsed() < Self::WINDOW => {
-                Err(Self::WINDOW - start.elapsed())
+        match map.get(&Self::key(ip)) {
+            Some(&(start, n)) if n >= MAX_FAILURES => {
+                let left = Self::WINDOW.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    Ok(())
+                } else {
+                    Err(left)
+                }
             }
             _ => Ok(()),
         }
     }
 
+    /// What failures are counted by: the address, or for IPv6 its /64 (one
+    /// host commonly holds the whole /64).
+    fn key(ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+            v4 => v4,
+        }
+    }
+
     /// Records a failure from `ip`; whether the address is now refused.
     pub fn failed(&self, ip: IpAddr) -> bool {
+        let ip = Self::key(ip);
         let mut map = self.by_ip.lock();
         let now = Instant::now();
         if map.len() >= Self::MAX_TRACKED && !map.contains_key(&ip) {
             map.retain(|_, (start, _)| now.duration_since(*start) < Self::WINDOW);
+            // Still full: the oldest window goes, never the new failure.
             if map.len() >= Self::MAX_TRACKED {
-                return false;
+                if let Some(oldest) = map.iter().min_by_key(|(_, (start, _))| *start).map(|(k, _)| *k) {
+                    map.remove(&oldest);
+                }
             }
         }
         let e = map.entry(ip).or_insert((now, 0));
@@ -286,5 +310,12 @@ mod tests {
         let wait = l.check(a).unwrap_err();
         assert!(wait > Duration::from_secs(50) && wait <= AuthLimiter::WINDOW);
         assert!(l.check(b).is_ok());
+        // IPv6: one /64 is one guesser.
+        let (c, d): (IpAddr, IpAddr) = ("2001:db8::1".parse().unwrap(), "2001:db8::ffff:2".parse().unwrap());
+        for _ in 0..MAX_FAILURES {
+            l.failed(c);
+        }
+        assert!(l.check(d).is_err(), "another address of the same /64");
+        assert!(l.check("2001:db8:0:1::1".parse().unwrap()).is_ok());
     }
 }

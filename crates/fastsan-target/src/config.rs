@@ -305,7 +305,8 @@ impl ServerConfig {
             }
         }
         if let Some(a) = self.nbd {
-            let authenticated = client_certs && mode == TlsMode::Require;
+            // Every client proves a certificate: nobody anonymous gets in.
+            let authenticated = client_certs && mode == TlsMode::Require && !self.nbd_insecure;
             if !(a.ip().is_loopback() || self.nbd_allow_remote || authenticated) {
                 return Err(ConfigError::Invalid(format!(
                     "NBD on {a} (not loopback) without TLS client certificates authenticates nobody: \
@@ -320,6 +321,11 @@ impl ServerConfig {
                  and no --tls-ca, anyone who reaches the NBD listener would bypass them; serve no NBD \
                  (--no-nbd), give --tls-ca, or pass --nbd-insecure"
                     .into(),
+            ));
+        }
+        if self.secret.is_some() && self.secrets.contains_key(crate::access::DEFAULT_IDENTITY) {
+            return Err(ConfigError::Invalid(
+                "the secrets file names \"default\", the identity of --secret-file's secret: give one of them".into(),
             ));
         }
         if matches!(&self.secret, Some(s) if s.is_empty()) {

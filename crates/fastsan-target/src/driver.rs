@@ -92,12 +92,6 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     ticket: HandshakeTicket,
 ) {
     let name = F::NAME;
-    if let Some(ip) = who.ip {
-        if let Err(wait) = env.access.limiter.check(ip) {
-            info!(%peer, "{name} connection refused: too many failed authentications from {ip}; refused for {}s more", wait.as_secs() + 1);
-            return Stats::add(&env.stats.refused, 1);
-        }
-    }
     let stream = MaybeTls::Plain(stream);
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let hs = async {
@@ -132,11 +126,27 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                     let MaybeTls::Plain(plain) = stream else {
                         return Err(HandshakeEnd::Refused("a second TLS upgrade".into()));
                     };
-                    let tls_stream = tls
-                        .acceptor
-                        .accept(Prefixed::new(prefix, plain))
-                        .await
-                        .map_err(|e| HandshakeEnd::AuthFailed(format!("TLS handshake failed: {e}")))?;
+                    let tls_stream =
+                        tls.acceptor.accept(Prefixed::new(prefix, plain)).await.map_err(|e| {
+                            // A refused certificate is a failed authentication;
+                            // a client that left or spoke no TLS is not.
+                            let refused = e
+                                .get_ref()
+                                .and_then(|e| e.downcast_ref::<rustls::Error>())
+                                .is_some_and(|e| {
+                                    matches!(
+                                        e,
+                                        rustls::Error::InvalidCertificate(_)
+                                            | rustls::Error::NoCertificatesPresented
+                                    )
+                                });
+                            let why = format!("TLS handshake failed: {e}");
+                            if refused {
+                                HandshakeEnd::AuthFailed(why)
+                            } else {
+                                HandshakeEnd::Refused(why)
+                            }
+                        })?;
                     let identity = tls_stream
                         .get_ref()
                         .1
@@ -187,7 +197,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                     let blocked = who.ip.is_some_and(|ip| env.access.limiter.failed(ip));
                     warn!(%peer, "{name} authentication failed: {why}");
                     if blocked {
-                        warn!(%peer, "too many failed authentications from this address: refusing it for a minute");
+                        warn!(%peer, "too many failed authentications from this address: refusing its secrets for a minute");
                     }
                 }
                 HandshakeEnd::Io(e) => debug!(%peer, "{name} connection lost during the handshake: {e}"),

@@ -28,6 +28,8 @@ struct Member {
 #[derive(Debug)]
 struct Session {
     volume: String,
+    /// The identity that started it: only it may join (or take over a slot).
+    owner: String,
     members: Vec<Member>,
 }
 
@@ -54,7 +56,14 @@ impl Sessions {
     /// `slot` is stopped. Returns the connection's membership (it leaves the
     /// session when the guard drops, whatever path it ends by) and the fence
     /// its OPEN_REPLY waits for.
-    pub fn join(self: &Arc<Self>, id: u64, slot: u16, volume: &str) -> Result<(SessionGuard, Fence), String> {
+    /// Only the identity `owner` that started the session may join it.
+    pub fn join(
+        self: &Arc<Self>,
+        id: u64,
+        slot: u16,
+        volume: &str,
+        owner: &str,
+    ) -> Result<(SessionGuard, Fence), String> {
         let mut map = self.map.lock();
         let id = if id != 0 {
             id
@@ -71,9 +80,16 @@ impl Sessions {
                 }
             }
         };
-        let s = map.entry(id).or_insert_with(|| Session { volume: volume.to_owned(), members: Vec::new() });
+        let s = map.entry(id).or_insert_with(|| Session {
+            volume: volume.to_owned(),
+            owner: owner.to_owned(),
+            members: Vec::new(),
+        });
         if s.volume != volume {
             return Err(format!("session {id:016x} belongs to volume {:?}", s.volume));
+        }
+        if s.owner != owner {
+            return Err(format!("session {id:016x} belongs to another identity"));
         }
         s.prune();
         let mut replaced = 0;
@@ -153,29 +169,33 @@ mod tests {
     #[test]
     fn a_session_lives_while_a_connection_holds_it_and_keeps_its_volume() {
         let s = Arc::new(Sessions::default());
-        let (a, _) = s.join(0, 0, "v").unwrap();
+        let (a, _) = s.join(0, 0, "v", "alice").unwrap();
         let id = a.id();
         assert_ne!(id, 0);
-        let (b, _) = s.join(id, 1, "v").unwrap();
+        let (b, _) = s.join(id, 1, "v", "alice").unwrap();
         assert_eq!(s.connections(id), 2);
-        assert!(s.join(id, 2, "w").err().unwrap().contains("belongs to volume \"v\""));
+        assert!(s.join(id, 2, "w", "alice").err().unwrap().contains("belongs to volume \"v\""));
+        assert!(
+            s.join(id, 2, "v", "bob").err().unwrap().contains("another identity"),
+            "bob cannot join alice's"
+        );
         drop(a);
         assert_eq!(s.connections(id), 1);
         drop(b);
         assert_eq!(s.connections(id), 0);
-        let (again, _) = s.join(id, 0, "w").unwrap();
+        let (again, _) = s.join(id, 0, "w", "alice").unwrap();
         assert_eq!(again.id(), id, "a resumed id is taken as given");
     }
 
     #[tokio::test]
     async fn a_reconnect_stops_its_slot_and_waits_for_what_the_lost_connection_started() {
         let s = Arc::new(Sessions::default());
-        let (c1, _) = s.join(0, 0, "v").unwrap();
+        let (c1, _) = s.join(0, 0, "v", "alice").unwrap();
         let id = c1.id();
-        let (c2, _) = s.join(id, 1, "v").unwrap();
+        let (c2, _) = s.join(id, 1, "v", "alice").unwrap();
         let job = c1.activity().begin().expect("c1 runs a write");
         // Slot 0 reconnects while c1 still looks open to the target.
-        let (c1b, fence) = s.join(id, 0, "v").unwrap();
+        let (c1b, fence) = s.join(id, 0, "v", "alice").unwrap();
         assert!(c1.activity().is_stopped(), "the lost connection dispatches nothing more");
         assert!(!c2.activity().is_stopped(), "other slots go on");
         let fence = tokio::spawn(fence);
@@ -186,7 +206,7 @@ mod tests {
         // A closed connection with work still running fences later joins too.
         let job = c2.activity().begin().unwrap();
         drop(c2);
-        let (_c3, fence) = s.join(id, 1, "v").unwrap();
+        let (_c3, fence) = s.join(id, 1, "v", "alice").unwrap();
         let fence = tokio::spawn(fence);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!fence.is_finished());

@@ -10,6 +10,7 @@ mod cp;
 mod ls;
 mod mirror;
 mod serve;
+mod top;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -34,6 +35,7 @@ enum Cmd {
     Attach(attach::Args),
     Detach(attach::DetachArgs),
     Mirror(mirror::Args),
+    Top(top::Args),
 }
 
 /// Options every client subcommand shares.
@@ -126,6 +128,7 @@ fn main() -> std::process::ExitCode {
     let r = rt.block_on(async {
         match cli.cmd {
             Cmd::Serve(a) => serve::run(*a).await,
+            Cmd::Top(a) => tokio::task::spawn_blocking(move || top::run(a)).await?,
             Cmd::Ls(a) => ls::run(a).await,
             Cmd::Cp(a) => cp::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,

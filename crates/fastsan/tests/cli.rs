@@ -105,7 +105,7 @@ fn bad_command_lines_get_clear_errors() {
     let cases: &[(&[&str], &str)] = &[
         (&["serve", "--volume", "nonsense"], "missing '='"),
         (&["serve", "--volume", "a=memory:12Q"], "size"),
-        (&["serve", "--brp", "0.0.0.0:0"], "requires --secret-file"),
+        (&["serve", "--brp", "0.0.0.0:0"], "requires authentication"),
         (&["serve", "--brp", "127.0.0.1:0", "--volume", "a=file:/nonexistent/x.img"], "/nonexistent/x.img"),
         (
             &["serve", "--brp", "127.0.0.1:0", "--volume", "a=memory:1M", "--volume", "a=null:1M"],

@@ -27,6 +27,17 @@ enum State {
     Open,
 }
 
+/// The key an unknown identity's proof is checked against: random, per process.
+fn dummy_key() -> std::sync::Arc<[u8]> {
+    static KEY: std::sync::OnceLock<std::sync::Arc<[u8]>> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        let mut k = [0u8; 32];
+        rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut k);
+        std::sync::Arc::from(&k[..])
+    })
+    .clone()
+}
+
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
@@ -103,11 +114,19 @@ impl BrpHandshake {
                 Step::Continue
             }
             (State::Auth, Message::Auth { client_nonce, proof, identity }) => {
+                if let Some(wait) = self.who.ip.and_then(|ip| brp.access.limiter.check(ip).err()) {
+                    let why = format!(
+                        "too many failed authentications from this address: try again in {} s",
+                        wait.as_secs() + 1
+                    );
+                    return Self::refuse(out, Status::AUTH_FAILED, why);
+                }
                 let name = if identity.is_empty() { DEFAULT_IDENTITY } else { identity.as_str() };
-                // An unknown name is checked against a key nobody has, so
-                // that it costs the same as a wrong secret and says no more.
-                let secret = brp.access.secrets.get(name).cloned().unwrap_or_else(|| self.challenge.into());
+                // An unknown name is checked against a random key of the
+                // process (never sent), so that it costs about what a wrong
+                // secret costs and answers the same; `known` decides.
                 let known = brp.access.secrets.contains_key(name);
+                let secret = brp.access.secrets.get(name).cloned().unwrap_or_else(dummy_key);
                 let ok = fastsan_brp::auth::verify_client(
                     &secret,
                     &self.challenge,
@@ -158,7 +177,7 @@ impl BrpHandshake {
                         return Self::refuse(out, Status::ACCESS_DENIED, message);
                     }
                 };
-                let (session, fence) = match brp.sessions.join(session, slot, &name) {
+                let (session, fence) = match brp.sessions.join(session, slot, &name, self.who.name()) {
                     Ok(s) => s,
                     Err(message) => {
                         Message::Error { status: Status::UNEXPECTED, message }.encode(out);
@@ -348,6 +367,11 @@ mod tests {
             run(&mut hs, &[hello(), Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
         assert!(matches!(step, Step::AuthFailed(_)));
         assert!(matches!(&out[1], Message::Error { status, .. } if *status == Status::AUTH_REQUIRED));
+        // An unknown identity whose proof is keyed with the challenge (all it knows): refused.
+        let forged = fastsan_brp::auth::client_proof(&CHALLENGE, &CHALLENGE, &nonce, "mallory");
+        let mut hs = BrpHandshake::new(brp(Some(secret)), local(), CHALLENGE);
+        let auth = Message::Auth { client_nonce: nonce, proof: forged, identity: "mallory".into() };
+        assert!(matches!(run(&mut hs, &[hello(), auth]).0, Step::AuthFailed(_)));
         // From another host, in plaintext: refused before any secret is tried.
         let remote = Who { ip: Some("10.1.2.3".parse().unwrap()), ..Default::default() };
         let mut hs = BrpHandshake::new(brp(Some(secret)), remote, CHALLENGE);

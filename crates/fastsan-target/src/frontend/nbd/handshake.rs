@@ -40,11 +40,11 @@ pub struct NbdHandshake {
     structured: bool,
     /// The export for which `base:allocation` is selected, if any.
     selected: Option<String>,
-    /// GOs refused by the access rules so far.
+    /// INFOs and GOs refused by the access rules so far.
     denied: u32,
 }
 
-/// A client refused this many GOs is closed: it is probing, not negotiating.
+/// A client refused this many INFOs and GOs is closed: it is probing, not negotiating.
 const MAX_DENIED: u32 = 8;
 
 impl NbdHandshake {
@@ -137,11 +137,9 @@ impl NbdHandshake {
                             let peer = self.who.ip.map_or_else(|| "unix".to_owned(), |ip| ip.to_string());
                             tracing::info!(%peer, who = self.who.name(), export = volume.name(), "NBD access refused: {why}");
                             err(out, REP_ERR_POLICY, &why);
-                            if o == OPT_GO {
-                                self.denied += 1;
-                                if self.denied >= MAX_DENIED {
-                                    return Step::Refused(format!("{why} ({MAX_DENIED} times)"));
-                                }
+                            self.denied += 1;
+                            if self.denied >= MAX_DENIED {
+                                return Step::Refused(format!("{why} ({MAX_DENIED} times)"));
                             }
                         }
                         Ok(mode) => {
