@@ -236,9 +236,45 @@ def mirror_table(r):
                   "tracking=naive (an update and an fdatasync before every write and another after it; nothing shared).\n")
 
 
+def tls_table(r):
+    """BRP and NBD over TLS vs plaintext, and fastsan's NBD over TLS vs nbdkit's, same fio client."""
+    t = r.get("tls") or {}
+    if not t:
+        return "not measured\n"
+    names = []
+    for p in t.values():
+        names += [n for n in p if n not in names]
+    rows = []
+    for label, p in t.items():
+        metric = "iops" if label.startswith("4K") else "mib_s"
+        for n in names:
+            e = p.get(n)
+            if not e:
+                continue
+            rows.append([label, n, fmt(e.get(metric)) + (" MiB/s" if metric == "mib_s" else ""),
+                         f"{e.get('lat_mean_us', 0):.0f}", f"{e.get('server_cpu_us_per_io', 0):.1f}"])
+    out = table(["point", "system", "IOPS or MiB/s", "mean us", "server CPU us/IO"], rows)
+    checks = []
+    for label, p in t.items():
+        metric = "iops" if label.startswith("4K") else "mib_s"
+        get = lambda n: p.get(n, {}).get(metric)
+        check(checks, f"{label}: BRP over TLS vs BRP plaintext", get("fastsan TLS (BRP)"), get("fastsan (BRP)"), 0.0)
+        check(checks, f"{label}: NBD over TLS vs NBD plaintext (fastsan)", get("fastsan TLS (NBD, fio)"), get("fastsan (NBD, fio)"), 0.0)
+        lead = (get("fastsan (NBD, fio)") or 0) >= (get("nbdkit (NBD, fio)") or 0)
+        check(checks, f"{label}: fastsan NBD over TLS vs nbdkit --tls=require" + (" (plaintext leads)" if lead else " (plaintext trails)"),
+              get("fastsan TLS (NBD, fio)"), get("nbdkit TLS (NBD, fio)"), 1.0 if lead else 0.0)
+    out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
+    return out + ("\nfio --ioengine=nbd (libnbd, nbds://; no client certificate on either server: fio cannot pass libnbd a "
+                  "certificates directory), one connection; fastsan bench for BRP (brps://, the target verified against the CA; "
+                  "2 connections, adaptive merge). Memory volumes "
+                  "of 1 GiB. TLS 1.3 with ECDSA P-256 certificates from certtool; fastsan's TLS is rustls (ring), nbdkit's GnuTLS. "
+                  "The goal: where fastsan's plaintext NBD leads nbdkit's, its TLS leads nbdkit's TLS (target 1.0x); "
+                  "the TLS-vs-plaintext rows are the cost, reported (target 0).\n")
+
+
 def write(r, out):
     m = r["machine"]
-    for name, table_of in (("mirror", mirror_table), ("attach", attach_table)):
+    for name, table_of in (("mirror", mirror_table), ("attach", attach_table), ("tls", tls_table)):
         if "latency" not in r and name in r:  # one experiment alone
             md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
                  f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
@@ -320,6 +356,7 @@ def write(r, out):
         md += f"\niperf3, 1 MiB writes: {f['iperf3_mib_s']:.0f} MiB/s (`{f['iperf3_command']}`)\n"
     md += "\n## 8. A volume as a local file: fio on fastsan attach --fuse vs nbdfuse\n\n" + attach_table(r)
     md += "\n## 9. Mirroring: a 2-leg mirror vs one leg\n\n" + mirror_table(r)
+    md += "\n## 10. TLS: BRP and NBD encrypted vs plaintext, and vs nbdkit --tls=require\n\n" + tls_table(r)
     for c in charts(r, out):
         md += f"\n![{c}]({c})\n"
     with open(os.path.join(out, "report.md"), "w") as fh:

@@ -218,10 +218,10 @@ class Runner:
                "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
         return cmd, res
 
-    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN):
+    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN, extra=()):
         cmd = [binary, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
                f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
-               f"--connections={connections}", "--json"]
+               f"--connections={connections}", "--json", *extra]
         p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)
         warned = [line for line in p.stderr.splitlines() if " WARN " in line or " ERROR " in line]
         for line in warned[:5]:  # what went wrong during a point, if anything (a leg degraded...)
@@ -283,6 +283,8 @@ def main():
                     help="only the honesty check: fastsan bench and fio against nbdkit, same settings")
     ap.add_argument("--mirror", action="store_true",
                     help="only the mirror experiment: a 2-leg mirror vs one leg, dirty-region log optimized and naive")
+    ap.add_argument("--tls", action="store_true",
+                    help="only the TLS experiment: BRP and NBD over TLS vs plaintext, and NBD over TLS vs nbdkit --tls=require")
     ap.add_argument("--attach", action="store_true",
                     help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
     args = ap.parse_args()
@@ -319,7 +321,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems and not args.attach and not args.mirror:
+        if "nbdkit" in systems and not args.attach and not args.mirror and not args.tls:
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -341,6 +343,9 @@ def main():
             raise StopIteration
         if args.mirror:
             results["mirror"] = mirror_experiment(run, reps)
+            raise StopIteration
+        if args.tls:
+            results["tls"] = tls_experiment(run, reps, have)
             raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
@@ -426,6 +431,9 @@ def main():
 
         # 8. Mirroring: its cost on writes, its gain on reads.
         results["mirror"] = mirror_experiment(run, reps)
+
+        # 9. TLS: what encryption costs, against plaintext and against nbdkit's TLS.
+        results["tls"] = tls_experiment(run, reps, have)
     except StopIteration:
         pass
     finally:
@@ -437,6 +445,86 @@ def main():
     import report
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
+
+
+def make_pki(base):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, with
+    certtool, in the layouts the servers and clients read: base/server
+    (nbdkit: ca-cert.pem, server-cert.pem, server-key.pem) and base/client
+    (libnbd and qemu: ca-cert.pem, client-cert.pem, client-key.pem)."""
+    def certtool(*a):
+        subprocess.run(["certtool", *a], check=True, capture_output=True)
+    for d in ("server", "client"):
+        os.makedirs(os.path.join(base, d), exist_ok=True)
+    p = lambda *x: os.path.join(base, *x)
+    infos = {"ca": "cn = bench CA\nca\ncert_signing_key\nexpiration_days = 2\n",
+             "server": "cn = 127.0.0.1\nip_address = 127.0.0.1\ntls_www_server\nsigning_key\nexpiration_days = 2\n",
+             "client": "cn = bench\ntls_www_client\nsigning_key\nexpiration_days = 2\n"}
+    for name, info in infos.items():
+        with open(p(f"{name}.info"), "w") as f:
+            f.write(info)
+        certtool("--generate-privkey", "--key-type=ecdsa", "--no-text", "--outfile", p(f"{name}-key.pem"))
+    certtool("--generate-self-signed", "--load-privkey", p("ca-key.pem"), "--template", p("ca.info"),
+             "--outfile", p("ca-cert.pem"))
+    for name in ("server", "client"):
+        certtool("--generate-certificate", "--load-privkey", p(f"{name}-key.pem"), "--load-ca-certificate",
+                 p("ca-cert.pem"), "--load-ca-privkey", p("ca-key.pem"), "--template", p(f"{name}.info"),
+                 "--outfile", p(f"{name}-cert.pem"))
+        for f in ("cert", "key"):
+            shutil.copy(p(f"{name}-{f}.pem"), p(name, f"{name}-{f}.pem"))
+        shutil.copy(p("ca-cert.pem"), p(name, "ca-cert.pem"))
+
+
+def tls_experiment(run, reps, have):
+    """BRP and NBD over TLS against the same target in plaintext (4K QD32, 1M sequential), and NBD over TLS
+    against nbdkit --tls=require, with the same fio client. fio's nbd engine cannot pass libnbd a
+    certificates directory (libnbd refuses local files in URIs it did not allow), so the NBD clients
+    present no certificate, on both servers alike; fastsan bench verifies the target over brps://."""
+    if not have("certtool"):
+        log("TLS: certtool (gnutls-bin) is missing; skipped")
+        return {}
+    log("TLS")
+    base = tempfile.mkdtemp(prefix="fastsan-bench-tls-")
+    make_pki(base)
+    srv, cli = os.path.join(base, "server"), os.path.join(base, "client")
+    systems = {}
+    try:
+        brp, nbd, brps, nbds = free_port(), free_port(), free_port(), free_port()
+        plain = System("fastsan", "fastsan")
+        plain.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
+                     "--volume", "vol0=memory:1G"], brp)
+        plain.brp_url, plain.url = f"brp://127.0.0.1:{brp}/vol0", f"nbd://127.0.0.1:{nbd}/vol0"
+        systems["fastsan"] = plain
+        tls = System("fastsan TLS", "fastsan")
+        tls.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{brps}", "--nbd", f"127.0.0.1:{nbds}",
+                   "--tls-cert", os.path.join(srv, "server-cert.pem"), "--tls-key", os.path.join(srv, "server-key.pem"),
+                   "--volume", "vol0=memory:1G"], brps)
+        tls.brp_url = f"brps://127.0.0.1:{brps}/vol0"
+        tls.url = f"nbds://127.0.0.1:{nbds}/vol0"
+        systems["fastsan TLS"] = tls
+        if have("nbdkit"):
+            for name, args in (("nbdkit", []), ("nbdkit TLS", ["--tls=require", f"--tls-certificates={srv}"])):
+                p = free_port()
+                s = System(name, "nbd")
+                s.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", *args, "memory", "1G"], p)
+                s.url = f"nbds://127.0.0.1:{p}/" if args else f"nbd://127.0.0.1:{p}/"
+                systems[name] = s
+        creds = ["--tls-ca", os.path.join(cli, "ca-cert.pem")]
+        out = {}
+        points = [("randread", "4k", 32), ("randwrite", "4k", 32), ("read", "1m", 8), ("write", "1m", 8)]
+        for rw, bs, qd in points:
+            fns = {}
+            for name, s in systems.items():
+                fns[f"{name} (NBD, fio)"] = with_cpu(lambda s=s, rw=rw, bs=bs, qd=qd: run.fio(s.url, rw, bs, qd, 1), s.pid)
+            fns["fastsan (BRP)"] = with_cpu(lambda rw=rw, bs=bs, qd=qd: run.fastsan_bench(plain.brp_url, rw, bs, qd, 1), plain.pid)
+            fns["fastsan TLS (BRP)"] = with_cpu(
+                lambda rw=rw, bs=bs, qd=qd: run.fastsan_bench(tls.brp_url, rw, bs, qd, 1, extra=creds), tls.pid)
+            out[f"{bs.upper()} {rw} QD{qd}"] = run_point(run, reps, "tls", {"rw": rw, "bs": bs, "qd": qd}, fns)
+        return out
+    finally:
+        for s in systems.values():
+            s.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # Device-bound legs for the read point: each leg's volume adds this latency and

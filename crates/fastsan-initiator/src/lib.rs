@@ -45,6 +45,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz_checks;
 pub mod handshake;
+pub mod metrics;
 pub mod mirror;
 pub mod nbd;
 pub mod options;

@@ -179,12 +179,12 @@ pub fn render(collector: &TargetCollector) -> String {
     out
 }
 
-/// Serves `/metrics` on `listener` until the server shuts down.
-pub async fn serve(
-    listener: TcpListener,
-    collector: TargetCollector,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
+/// What `/metrics` answers: the text of the moment.
+pub type Render = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves `/metrics` on `listener` until `shutdown`: the target's own, and
+/// any other process's (`fastsan attach --metrics` serves its session's).
+pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::sync::CancellationToken) {
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
     loop {
         let (stream, peer) = tokio::select! {
@@ -198,9 +198,9 @@ pub async fn serve(
                 }
             },
         };
-        let c = collector.clone();
+        let render = render.clone();
         tokio::spawn(async move {
-            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &c))
+            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render))
                 .await
                 .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 5 s")))
             {
@@ -211,7 +211,7 @@ pub async fn serve(
 }
 
 /// Reads one request head and answers it.
-async fn answer(mut s: TcpStream, c: &TargetCollector) -> io::Result<()> {
+async fn answer(mut s: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) -> io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
@@ -236,7 +236,7 @@ async fn answer(mut s: TcpStream, c: &TargetCollector) -> io::Result<()> {
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     match (method, path.split('?').next().unwrap_or("")) {
         ("GET", "/metrics") => {
-            respond(&mut s, "200 OK", "text/plain; version=0.0.4; charset=utf-8", &render(c)).await
+            respond(&mut s, "200 OK", "text/plain; version=0.0.4; charset=utf-8", &render()).await
         }
         ("GET", _) => respond(&mut s, "404 Not Found", "text/plain", "metrics are at /metrics\n").await,
         _ => respond(&mut s, "405 Method Not Allowed", "text/plain", "GET only\n").await,

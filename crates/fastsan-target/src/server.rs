@@ -223,7 +223,8 @@ impl Server {
         } = self;
         if let Some(l) = metrics {
             let collector = crate::metrics::TargetCollector { server: handle.clone() };
-            tokio::spawn(crate::metrics::serve(l, collector, env.shutdown.clone()));
+            let render: crate::metrics::Render = Arc::new(move || crate::metrics::render(&collector));
+            tokio::spawn(crate::metrics::serve(l, render, env.shutdown.clone()));
         }
         let tracker = TaskTracker::new();
         let a = &env.access;

@@ -58,6 +58,10 @@ pub struct Args {
     /// List what is attached on this host (device, URL, state, connections).
     #[arg(long, conflicts_with_all = ["device", "fuse"])]
     list: bool,
+    /// Serve the session's metrics (connections, requests, merging,
+    /// reconnects, retries) as Prometheus text at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
     #[command(flatten)]
     client: ClientArgs,
 }
@@ -108,6 +112,17 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         Some(_) => None,
     };
     let vol = Remote::connect(&url, opts).await.with_context(|| format!("cannot open {url}"))?;
+    if let Some(addr) = a.metrics {
+        let l =
+            tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        say!("fastsan: serving metrics on http://{}/metrics", l.local_addr()?);
+        let collector =
+            fastsan_initiator::metrics::SessionCollector { volume: vol.clone(), url: url.clone() };
+        let render: fastsan_target::metrics::Render =
+            std::sync::Arc::new(move || fastsan_initiator::metrics::render(&collector));
+        // It lives as long as the process: attach exits when detached.
+        tokio::spawn(fastsan_target::metrics::serve(l, render, Default::default()));
+    }
     match (a.fuse, driver) {
         (Some(dir), _) => attach_fuse(vol, &url, dir, a.threads, waits).await,
         (None, Some(driver)) => attach_kernel(vol, &url, driver, &kopts, waits).await,
@@ -182,7 +197,7 @@ async fn attach_kernel(
     let stats = dev.stats.clone();
     let now = |state: &str, r: &Refusals| entry(&base, &vol, state, r, Some(&stats));
     reg.update(&now("attached", &refused))?;
-    println!("fastsan: {url} attached as {}", base.device);
+    say!("fastsan: {url} attached as {}", base.device);
     loop {
         if let Wake::Tick = waits.next().await {
             let _ = reg.update(&now("attached", &refused));
@@ -244,7 +259,7 @@ async fn attach_fuse(
         .with_context(|| format!("cannot mount FUSE at {}", dir.display()))?;
     reg.update(&now("attached", &refused))?;
     info!(url, file = %file.display(), "attached");
-    println!("fastsan: {url} attached as {}", file.display());
+    say!("fastsan: {url} attached as {}", file.display());
     loop {
         if let Wake::Tick = waits.next().await {
             let _ = reg.update(&now("attached", &refused));

@@ -4,6 +4,16 @@
 //! protocol or storage logic lives here: not the wire format, not retries,
 //! not block alignment.
 
+/// A status line on stdout that never panics: a long-running command (serve,
+/// attach) goes on when whoever started it stopped reading its output (a
+/// panic there would take a target, or a mounted device, down with it).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 mod attach;
 mod bench;
 mod cp;

@@ -228,21 +228,16 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         handle.shutdown();
     });
-    // Where it listens, for people and supervisors. Whoever started it may
-    // have stopped reading (a closed pipe): the target serves on regardless.
-    let say = |line: String| {
-        use std::io::Write;
-        let _ = writeln!(std::io::stdout(), "{line}");
-    };
-    say(format!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr()));
+    // Where it listens, for people and supervisors (say! never panics on a closed pipe).
+    say!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
     if let Some(p) = &brp_unix {
-        say(format!("fastsan: serving BRP on unix socket {}", p.display()));
+        say!("fastsan: serving BRP on unix socket {}", p.display());
     }
     if let Some(a) = server.nbd_addr() {
-        say(format!("fastsan: serving NBD on {a}"));
+        say!("fastsan: serving NBD on {a}");
     }
     if let Some(a) = server.metrics_addr() {
-        say(format!("fastsan: serving metrics on http://{a}/metrics"));
+        say!("fastsan: serving metrics on http://{a}/metrics");
     }
     server.run().await?;
     Ok(())

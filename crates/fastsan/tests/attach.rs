@@ -340,12 +340,18 @@ fn attach_list_and_detach() {
     let out = with_run(&["attach", "--list"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "nothing attached");
     let mut child = Command::new(BIN)
-        .args(["attach", &url, "--fuse", fuse.to_str().unwrap()])
+        .args(["attach", &url, "--fuse", fuse.to_str().unwrap(), "--metrics", "127.0.0.1:0"])
         .env("FASTSAN_RUN_DIR", &run)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
+        .unwrap();
+    let metrics =
+        line.split_whitespace().last().unwrap().trim_start_matches("http://").trim_end_matches("/metrics");
+    let metrics = metrics.to_owned();
     let file = fuse.join("v");
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) != 16 << 20 {
@@ -364,6 +370,23 @@ fn attach_list_and_detach() {
     // Still attached and serving.
     assert!(child.try_wait().unwrap().is_none());
     std::fs::write(&file, b"still here").unwrap();
+    // The session's own metrics: its connections and the requests it sent.
+    let text = {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&metrics).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut t = String::new();
+        c.read_to_string(&mut t).unwrap();
+        t
+    };
+    let value = |name: &str| -> f64 {
+        let series = format!("{name}{{volume=\"{url}\"}} ");
+        let line =
+            text.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("no {series} in {text}"));
+        line[series.len()..].trim().parse().unwrap()
+    };
+    assert_eq!(value("fastsan_initiator_connections_up"), 2.0, "{text}");
+    assert!(value("fastsan_initiator_requests_total") > 0.0, "{text}");
     ok("losetup", &["-d", &dev]);
     // The loop device may hold the file a moment after losetup -d.
     let deadline = Instant::now() + Duration::from_secs(20);
