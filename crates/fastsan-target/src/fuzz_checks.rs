@@ -60,7 +60,7 @@ fn access(b: u8) -> (Arc<Access>, Who) {
     (Arc::new(a), Who { local: b & 0x10 != 0, ..Default::default() })
 }
 
-/// The BRP handshake; the first byte chooses the security settings ([`access`]).
+/// The BRP handshake; the first byte chooses the security settings (see `access`).
 pub fn brp_handshake(data: &[u8]) {
     let (access, who) = access(data.first().copied().unwrap_or(0));
     let brp = Brp {
@@ -75,7 +75,7 @@ pub fn brp_handshake(data: &[u8]) {
     feed(BrpHandshake::new(brp, who, [7; 32]), data.get(1..).unwrap_or_default());
 }
 
-/// The NBD handshake; the last byte chooses the security settings ([`access`]).
+/// The NBD handshake; the last byte chooses the security settings (see `access`).
 pub fn nbd_handshake(data: &[u8]) {
     let (access, who) = access(data.last().copied().unwrap_or(0));
     feed(NbdHandshake::new(catalog(), access, who), data);
