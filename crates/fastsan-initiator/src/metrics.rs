@@ -4,7 +4,13 @@
 //! (reconnects, retries, timeouts). A prometheus-client [`Collector`] that
 //! reads the session's counters at scrape time.
 
+use crate::remote::Single;
 use crate::{InitiatorStats, Remote};
+
+/// A label value as the text format wants it (`\`, `"` and newlines escaped).
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -28,9 +34,10 @@ impl std::fmt::Debug for SessionCollector {
 
 impl Collector for SessionCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let s: InitiatorStats = self.volume.stats();
         let (up, all) = self.volume.connections();
-        let labels = [("volume", self.url.as_str())];
+        let url = escape(&self.url);
+        let labels = [("volume", url.as_str())];
+        let s: InitiatorStats = self.volume.stats();
         let counters: [(&str, &str, u64); 7] = [
             ("fastsan_initiator_requests", "Requests sent (a BATCH's each count)", s.requests),
             ("fastsan_initiator_frames", "Frames written (a BATCH counts once)", s.frames),
@@ -44,13 +51,15 @@ impl Collector for SessionCollector {
                 s.timeouts,
             ),
         ];
-        for (name, help, v) in counters {
+        // Only a BRP session keeps these (an NBD or mirrored volume reports its connections alone).
+        let counters = if matches!(self.volume, Remote::One(Single::Brp(_))) { &counters[..] } else { &[] };
+        for &(name, help, v) in counters {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
         }
         for (name, help, v) in [
-            ("fastsan_initiator_connections_up", "Connections of the session up now", up),
-            ("fastsan_initiator_connections", "Connections of the session", all),
+            ("fastsan_initiator_connections_up", "Connections of the session up now (a mirror: legs)", up),
+            ("fastsan_initiator_connections", "Connections of the session (a mirror: legs)", all),
         ] {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
             ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;

@@ -188,6 +188,8 @@ pub struct ServerConfig {
     pub insecure_plaintext: bool,
     /// Serve Prometheus metrics at `/metrics` on this address.
     pub metrics: Option<SocketAddr>,
+    /// Allow metrics on a non-loopback address (they have no authentication).
+    pub metrics_allow_remote: bool,
     pub handshake_timeout: Duration,
     /// How long a reply write may make no progress before its connection is dropped.
     pub stall_timeout: Duration,
@@ -231,6 +233,7 @@ impl Default for ServerConfig {
             tls_mode: None,
             insecure_plaintext: false,
             metrics: None,
+            metrics_allow_remote: false,
             handshake_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
             max_connections: 1024,
@@ -331,6 +334,14 @@ impl ServerConfig {
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return Err(ConfigError::Invalid("the secret file is empty".into()));
         }
+        if let Some(a) = self.metrics {
+            if !a.ip().is_loopback() && !self.metrics_allow_remote {
+                return Err(ConfigError::Invalid(format!(
+                    "metrics on {a} (not loopback) would show every volume's name and traffic to anyone \
+                     who reaches it, unauthenticated: pass --metrics-allow-remote to serve them anyway"
+                )));
+            }
+        }
         for g in &self.grants {
             if g.volume != "*" && !self.volumes.iter().any(|v| v.name == g.volume) {
                 return Err(ConfigError::Invalid(format!(
@@ -426,6 +437,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub insecure_plaintext: bool,
     pub metrics: Option<SocketAddr>,
+    #[serde(default)]
+    pub metrics_allow_remote: bool,
     #[serde(default)]
     pub volumes: Vec<String>,
     pub queue_depth: Option<u32>,

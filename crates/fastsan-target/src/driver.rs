@@ -230,9 +230,9 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     );
     let writer = tokio::spawn(writer.run());
     let mut conn = conn;
-    Stats::add(&env.stats.open_connections, 1);
+    let open = Open::new(&env.stats);
     let end = transmission(&dispatcher, &mut conn, rd, buf, &env, &activity).await;
-    env.stats.open_connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    drop(open);
     // Whatever ended it, nothing more is dispatched from this connection
     // (what it started may still run: a session's fence waits for that).
     // Dropping the dispatcher drops its reply sender: the writer finishes the
@@ -258,6 +258,23 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         (End::Shutdown, Ok(())) => info!(%peer, "{name} connection drained for shutdown"),
     }
     drop(conn);
+}
+
+/// A connection counted in [`Stats::open_connections`] while it lives (a
+/// guard: whatever ends it, the count comes down).
+struct Open<'a>(&'a Stats);
+
+impl<'a> Open<'a> {
+    fn new(stats: &'a Stats) -> Self {
+        Stats::add(&stats.open_connections, 1);
+        Open(stats)
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.open_connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Tells a client refused at the door that the target is busy, if the

@@ -56,6 +56,12 @@ fn family<M: EncodeMetric>(
 /// A metric read from the per-protocol counters: name, help, how.
 type Series = (&'static str, &'static str, fn(&StatsSnapshot) -> u64);
 
+/// A label value as the text format wants it: `\`, `"` and newlines escaped
+/// (prometheus-client writes values as they are; a volume name may hold a quote).
+pub fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 fn counter(v: u64) -> ConstCounter<u64> {
     ConstCounter::new(v)
 }
@@ -122,7 +128,7 @@ impl Collector for TargetCollector {
 
         // Per volume, from each volume's stats layer.
         let vols: Vec<_> =
-            self.server.catalog().iter().map(|v| (v.name().to_owned(), v.stats(), v.size())).collect();
+            self.server.catalog().iter().map(|v| (escape(v.name()), v.stats(), v.size())).collect();
         let ops = vols.iter().flat_map(|(name, s, _)| {
             [
                 ("read", s.reads),
@@ -151,13 +157,19 @@ impl Collector for TargetCollector {
         family(&mut enc, "fastsan_volume_size_bytes", "Volume size", MetricType::Gauge, size)?;
         // Latency: sampled (one call in LATENCY_SAMPLE of each kind), in
         // power-of-two buckets of nanoseconds, as the stats layer keeps it.
-        let help = format!("Device latency, one call in {LATENCY_SAMPLE} of each kind sampled");
+        let help = format!(
+            "Device latency of every kind of operation, one call in {LATENCY_SAMPLE} of each kind sampled; \
+             the sum is estimated from bucket midpoints"
+        );
         let mut h =
             enc.encode_descriptor("fastsan_volume_latency_seconds", &help, None, MetricType::Histogram)?;
         for (name, s, _) in &vols {
             let counts = &s.latency_ns;
-            let buckets: Vec<(f64, u64)> =
-                counts.iter().enumerate().map(|(i, &c)| ((1u64 << (i + 1)) as f64 / 1e9, c)).collect();
+            // The last bucket holds everything above its bound too: +Inf
+            // (f64::MAX is how the encoder writes it), as Prometheus wants.
+            let last = counts.len() - 1;
+            let bound = |i: usize| if i == last { f64::MAX } else { (1u64 << (i + 1)) as f64 / 1e9 };
+            let buckets: Vec<(f64, u64)> = counts.iter().enumerate().map(|(i, &c)| (bound(i), c)).collect();
             let count: u64 = counts.iter().sum();
             // Each bucket's midpoint stands for its calls (the exact sum is not kept).
             let sum: f64 =
@@ -179,12 +191,18 @@ pub fn render(collector: &TargetCollector) -> String {
     out
 }
 
+/// Metrics requests served at once; more are closed at once.
+const MAX_SCRAPES: usize = 32;
+
 /// What `/metrics` answers: the text of the moment.
 pub type Render = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serves `/metrics` on `listener` until `shutdown`: the target's own, and
 /// any other process's (`fastsan attach --metrics` serves its session's).
 pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::sync::CancellationToken) {
+    // A bounded number of scrapes at once: silent connections cannot eat
+    // the process's file descriptors (the volumes' listeners need them).
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
     loop {
         let (stream, peer) = tokio::select! {
@@ -198,8 +216,13 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
                 }
             },
         };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            debug!(%peer, "metrics: {MAX_SCRAPES} requests open already; closed");
+            continue;
+        };
         let render = render.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render))
                 .await
                 .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 5 s")))

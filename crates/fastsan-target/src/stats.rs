@@ -1,5 +1,6 @@
 //! Counters of what the target did, for logs, tests and `--metrics`.
 
+use crate::request::Refusal;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 #[derive(Debug, Default)]
@@ -14,8 +15,8 @@ pub struct Stats {
     pub bytes_written: AtomicU64,
     /// Requests answered with an error status.
     pub errors: AtomicU64,
-    /// The same, by [`Refusal::kind`](crate::request::Refusal::kind).
-    pub errors_by_kind: [AtomicU64; 6],
+    /// The same, by [`Refusal::kind`].
+    pub errors_by_kind: [AtomicU64; Refusal::KINDS.len()],
     /// Requests between their credit and their reply now.
     pub in_flight: AtomicU64,
     /// Connections closed for a malformed frame or handshake.
@@ -39,7 +40,7 @@ pub struct StatsSnapshot {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub errors: u64,
-    pub errors_by_kind: [u64; 6],
+    pub errors_by_kind: [u64; Refusal::KINDS.len()],
     pub in_flight: u64,
     pub protocol_errors: u64,
     pub auth_failures: u64,
@@ -74,7 +75,7 @@ impl Stats {
     }
 
     /// A request refused or failed.
-    pub fn refused_request(&self, r: &crate::request::Refusal) {
+    pub fn refused_request(&self, r: &Refusal) {
         self.errors.fetch_add(1, Relaxed);
         self.errors_by_kind[r.kind()].fetch_add(1, Relaxed);
     }

@@ -98,6 +98,10 @@ pub struct Args {
     /// volume; `fastsan top` shows them).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
+    /// Allow --metrics on a non-loopback address: the metrics have no
+    /// authentication and name every volume.
+    #[arg(long)]
+    metrics_allow_remote: bool,
     /// Requests in flight per connection (credits granted to the initiator) [default: 256].
     #[arg(long, value_name = "N")]
     queue_depth: Option<u32>,
@@ -172,6 +176,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     c.tls_mode = a.tls.or(file.tls);
     c.insecure_plaintext = a.insecure_plaintext || file.insecure_plaintext;
     c.metrics = a.metrics.or(file.metrics);
+    c.metrics_allow_remote = a.metrics_allow_remote || file.metrics_allow_remote;
     if c.authenticates() && !c.client_certs() && !c.nbd_insecure {
         // NBD clients could prove who they are only with client
         // certificates: the default listener stays off (an explicit one is

@@ -208,6 +208,8 @@ fn tables(now: &Snapshot, before: &Snapshot) -> Tables {
             let b = before.protocols.get(name).cloned().unwrap_or_default();
             let (batches, batched) = (p.batches - b.batches, p.batched - b.batched);
             let req = p.requests - b.requests;
+            // A counter that went down: the target restarted between the scrapes.
+            let restarted = req < 0.0 || batches < 0.0 || batched < 0.0;
             // Requests per frame: each BATCH carries `batched`; the rest came one a frame.
             let frames = batches + (req - batched).max(0.0);
             vec![
@@ -215,7 +217,7 @@ fn tables(now: &Snapshot, before: &Snapshot) -> Tables {
                 format!("{:.0}", rate(p.requests, b.requests, secs)),
                 format!("{:.0}", p.open),
                 format!("{:.0}", p.in_flight),
-                if frames > 0.0 { format!("{:.2}", req / frames) } else { "-".into() },
+                if frames > 0.0 && !restarted { format!("{:.2}", req / frames) } else { "-".into() },
                 format!("{:.0}", rate(p.errors, b.errors, secs)),
                 format!("{:.0}", p.auth_failures),
             ]
@@ -255,7 +257,7 @@ fn fetch(authority: &str, path: &str) -> anyhow::Result<String> {
     let all = String::from_utf8_lossy(&all);
     let (head, body) = all.split_once("\r\n\r\n").context("no HTTP answer")?;
     let status = head.lines().next().unwrap_or_default();
-    if !status.contains(" 200 ") {
+    if status.split_whitespace().nth(1) != Some("200") {
         bail!("{status}");
     }
     Ok(body.to_owned())
@@ -277,22 +279,37 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     result
 }
 
-/// Without a terminal: the tables as text, every interval.
+/// Without a terminal: the tables as text, every interval, until the
+/// reader goes away (a closed pipe ends it quietly).
 fn plain(
     mut before: Snapshot,
     every: Duration,
     scrape: &dyn Fn() -> anyhow::Result<Snapshot>,
 ) -> anyhow::Result<()> {
+    let mut out = std::io::stdout();
     loop {
         std::thread::sleep(every);
-        let now = scrape()?;
+        let now = match scrape() {
+            Ok(s) => s,
+            Err(e) => {
+                if writeln!(out, "scrape failed: {e}").is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        let mut text = String::new();
         for (head, rows) in tables(&now, &before) {
-            println!("{}", head.join("\t"));
+            text += &head.join("\t");
+            text.push('\n');
             for r in rows {
-                println!("{}", r.join("\t"));
+                text += &r.join("\t");
+                text.push('\n');
             }
         }
-        println!();
+        if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
+            return Ok(());
+        }
         before = now;
     }
 }

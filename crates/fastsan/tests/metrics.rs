@@ -63,7 +63,16 @@ fn bench_while_scraping(metrics: &str, url: &str, extra: &[&str]) -> String {
 
 #[test]
 fn metrics_agree_with_the_bench_within_one_percent() {
-    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:64M", "--metrics", "127.0.0.1:0"]);
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "v=memory:64M",
+        "--volume",
+        "q\"x=memory:1M",
+        "--metrics",
+        "127.0.0.1:0",
+    ]);
     let before = scrape(&s.metrics);
     let brp = |t: &str, name: &str| sample(t, &format!("{name}{{protocol=\"brp\"}}"));
     let nbd = |t: &str, name: &str| sample(t, &format!("{name}{{protocol=\"nbd\"}}"));
@@ -103,5 +112,8 @@ fn metrics_agree_with_the_bench_within_one_percent() {
     assert_eq!(http(&s.metrics, "POST /metrics HTTP/1.1\r\n\r\n").0, "HTTP/1.1 405 Method Not Allowed");
     let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(10_000));
     assert!(http(&s.metrics, &huge).0.contains("431"));
-    assert!(scrape(&s.metrics).contains("fastsan_volume_latency_seconds_bucket"));
+    let text = scrape(&s.metrics);
+    assert!(text.contains("fastsan_volume_latency_seconds_bucket{le=\"+Inf\",volume=\"v\"}"), "{text}");
+    // A quote in a volume's name is escaped (the text stays parseable).
+    assert!(text.contains("fastsan_volume_size_bytes{volume=\"q\\\"x\"} 1048576"), "{text}");
 }
