@@ -2,7 +2,8 @@
 //! `cargo run -p fastsan-target --example target_fuzz_seeds -- fuzz/corpus`.
 //! The seeds are real client conversations, so the fuzzers start from the
 //! protocols' shapes. (See `fastsan_target::fuzz_checks` for the byte layout:
-//! a BRP seed starts with a byte whose top bit gives the target a secret.)
+//! a BRP seed starts with a byte choosing the security settings: 0x80 a
+//! secret, 0x40 grants, 0x20 NBD opted out, 0x10 a local client.)
 
 use fastsan_brp::handshake::Message;
 use fastsan_nbd::consts::*;
@@ -45,7 +46,7 @@ fn main() {
         (
             "auth-open",
             brp(
-                0x80,
+                0x90,
                 &[
                     hello(0),
                     Message::Auth { client_nonce: nonce, proof, identity: String::new() },
@@ -53,11 +54,44 @@ fn main() {
                 ],
             ),
         ),
-        ("auth-skipped", brp(0x85, &[hello(0), open("vol0")])),
+        ("auth-skipped", brp(0x95, &[hello(0), open("vol0")])),
+        (
+            "auth-granted-read-only",
+            brp(
+                0xd0,
+                &[
+                    hello(0),
+                    Message::Auth { client_nonce: nonce, proof, identity: String::new() },
+                    Message::List,
+                    open("ro"),
+                    open("vol0"),
+                ],
+            ),
+        ),
+        (
+            "auth-named-identity",
+            brp(
+                0x90,
+                &[
+                    hello(0),
+                    Message::Auth {
+                        client_nonce: nonce,
+                        proof: fastsan_brp::auth::client_proof(b"secret", &[7; 32], &nonce, "default"),
+                        identity: "default".into(),
+                    },
+                    open("vol0"),
+                ],
+            ),
+        ),
+        ("auth-from-another-host-in-plaintext", brp(0x80, &[hello(0)])),
+        (
+            "tls-client-hello-without-tls",
+            vec![0x10, 0x16, 0x03, 0x01, 0x00, 0x05, 0x01, 0x00, 0x00, 0x01, 0x00],
+        ),
         (
             "bad-proof",
             brp(
-                0x83,
+                0x93,
                 &[hello(0), Message::Auth { client_nonce: nonce, proof: [0; 32], identity: String::new() }],
             ),
         ),
@@ -91,6 +125,17 @@ fn main() {
         ),
         ("unknown-starttls-abort", nbd(&[(0x77, vec![1, 2]), (OPT_STARTTLS, vec![]), (OPT_ABORT, vec![])])),
         ("oversized-option", huge),
+        // The last byte chooses the settings: 0x80, a secret (so TLS is required).
+        ("tls-required-list-go", {
+            let mut v = nbd(&[(OPT_LIST, vec![]), (OPT_GO, go("vol0", vec![])), (OPT_STARTTLS, vec![])]);
+            v.push(0x80);
+            v
+        }),
+        ("grants-go-ro", {
+            let mut v = nbd(&[(OPT_INFO, go("vol0", vec![])), (OPT_GO, go("ro", vec![]))]);
+            v.push(0x60);
+            v
+        }),
     ];
     for (name, bytes) in seeds {
         write(dir, "target_nbd_handshake", name, &bytes);
