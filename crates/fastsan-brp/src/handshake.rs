@@ -337,7 +337,11 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
         }
         kind::AUTH => {
             let (client_nonce, proof) = (r.arr32()?, r.arr32()?);
+            // Absent means none; present, it is not empty (one encoding per message).
             let identity = if r.at < r.b.len() { r.str8()? } else { String::new() };
+            if r.at > 64 && identity.is_empty() {
+                return Err(ProtocolError::Handshake("AUTH names an empty identity"));
+            }
             Message::Auth { client_nonce, proof, identity }
         }
         kind::AUTH_OK => Message::AuthOk { proof: r.arr32()? },
@@ -463,6 +467,12 @@ mod tests {
         let mut b = Message::List.to_vec();
         b[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(parse_message(&b), Err(ProtocolError::PayloadTooLarge { .. })));
+        // AUTH naming an empty identity (a length byte of 0): the same AUTH
+        // as one naming none, so refused (found by the fuzzer's round trip).
+        let mut b = Message::Auth { client_nonce: [1; 32], proof: [2; 32], identity: String::new() }.to_vec();
+        b[8] = 65;
+        b.push(0);
+        assert!(parse_message(&b).is_err());
     }
 
     #[test]
