@@ -170,11 +170,18 @@ pub mod status {
     pub const COMMAND_SEQUENCE_ERROR: (u8, u8) = (GENERIC, 0x0c);
     pub const SGL_INVALID_DATA_LENGTH: (u8, u8) = (GENERIC, 0x0f);
     pub const SGL_INVALID_TYPE: (u8, u8) = (GENERIC, 0x11);
+    pub const SGL_INVALID_OFFSET: (u8, u8) = (GENERIC, 0x16);
+    pub const KEEP_ALIVE_INVALID: (u8, u8) = (GENERIC, 0x1a);
+    pub const TRANSIENT_TRANSPORT_ERROR: (u8, u8) = (GENERIC, 0x22);
     pub const LBA_OUT_OF_RANGE: (u8, u8) = (GENERIC, 0x80);
     pub const NAMESPACE_NOT_READY: (u8, u8) = (GENERIC, 0x82);
     /// Connect: a parameter (queue id, size, host NQN) is wrong.
     pub const CONNECT_INVALID_PARAMETERS: (u8, u8) = (COMMAND_SPECIFIC, 0x82);
     pub const CONNECT_INVALID_HOST: (u8, u8) = (COMMAND_SPECIFIC, 0x84);
+    pub const INVALID_LOG_PAGE: (u8, u8) = (COMMAND_SPECIFIC, 0x09);
+    /// An I/O command: a write to a read-only namespace (the same code as
+    /// Connect's invalid parameters; the opcode tells them apart).
+    pub const WRITE_TO_READ_ONLY: (u8, u8) = (COMMAND_SPECIFIC, 0x82);
     pub const WRITE_FAULT: (u8, u8) = (MEDIA, 0x80);
     pub const UNRECOVERED_READ_ERROR: (u8, u8) = (MEDIA, 0x81);
     pub const ACCESS_DENIED: (u8, u8) = (MEDIA, 0x86);

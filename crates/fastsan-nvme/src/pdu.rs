@@ -60,8 +60,9 @@ pub const DIGEST_LEN: usize = 4;
 pub const IC_LEN: u8 = 128;
 /// The PDU format version both sides speak.
 pub const PFV: u16 = 0;
-/// Most bytes of the offending PDU header a Termination Request carries.
-pub const MAX_TERM_DATA: usize = 152;
+/// Most bytes of the offending PDU header a Termination Request carries
+/// (a Termination Request is 152 bytes at most).
+pub const MAX_TERM_DATA: usize = 128;
 
 /// Which digests the connection agreed on in ICReq/ICResp.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -435,6 +436,9 @@ mod tests {
         let t = TermReq { fes: fes::HEADER_DIGEST, fei: 0 };
         let out = round_trip(Header::C2hTermReq(t), 0, &[1; 72], BOTH, 0);
         assert_eq!(out.len(), 24 + 72);
+        let mut long = Vec::new();
+        encode(&Header::H2cTermReq(t), 0, &[0; 129], BOTH, 0, &mut long);
+        assert!(matches!(parse(&long, BOTH, 4096), Err(ProtocolError::Length { .. })), "153 bytes");
     }
 
     #[test]
