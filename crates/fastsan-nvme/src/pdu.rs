@@ -318,7 +318,8 @@ fn decode_header(kind: u8, b: &[u8], data_len: usize) -> Result<Header, Protocol
 
 /// Appends the PDU `header` with `data` to `out`: `extra_flags` (LAST_PDU,
 /// SUCCESS) on top of the digest flags; data aligned to a multiple of
-/// `align` bytes from the PDU's start (the peer's PDA, (pda+1)*4; 0 or 1: none).
+/// `align` bytes from the PDU's start (the peer's PDA, (pda+1)*4, at most
+/// 128, so the offset fits its byte; 0 or 1: none).
 pub fn encode(
     header: &Header,
     extra_flags: u8,
@@ -332,8 +333,8 @@ pub fn encode(
     let hd = has_digests && digests.header;
     let dd = has_digests && digests.data && !data.is_empty();
     let header_end = hlen as usize + if hd { DIGEST_LEN } else { 0 };
-    let pdo =
-        if data.is_empty() || !has_digests { header_end } else { header_end.next_multiple_of(align.max(1)) };
+    let align = align.clamp(1, 128);
+    let pdo = if data.is_empty() || !has_digests { header_end } else { header_end.next_multiple_of(align) };
     let plen = pdo + data.len() + if dd { DIGEST_LEN } else { 0 };
     let flags = extra_flags | if hd { flag::HDGSTF } else { 0 } | if dd { flag::DDGSTF } else { 0 };
     let start = out.len();
@@ -439,6 +440,48 @@ mod tests {
         let mut long = Vec::new();
         encode(&Header::H2cTermReq(t), 0, &[0; 129], BOTH, 0, &mut long);
         assert!(matches!(parse(&long, BOTH, 4096), Err(ProtocolError::Length { .. })), "153 bytes");
+    }
+
+    proptest::proptest! {
+        /// Any header, any data, any digests and alignment: encode, then
+        /// parse, gives them back, and every prefix asks for more.
+        #[test]
+        fn any_pdu_round_trips(
+            which in 0u8..5,
+            a in proptest::prelude::any::<u16>(),
+            b in proptest::prelude::any::<u16>(),
+            c in proptest::prelude::any::<u32>(),
+            len in 0usize..3000,
+            hd in proptest::prelude::any::<bool>(),
+            dd in proptest::prelude::any::<bool>(),
+            pda in 0usize..33,
+        ) {
+            let align = pda * 4;
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + a as usize) as u8).collect();
+            let dh = DataHeader { cccid: a, ttag: b, datao: c, datal: len.max(1) as u32 };
+            let (h, data) = match which {
+                0 => (Header::H2cData(dh), if len == 0 { vec![1] } else { data }),
+                1 => (Header::C2hData(dh), if len == 0 { vec![1] } else { data }),
+                2 => (Header::R2t(R2t { cccid: a, ttag: b, r2to: c, r2tl: len as u32 }), vec![]),
+                3 => {
+                    let mut raw = [0u8; 64];
+                    raw[..4].copy_from_slice(&c.to_le_bytes());
+                    raw[60..62].copy_from_slice(&a.to_le_bytes());
+                    (Header::CapsuleCmd(Sqe::decode(&raw)), data)
+                }
+                _ => {
+                    let cqe = Cqe { dw0: c, dw1: 0, sqhd: a, sqid: b, cid: a ^ b, status: Status::SUCCESS, phase: false };
+                    (Header::CapsuleResp(cqe), vec![])
+                }
+            };
+            let d = Digests { header: hd, data: dd };
+            let mut out = Vec::new();
+            encode(&h, 0, &data, d, align, &mut out);
+            proptest::prop_assert_eq!(parse(&out[..out.len() - 1], d, 4096), Ok(None));
+            let (pdu, used) = parse(&out, d, 4096).unwrap().unwrap();
+            proptest::prop_assert_eq!((pdu.header, used), (h, out.len()));
+            proptest::prop_assert_eq!(&out[pdu.data.clone()], &data[..]);
+        }
     }
 
     #[test]
