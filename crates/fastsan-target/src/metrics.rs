@@ -53,6 +53,29 @@ fn family<M: EncodeMetric>(
     Ok(())
 }
 
+/// A histogram metric from power-of-two nanosecond buckets (bucket `i`:
+/// `[2^i, 2^(i+1))` ns); the last bucket takes everything above, so it is +Inf.
+fn histogram(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = ([(&'static str, String); 1], [u64; 40])>,
+) -> Result<(), std::fmt::Error> {
+    let mut h = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    for (labels, counts) in series {
+        let last = counts.len() - 1;
+        let bound = |i: usize| if i == last { f64::MAX } else { (1u64 << (i + 1)) as f64 / 1e9 };
+        let buckets: Vec<(f64, u64)> = counts.iter().enumerate().map(|(i, &c)| (bound(i), c)).collect();
+        let count: u64 = counts.iter().sum();
+        // Each bucket's midpoint stands for its calls (the exact sum is not kept).
+        let sum: f64 =
+            counts.iter().enumerate().map(|(i, &c)| c as f64 * 1.5 * (1u64 << i) as f64 / 1e9).sum();
+        h.encode_family(&labels)?
+            .encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
+    }
+    Ok(())
+}
+
 /// A metric read from the per-protocol counters: name, help, how.
 type Series = (&'static str, &'static str, fn(&StatsSnapshot) -> u64);
 
@@ -155,29 +178,20 @@ impl Collector for TargetCollector {
         )?;
         let size = vols.iter().map(|(name, _, size)| (vec![("volume", name.clone())], gauge(*size)));
         family(&mut enc, "fastsan_volume_size_bytes", "Volume size", MetricType::Gauge, size)?;
-        // Latency: sampled (one call in LATENCY_SAMPLE of each kind), in
-        // power-of-two buckets of nanoseconds, as the stats layer keeps it.
+        // Latencies: sampled, in power-of-two buckets of nanoseconds, as the
+        // stats layer and the pipeline keep them.
+        let help = format!(
+            "Time from a request's credit to its reply written: queueing, device and reply; one request \
+             in {LATENCY_SAMPLE} sampled; the sum is estimated from bucket midpoints"
+        );
+        let series = protos.iter().map(|(p, s)| ([("protocol", p.to_string())], s.latency_ns));
+        histogram(&mut enc, "fastsan_request_latency_seconds", &help, series)?;
         let help = format!(
             "Device latency of every kind of operation, one call in {LATENCY_SAMPLE} of each kind sampled; \
              the sum is estimated from bucket midpoints"
         );
-        let mut h =
-            enc.encode_descriptor("fastsan_volume_latency_seconds", &help, None, MetricType::Histogram)?;
-        for (name, s, _) in &vols {
-            let counts = &s.latency_ns;
-            // The last bucket holds everything above its bound too: +Inf
-            // (f64::MAX is how the encoder writes it), as Prometheus wants.
-            let last = counts.len() - 1;
-            let bound = |i: usize| if i == last { f64::MAX } else { (1u64 << (i + 1)) as f64 / 1e9 };
-            let buckets: Vec<(f64, u64)> = counts.iter().enumerate().map(|(i, &c)| (bound(i), c)).collect();
-            let count: u64 = counts.iter().sum();
-            // Each bucket's midpoint stands for its calls (the exact sum is not kept).
-            let sum: f64 =
-                counts.iter().enumerate().map(|(i, &c)| c as f64 * 1.5 * (1u64 << i) as f64 / 1e9).sum();
-            let labels = [("volume", name.clone())];
-            h.encode_family(&labels)?
-                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)?;
-        }
+        let series = vols.iter().map(|(name, s, _)| ([("volume", name.clone())], s.latency_ns));
+        histogram(&mut enc, "fastsan_volume_latency_seconds", &help, series)?;
         Ok(())
     }
 }

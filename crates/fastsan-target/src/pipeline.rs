@@ -12,6 +12,7 @@
 //! connection never has more than its queue depth, nor more than its byte
 //! budget, in flight; when credits run out the reader simply stops reading.
 
+use crate::backend::LATENCY_SAMPLE;
 use crate::fence::Activity;
 use crate::pool::Job;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
@@ -120,19 +121,31 @@ struct Credit {
 }
 
 /// A request counted in [`Stats::in_flight`] from its credit to its reply
-/// (written or dropped).
-struct InFlight(Arc<Stats>);
+/// (written or dropped); one in [`LATENCY_SAMPLE`] per thread is also timed
+/// over that span, into [`Stats::latency`].
+struct InFlight(Arc<Stats>, Option<std::time::Instant>);
 
 impl InFlight {
     fn new(stats: &Arc<Stats>) -> InFlight {
         stats.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        InFlight(stats.clone())
+        thread_local! {
+            static COUNT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+        }
+        let n = COUNT.with(|c| {
+            c.set(c.get().wrapping_add(1));
+            c.get()
+        });
+        let timed = n.is_multiple_of(LATENCY_SAMPLE).then(std::time::Instant::now);
+        InFlight(stats.clone(), timed)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.1 {
+            self.0.latency.record(t.elapsed().as_nanos().min(u64::MAX as u128) as u64);
+        }
     }
 }
 

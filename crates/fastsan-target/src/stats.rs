@@ -1,5 +1,6 @@
 //! Counters of what the target did, for logs, tests and `--metrics`.
 
+use crate::backend::Histogram;
 use crate::request::Refusal;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -19,6 +20,9 @@ pub struct Stats {
     pub errors_by_kind: [AtomicU64; Refusal::KINDS.len()],
     /// Requests between their credit and their reply now.
     pub in_flight: AtomicU64,
+    /// Sampled time from a request's credit to its reply written (or dropped):
+    /// the target's own latency for it, queueing, device and reply included.
+    pub latency: Histogram,
     /// Connections closed for a malformed frame or handshake.
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
@@ -31,7 +35,7 @@ pub struct Stats {
 }
 
 /// A copy of the counters at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatsSnapshot {
     pub connections: u64,
     pub requests: u64,
@@ -42,10 +46,18 @@ pub struct StatsSnapshot {
     pub errors: u64,
     pub errors_by_kind: [u64; Refusal::KINDS.len()],
     pub in_flight: u64,
+    /// [`Stats::latency`]'s buckets.
+    pub latency_ns: [u64; 40],
     pub protocol_errors: u64,
     pub auth_failures: u64,
     pub refused: u64,
     pub open_connections: u64,
+}
+
+impl Default for StatsSnapshot {
+    fn default() -> Self {
+        Stats::default().snapshot()
+    }
 }
 
 impl StatsSnapshot {
@@ -61,6 +73,7 @@ impl StatsSnapshot {
             errors: a.errors + b.errors,
             errors_by_kind: std::array::from_fn(|i| a.errors_by_kind[i] + b.errors_by_kind[i]),
             in_flight: a.in_flight + b.in_flight,
+            latency_ns: std::array::from_fn(|i| a.latency_ns[i] + b.latency_ns[i]),
             protocol_errors: a.protocol_errors + b.protocol_errors,
             auth_failures: a.auth_failures + b.auth_failures,
             refused: a.refused + b.refused,
@@ -91,6 +104,7 @@ impl Stats {
             errors: self.errors.load(Relaxed),
             errors_by_kind: std::array::from_fn(|i| self.errors_by_kind[i].load(Relaxed)),
             in_flight: self.in_flight.load(Relaxed),
+            latency_ns: self.latency.counts(),
             protocol_errors: self.protocol_errors.load(Relaxed),
             auth_failures: self.auth_failures.load(Relaxed),
             refused: self.refused.load(Relaxed),

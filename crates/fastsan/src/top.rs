@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-/// Watch a target: volumes with IOPS, bandwidth and latency, protocols with
-/// requests, connections, merging and errors, refreshed every second.
+/// Watch a target: volumes with IOPS, bandwidth and device latency,
+/// protocols with requests, connections, merging, request latency at the
+/// target and errors, refreshed every second.
 ///
 /// Reads the Prometheus text the target serves with `fastsan serve
 /// --metrics ADDR`. Keys: q or Esc quits. Without a terminal, prints the
@@ -111,6 +112,7 @@ struct Protocol {
     batched: f64,
     errors: f64,
     auth_failures: f64,
+    latency: Vec<(f64, f64)>,
 }
 
 impl Snapshot {
@@ -140,6 +142,10 @@ impl Snapshot {
                     "fastsan_batched_requests_total" => proto.batched = m.value,
                     "fastsan_request_errors_total" => proto.errors += m.value,
                     "fastsan_auth_failures_total" => proto.auth_failures = m.value,
+                    "fastsan_request_latency_seconds_bucket" => {
+                        let le = m.label("le").and_then(|l| l.parse().ok()).unwrap_or(f64::INFINITY);
+                        proto.latency.push((le, m.value));
+                    }
                     _ => {}
                 }
             }
@@ -218,6 +224,8 @@ fn tables(now: &Snapshot, before: &Snapshot) -> Tables {
                 format!("{:.0}", p.open),
                 format!("{:.0}", p.in_flight),
                 if frames > 0.0 && !restarted { format!("{:.2}", req / frames) } else { "-".into() },
+                micros(quantile(&p.latency, &b.latency, 0.5)),
+                micros(quantile(&p.latency, &b.latency, 0.99)),
                 format!("{:.0}", rate(p.errors, b.errors, secs)),
                 format!("{:.0}", p.auth_failures),
             ]
@@ -225,7 +233,20 @@ fn tables(now: &Snapshot, before: &Snapshot) -> Tables {
         .collect();
     [
         (vec!["VOLUME", "IOPS", "READ MiB/s", "WRITE MiB/s", "DEV p50 us", "DEV p99 us", "SIZE MiB"], vols),
-        (vec!["PROTOCOL", "REQ/s", "CONNS", "IN FLIGHT", "REQ/FRAME", "ERR/s", "AUTH FAIL"], protos),
+        (
+            vec![
+                "PROTOCOL",
+                "REQ/s",
+                "CONNS",
+                "IN FLIGHT",
+                "REQ/FRAME",
+                "p50 us",
+                "p99 us",
+                "ERR/s",
+                "AUTH FAIL",
+            ],
+            protos,
+        ),
     ]
 }
 
@@ -336,7 +357,7 @@ fn live(
             };
             f.render_widget(Paragraph::new(status), top);
             let table = |(head, rows): (Vec<&'static str>, Vec<Vec<String>>), title: &'static str| {
-                let widths = vec![Constraint::Length(14); head.len()];
+                let widths = vec![Constraint::Length(12); head.len()];
                 Table::new(rows.into_iter().map(Row::new), widths)
                     .header(Row::new(head).style(Style::default().add_modifier(Modifier::BOLD)))
                     .block(Block::bordered().title(title))

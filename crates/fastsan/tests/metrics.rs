@@ -97,6 +97,9 @@ fn metrics_agree_with_the_bench_within_one_percent() {
     let vol = sample(&after, "fastsan_volume_ops_total{volume=\"v\",op=\"read\"}");
     assert!((vol - json_u64(&report, "reads")).abs() <= ios * 0.01, "volume reads {vol}");
     assert_eq!(brp(&after, "fastsan_in_flight_requests"), 0.0, "nothing in flight once the bench is done");
+    // Request latency at the target: one request in 32 per thread sampled.
+    let timed = brp(&after, "fastsan_request_latency_seconds_count");
+    assert!(timed >= ios / 64.0 && timed <= ios / 16.0, "{timed} of {ios} requests timed");
     assert_eq!(nbd(&after, "fastsan_requests_total"), 0.0, "no NBD was used");
 
     // NBD: counted under its own label.

@@ -19,6 +19,12 @@ pub struct Histogram {
     buckets: [AtomicU64; 40],
 }
 
+impl std::fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Histogram").field("counts", &self.counts()).finish()
+    }
+}
+
 impl Default for Histogram {
     fn default() -> Self {
         Histogram { buckets: [const { AtomicU64::new(0) }; 40] }
