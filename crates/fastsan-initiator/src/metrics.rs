@@ -7,8 +7,9 @@
 use crate::remote::Single;
 use crate::{InitiatorStats, Remote};
 
-/// A label value as the text format wants it (`\`, `"` and newlines escaped).
-fn escape(v: &str) -> String {
+/// A label value as the text format wants it: `\`, `"` and newlines escaped
+/// (prometheus-client writes values as they are; a volume name may hold a quote).
+pub fn escape(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 use prometheus_client::collector::Collector;
@@ -68,8 +69,8 @@ impl Collector for SessionCollector {
     }
 }
 
-/// The Prometheus text of `collector` now.
-pub fn render(collector: &SessionCollector) -> String {
+/// The Prometheus text of `collector` now (the target's collector too).
+pub fn render<C: Collector + Clone>(collector: &C) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(collector.clone()));
     let mut out = String::new();

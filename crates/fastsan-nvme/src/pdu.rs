@@ -192,15 +192,6 @@ pub struct Pdu {
     pub data_digest_ok: bool,
 }
 
-/// Bytes needed to know how long the PDU at the front of `buf` is.
-pub fn need(buf: &[u8]) -> usize {
-    if buf.len() < CH_LEN {
-        CH_LEN
-    } else {
-        le32(buf, 4) as usize
-    }
-}
-
 /// Two-phase framing: `Ok(None)` until the whole PDU is in `buf`, then the
 /// PDU and the bytes it used. `digests` as agreed (all off before ICResp);
 /// `max_data`: the most data bytes a PDU may carry here (checked before

@@ -165,11 +165,6 @@ impl Access {
             .max()
             .ok_or_else(|| format!("{} has no grant for volume {volume:?}", who.name()))
     }
-
-    /// Whether `who` may see `volume` in a listing.
-    pub fn visible(&self, who: &Who, volume: &str, anonymous_ok: bool) -> bool {
-        self.mode_for(who, volume, anonymous_ok).is_ok()
-    }
 }
 
 /// Failed authentications allowed from one address in [`AuthLimiter::WINDOW`].

@@ -14,12 +14,12 @@ use crate::backend::LATENCY_SAMPLE;
 use crate::request::Refusal;
 use crate::server::ServerHandle;
 use crate::stats::StatsSnapshot;
+use fastsan_initiator::metrics::escape;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
 use std::io;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -78,12 +78,6 @@ fn histogram(
 
 /// A metric read from the per-protocol counters: name, help, how.
 type Series = (&'static str, &'static str, fn(&StatsSnapshot) -> u64);
-
-/// A label value as the text format wants it: `\`, `"` and newlines escaped
-/// (prometheus-client writes values as they are; a volume name may hold a quote).
-pub fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
 
 fn counter(v: u64) -> ConstCounter<u64> {
     ConstCounter::new(v)
@@ -198,11 +192,7 @@ impl Collector for TargetCollector {
 
 /// The Prometheus text of `collector` now.
 pub fn render(collector: &TargetCollector) -> String {
-    let mut registry = Registry::default();
-    registry.register_collector(Box::new(collector.clone()));
-    let mut out = String::new();
-    prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String cannot fail");
-    out
+    fastsan_initiator::metrics::render(collector)
 }
 
 /// Metrics requests served at once; more are closed at once.
