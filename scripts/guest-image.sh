@@ -3,7 +3,10 @@
 # the package linux-image-amd64, fetched once into a cache) and an initramfs
 # holding busybox, the given programs with their libraries, the kernel
 # modules the tests need, and the given init script.
-#   scripts/guest-image.sh OUT_DIR INIT_SCRIPT PROGRAM...
+#   [GUEST_MODULES="MODULE..."] scripts/guest-image.sh OUT_DIR INIT_SCRIPT PROGRAM...
+# Every guest has the modules nbd, e1000, ext4 and crc32c_generic (and what
+# they depend on); GUEST_MODULES adds more (with their dependencies), all
+# listed in load order in the initramfs's /lib/modules/order.
 # Writes OUT_DIR/vmlinuz and OUT_DIR/initrd.gz. The cache is
 # ${FASTSAN_GUEST_CACHE:-/var/tmp/fastsan-guest}; nothing is written into the
 # source tree.
@@ -49,6 +52,8 @@ for applet in $("$root/bin/busybox" --list); do
   [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"
 done
 copy_with_libs() {
+  # Not through a busybox applet's link, which would overwrite busybox.
+  rm -f "$root/bin/$(basename "$1")"
   cp "$1" "$root/bin/"
   ldd "$1" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
     mkdir -p "$root$(dirname "$lib")"
@@ -63,20 +68,37 @@ for prog in "$@"; do
   strip --strip-debug "$root/bin/$(basename "$prog")" 2>/dev/null || true
 done
 
-# Modules in load order: each one's dependencies first (read from the module).
-loaded=()
+# Modules in load order: each one's dependencies first (read from the module),
+# written to lib/modules/order by file name (for insmod /lib/modules/NAME.ko).
+# A name may be spelt with '-' or '_' (the kernel takes them as one: the file
+# nvme-tcp.ko, a depends= naming nvme_tcp); compressed modules (.ko.xz,
+# .ko.zst, .ko.gz, as newer Debian kernels ship them) go in uncompressed, for
+# busybox's insmod.
+seen=() loaded=()
 add_module() {
-  local path dep
-  path=$(find "$moddir" -name "$1.ko" | head -1)
+  local key pat path file dep
+  key=$(printf %s "$1" | tr - _)
+  case " ${seen[*]-} " in *" $key "*) return ;; esac
+  pat=$(printf %s "$1" | sed 's/[-_]/[-_]/g')
+  path=$(find "$moddir" \( -name "$pat.ko" -o -name "$pat.ko.xz" -o -name "$pat.ko.zst" -o -name "$pat.ko.gz" \) | head -1)
   [ -n "$path" ] || { echo "guest-image: no module $1 in $kver" >&2; exit 1; }
-  for dep in $(strings "$path" | sed -n 's/^depends=//p' | tr ',' ' '); do
+  file=$(basename "$path")
+  file=${file%%.ko*}
+  case $path in
+    *.xz) xz -dc "$path" ;;
+    *.zst) zstd -qdc "$path" ;;
+    *.gz) gzip -dc "$path" ;;
+    *) cat "$path" ;;
+  esac >"$root/lib/modules/$file.ko"
+  for dep in $(strings "$root/lib/modules/$file.ko" | sed -n 's/^depends=//p' | tr ',' ' '); do
     add_module "$dep"
   done
-  case " ${loaded[*]-} " in *" $1 "*) return ;; esac
-  cp "$path" "$root/lib/modules/"
-  loaded+=("$1")
+  # Dependencies are acyclic, so nothing below added this one meanwhile.
+  seen+=("$key")
+  loaded+=("$file")
 }
-for m in nbd e1000 ext4 crc32c_generic; do add_module "$m"; done
+# The modules every guest has, then the caller's: GUEST_MODULES="nvme-tcp ...".
+for m in nbd e1000 ext4 crc32c_generic ${GUEST_MODULES-}; do add_module "$m"; done
 printf '%s\n' "${loaded[@]}" >"$root/lib/modules/order"
 
 cp "$init" "$root/init"

@@ -1,12 +1,14 @@
 //! Load generation for fastsan: fio-like jobs against BRP volumes (through
-//! the initiator library) and any NBD server (through the initiator's
-//! [`NbdVolume`]), with
+//! the initiator library), any NBD server (through the initiator's
+//! [`NbdVolume`]) and any NVMe/TCP controller (through [`NvmeVolume`]), with
 //! latency histograms, client CPU, and the initiator's BATCH statistics.
 //!
 //! A job is `iodepth` requesters, each with one request in flight at a time;
 //! `jobs` jobs run at once. Over BRP every requester shares one session of
 //! `connections` connections (the paper's "threads"); over NBD each job has
-//! its own connection, as fio's nbd engine does.
+//! its own connection, as fio's nbd engine does; over NVMe/TCP each job has
+//! its own I/O queue (its own connection) of one controller, as the kernel's
+//! host gives each CPU its own.
 //!
 //! # Layout
 //! - [`JobSpec`], [`Rw`]: what to run; [`run`]: runs it; [`Report`]: what it measured.
@@ -15,6 +17,7 @@
 use bytes::Bytes;
 use fastsan_initiator::mirror::MirrorSpec;
 use fastsan_initiator::nbd::NbdVolume;
+use fastsan_initiator::nvme::{NvmeUrl, NvmeVolume};
 use fastsan_initiator::{BrpUrl, Mirror, Options, Volume};
 use hdrhistogram::Histogram;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -47,7 +50,9 @@ impl Rw {
 #[derive(Debug, Clone)]
 pub struct JobSpec {
     /// `brp://HOST:PORT/VOLUME`, `brp+unix:///VOLUME?socket=PATH`,
-    /// `nbd://HOST:PORT/EXPORT` or `mirror:LEG,LEG,log=PATH`.
+    /// `nbd://HOST:PORT/EXPORT`,
+    /// `nvme+tcp://HOST[:PORT]/SUBSYSTEM_NQN[/NSID][?hdgst=1&ddgst=1]` or
+    /// `mirror:LEG,LEG,log=PATH`.
     pub url: String,
     pub rw: Rw,
     pub bs: u32,
@@ -88,7 +93,7 @@ pub enum BenchError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// Why a request failed, as the client that sent it tells (BRP or NBD).
+/// Why a request failed, as the client that sent it tells (BRP, NBD or NVMe/TCP).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
@@ -154,6 +159,8 @@ enum Target {
     Brp(Volume),
     /// One connection per job.
     Nbd(Vec<Arc<NbdVolume>>),
+    /// One I/O queue per job (fewer if the controller grants fewer: jobs then share).
+    Nvme(NvmeVolume),
     Mirror(Mirror),
 }
 
@@ -162,6 +169,7 @@ impl Target {
         Ok(match self {
             Target::Brp(v) => v.read(off, len as u64).await?,
             Target::Nbd(c) => c[job].read(off, len as u64).await?,
+            Target::Nvme(v) => v.read_on(job, off, len as u64).await?,
             Target::Mirror(m) => m.read(off, len as u64).await?,
         })
     }
@@ -169,6 +177,7 @@ impl Target {
         match self {
             Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
             Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
+            Target::Nvme(v) => Ok(v.write_bytes_on(job, data, off, false).await?),
             Target::Mirror(m) => Ok(m.write_bytes(data, off, false).await?),
         }
     }
@@ -176,6 +185,7 @@ impl Target {
         match self {
             Target::Brp(v) => v.size(),
             Target::Nbd(c) => c[0].size(),
+            Target::Nvme(v) => v.size(),
             Target::Mirror(m) => m.size(),
         }
     }
@@ -232,11 +242,16 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
             v.push(Arc::new(NbdVolume::connect(&spec.url, &spec.brp).await.map_err(|e| open_err(e.into()))?));
         }
         Target::Nbd(v)
+    } else if NvmeUrl::has_scheme(&spec.url) {
+        // A queue per job, each as deep as the job's requesters.
+        let queues = spec.jobs.min(fastsan_initiator::nvme::MAX_QUEUES);
+        let v = NvmeVolume::connect_with(&spec.url, &spec.brp, queues, spec.iodepth.min(0xfffe)).await;
+        Target::Nvme(v.map_err(|e| open_err(e.into()))?)
     } else if MirrorSpec::is_mirror(&spec.url) {
         Target::Mirror(Mirror::open(&spec.url, spec.brp.clone()).await.map_err(|e| open_err(e.into()))?)
     } else {
         return Err(BenchError::Invalid(format!(
-            "{}: expected brp://..., brp+unix://..., nbd://... or mirror:...",
+            "{}: expected brp://..., brp+unix://..., nbd://..., nvme+tcp://... or mirror:...",
             spec.url
         )));
     };
@@ -378,7 +393,11 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         iodepth: spec.iodepth,
         jobs: spec.jobs,
         requesters: spec.iodepth * spec.jobs,
-        connections: if matches!(*target, Target::Nbd(_)) { spec.jobs } else { spec.brp.connections },
+        connections: match &*target {
+            Target::Nbd(_) => spec.jobs,
+            Target::Nvme(v) => v.queues(),
+            Target::Brp(_) | Target::Mirror(_) => spec.brp.connections,
+        },
         merge: format!("{:?}", spec.brp.merge).to_lowercase(),
         runtime_s: secs,
         ios,
@@ -404,11 +423,11 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     })
 }
 
-/// The initiator's counters (all zero over NBD).
+/// The initiator's counters (all zero over NBD and NVMe/TCP).
 fn brp_stats(t: &Target) -> fastsan_initiator::InitiatorStats {
     match t {
         Target::Brp(v) => v.stats(),
-        Target::Nbd(_) | Target::Mirror(_) => Default::default(),
+        Target::Nbd(_) | Target::Nvme(_) | Target::Mirror(_) => Default::default(),
     }
 }
 
@@ -542,5 +561,26 @@ mod tests {
             if source.kind() == std::io::ErrorKind::ConnectionRefused),
             "{e:?}"
         );
+        let e = run(spec("nvme+tcp://127.0.0.1:1/nqn.2024-01.io.fastsan:v")).await.unwrap_err();
+        assert!(
+            matches!(&e, BenchError::Open { source: ClientError::Client(fastsan_initiator::Error::Connect { source, .. }), .. }
+            if source.kind() == std::io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
+        let text = Chain(&e).to_string();
+        assert!(
+            text.starts_with(
+                "cannot open nvme+tcp://127.0.0.1:1/nqn.2024-01.io.fastsan:v: cannot connect to 127.0.0.1:1: "
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unknown_scheme_lists_the_known_ones() {
+        let e = run(spec("iscsi://h/v")).await.unwrap_err();
+        assert!(e.to_string().contains("nvme+tcp://..."), "{e}");
+        let e = run(spec("nvme+tcp://h")).await.unwrap_err();
+        assert!(Chain(&e).to_string().contains("subsystem NQN: missing"), "{}", Chain(&e));
     }
 }

@@ -70,6 +70,16 @@ pub enum Error {
     /// An NBD server broke the protocol, or its handshake made no sense.
     #[error("NBD server: {0}")]
     Nbd(String),
+    /// An NVMe command completed with an error status: its type (SCT) and
+    /// code (SC); `dnr` (Do Not Retry) when the controller says the same
+    /// command would fail again.
+    #[error("NVMe {command} failed: {}", crate::nvme::status_text(command, *sct, *sc))]
+    Nvme { command: &'static str, sct: u8, sc: u8, dnr: bool },
+    /// An NVMe/TCP controller broke the protocol (a malformed PDU, a digest
+    /// mismatch, data or an R2T no command asked for, a C2HTermReq), or its
+    /// answers while connecting make no sense. The connection is cut.
+    #[error("NVMe/TCP: {0}")]
+    NvmeTcp(String),
     /// No connection to the target came back within the reconnect timeout
     /// (requests whose connection was lost are retried until then, after the
     /// target's fence). A write that fails so may or may not have reached the
@@ -107,6 +117,8 @@ impl Error {
             // The target is busy or shutting down: try again, perhaps elsewhere.
             Error::Refused { status, .. } => *status == Status::BUSY,
             Error::Status(s) => *s == Status::SHUTTING_DOWN || *s == Status::DIGEST_MISMATCH,
+            // The NVMe controller says whether the same command may succeed.
+            Error::Nvme { dnr, .. } => !dnr,
             // A malformed URL or argument stays malformed.
             Error::Url(_) | Error::InvalidArgument(_) => false,
             // Authentication fails the same way until someone changes a secret.
@@ -120,6 +132,7 @@ impl Error {
             // reply length): a bug there, which a new try would meet again.
             Error::Protocol(_)
             | Error::Nbd(_)
+            | Error::NvmeTcp(_)
             | Error::UnexpectedMessage { .. }
             | Error::UnknownTag(_)
             | Error::ShortRead { .. } => false,

@@ -28,6 +28,9 @@
 //!   target's fence, restart detection; [`list`].
 //! - `order` (private) - writes to overlapping ranges keep their order across retries.
 //! - [`stats`] - [`InitiatorStats`], what the connections sent.
+//! - [`nbd`] - [`nbd::NbdVolume`]: an export of any NBD server.
+//! - [`nvme`] - [`nvme::NvmeVolume`]: a namespace of any NVMe/TCP
+//!   controller, one connection per I/O queue.
 //! - [`remote`] - [`Remote`]: any volume a URL names (BRP, NBD, mirror);
 //!   what the commands open.
 //! - [`mirror`] - [`Mirror`]: a volume mirrored across targets, its
@@ -48,6 +51,7 @@ pub mod handshake;
 pub mod metrics;
 pub mod mirror;
 pub mod nbd;
+pub mod nvme;
 pub mod options;
 mod order;
 pub mod remote;

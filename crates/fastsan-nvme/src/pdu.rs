@@ -319,17 +319,38 @@ pub fn encode(
     align: usize,
     out: &mut Vec<u8>,
 ) {
+    let start = out.len();
+    encode_head(header, extra_flags, data.len(), digests, align, out);
+    out.extend_from_slice(data);
+    if let Some(d) = data_digest(header, data, digests) {
+        out.extend_from_slice(&d);
+    }
+    debug_assert_eq!(out.len() - start, le32(&out[start..], 4) as usize);
+}
+
+/// The part of [`encode`] before the data: the header, its digest and the
+/// padding, for a PDU that will carry `data_len` bytes sent from elsewhere
+/// (a read's data goes out as it is, never copied). The data follows, then
+/// [`data_digest`] when there is one.
+pub fn encode_head(
+    header: &Header,
+    extra_flags: u8,
+    data_len: usize,
+    digests: Digests,
+    align: usize,
+    out: &mut Vec<u8>,
+) {
     let kind = header.kind();
     let (hlen, _, has_digests) = shape(kind).expect("every Header has a shape");
     let hd = has_digests && digests.header;
-    let dd = has_digests && digests.data && !data.is_empty();
+    let dd = has_digests && digests.data && data_len > 0;
     let header_end = hlen as usize + if hd { DIGEST_LEN } else { 0 };
     let align = align.clamp(1, 128);
-    let pdo = if data.is_empty() || !has_digests { header_end } else { header_end.next_multiple_of(align) };
-    let plen = pdo + data.len() + if dd { DIGEST_LEN } else { 0 };
+    let pdo = if data_len == 0 || !has_digests { header_end } else { header_end.next_multiple_of(align) };
+    let plen = pdo + data_len + if dd { DIGEST_LEN } else { 0 };
     let flags = extra_flags | if hd { flag::HDGSTF } else { 0 } | if dd { flag::DDGSTF } else { 0 };
     let start = out.len();
-    let pdo_field = if data.is_empty() || !has_digests { 0 } else { pdo as u8 };
+    let pdo_field = if data_len == 0 || !has_digests { 0 } else { pdo as u8 };
     out.extend_from_slice(&[kind, flags, hlen, pdo_field]);
     out.extend_from_slice(&(plen as u32).to_le_bytes());
     let digest_bits = |d: Digests| d.header as u8 | (d.data as u8) << 1;
@@ -371,11 +392,13 @@ pub fn encode(
         out.extend_from_slice(&crc.to_le_bytes());
     }
     out.resize(start + pdo, 0);
-    out.extend_from_slice(data);
-    if dd {
-        out.extend_from_slice(&crc32c::crc32c(data).to_le_bytes());
-    }
-    debug_assert_eq!(out.len() - start, plen);
+}
+
+/// The data digest that follows `data` in a PDU of type `header`, when
+/// the connection agreed on data digests.
+pub fn data_digest(header: &Header, data: &[u8], digests: Digests) -> Option<[u8; 4]> {
+    let (_, _, has_digests) = shape(header.kind()).expect("every Header has a shape");
+    (has_digests && digests.data && !data.is_empty()).then(|| crc32c::crc32c(data).to_le_bytes())
 }
 
 #[cfg(test)]

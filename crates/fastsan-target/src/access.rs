@@ -118,6 +118,8 @@ pub struct Who {
     pub local: bool,
     /// The peer's address (TCP).
     pub ip: Option<IpAddr>,
+    /// The address the peer connected to (TCP): NVMe's discovery log names it.
+    pub via: Option<std::net::SocketAddr>,
 }
 
 impl Who {

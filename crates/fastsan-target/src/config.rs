@@ -173,6 +173,12 @@ pub struct ServerConfig {
     /// Serve NBD clients that prove no identity although the target
     /// authenticates (secrets, client certificates): they bypass it.
     pub nbd_insecure: bool,
+    /// NVMe/TCP listener (I/O and discovery controllers); `None`: off.
+    pub nvme: Option<SocketAddr>,
+    /// The NVM subsystem's NQN; `None`: derived from the host name.
+    pub nvme_nqn: Option<String>,
+    /// Allow NVMe/TCP (which authenticates nobody) on a non-loopback address.
+    pub nvme_allow_remote: bool,
     pub volumes: Vec<VolumeSpec>,
     /// Shared secret of the identity `default`.
     pub secret: Option<Vec<u8>>,
@@ -225,6 +231,9 @@ impl Default for ServerConfig {
             nbd_unix: None,
             nbd_allow_remote: false,
             nbd_insecure: false,
+            nvme: None,
+            nvme_nqn: None,
+            nvme_allow_remote: false,
             volumes: Vec::new(),
             secret: None,
             secrets: Default::default(),
@@ -317,6 +326,21 @@ impl ServerConfig {
                 )));
             }
         }
+        if let Some(a) = self.nvme.filter(|a| !a.ip().is_loopback() && !self.nvme_allow_remote) {
+            return Err(ConfigError::Invalid(format!(
+                "NVMe/TCP on {a} (not loopback) authenticates nobody: anyone on the network could use \
+                 the volumes; pass --nvme-allow-remote to serve it anyway"
+            )));
+        }
+        if let Some(nqn) = &self.nvme_nqn {
+            let ok = nqn.starts_with("nqn.") && nqn.len() < 224 && nqn.is_ascii() && !nqn.contains('\0');
+            if !ok || nqn == "nqn.2014-08.org.nvmexpress.discovery" {
+                return Err(ConfigError::Invalid(format!(
+                    "--nvme-nqn {nqn:?}: an NQN starts with \"nqn.\", is ASCII and under 224 bytes \
+                     (e.g. nqn.2026-11.com.example:storage), and is not the discovery NQN"
+                )));
+            }
+        }
         let nbd = self.nbd.is_some() || self.nbd_unix.is_some();
         if authenticates && !client_certs && !self.nbd_insecure && nbd {
             return Err(ConfigError::Invalid(
@@ -393,6 +417,9 @@ impl ServerConfig {
 /// nbd = "127.0.0.1:10809"          # or no_nbd = true
 /// nbd_unix = "/run/fastsan/nbd.sock"
 /// nbd_allow_remote = false
+/// nvme = "127.0.0.1:4420"          # NVMe/TCP; off unless given
+/// nvme_nqn = "nqn.2026-11.com.example:storage"
+/// nvme_allow_remote = false
 /// secret_file = "/etc/fastsan/secret"  # the identity "default"
 /// secrets_file = "/etc/fastsan/secrets" # lines of IDENTITY SECRET
 /// grants = ["disk:alice:rw", "disk:bob:ro", "*:admin"]
@@ -426,6 +453,10 @@ pub struct ConfigFile {
     pub nbd_allow_remote: bool,
     #[serde(default)]
     pub nbd_insecure: bool,
+    pub nvme: Option<SocketAddr>,
+    pub nvme_nqn: Option<String>,
+    #[serde(default)]
+    pub nvme_allow_remote: bool,
     pub secret_file: Option<PathBuf>,
     pub secrets_file: Option<PathBuf>,
     #[serde(default)]

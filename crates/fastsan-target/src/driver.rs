@@ -216,22 +216,19 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     let tls = stream.is_tls();
     let (rd, wr) = stream.split();
     drop(ticket);
-    info!(%peer, volume = conn.volume().name(), tls, "{name} connection open: {}", conn.describe());
+    let volume = conn.volume().map_or("-", |v| v.name());
+    info!(%peer, volume, tls, "{name} connection open: {}", conn.describe());
 
     let activity = conn.activity();
-    let (dispatcher, writer) = Dispatcher::new(
-        conn.volume().clone(),
-        env.clone(),
-        conn.limits(),
-        peer.clone(),
-        wr,
-        conn.encoder(),
-        activity.clone(),
-    );
+    let (dispatcher, writer) =
+        Dispatcher::new(env.clone(), conn.limits(), peer.clone(), wr, conn.encoder(), activity.clone());
     let writer = tokio::spawn(writer.run());
     let mut conn = conn;
     let open = Open::new(&env.stats);
     let end = transmission(&dispatcher, &mut conn, rd, buf, &env, &activity).await;
+    if let (End::Protocol(_), Some(last)) = (&end, conn.farewell()) {
+        dispatcher.send_last(&last).await;
+    }
     drop(open);
     // Whatever ended it, nothing more is dispatched from this connection
     // (what it started may still run: a session's fence waits for that).
@@ -341,17 +338,25 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let stopped = activity.stopped();
     let shutdown = env.shutdown.cancelled();
     tokio::pin!(stopped, shutdown);
+    let own = conn.volume().cloned();
     loop {
         let need = loop {
-            match conn.decode(&mut buf) {
-                Ok(Decoded::Request { tag, meta, req }) => {
-                    if let Err(e) = d.dispatch(tag, meta, req).await {
-                        return if activity.is_stopped() { End::Stopped } else { End::Io(e) };
-                    }
+            let r = match conn.decode(&mut buf) {
+                Ok(Decoded::Request { tag, meta, req }) => match &own {
+                    Some(v) => d.dispatch(v, tag, meta, req).await,
+                    None => return End::Protocol("a request on a connection without a volume".into()),
+                },
+                Ok(Decoded::On { volume, tag, meta, req }) => d.dispatch(&volume, tag, meta, req).await,
+                Ok(Decoded::Local { tag, meta, result }) => {
+                    d.reply_local(tag, meta, result);
+                    Ok(())
                 }
                 Ok(Decoded::Incomplete { need }) => break need,
                 Ok(Decoded::Disconnect) => return End::Disconnect,
                 Err(e) => return End::Protocol(e),
+            };
+            if let Err(e) = r {
+                return if activity.is_stopped() { End::Stopped } else { End::Io(e) };
             }
         };
         // Everything this read brought is dispatched: its replies leave together.

@@ -111,7 +111,8 @@ pub struct Reply<M> {
     pub tag: u64,
     pub meta: M,
     pub result: Result<Outcome, Refusal>,
-    _credit: Credit,
+    /// None for a reply the front end made itself ([`Dispatcher::reply_local`]).
+    _credit: Option<Credit>,
 }
 
 struct Credit {
@@ -237,7 +238,6 @@ type Batch<E> = Vec<Reply<<E as Encoder>::Meta>>;
 
 /// Dispatches one connection's requests.
 pub struct Dispatcher<W, E: Encoder> {
-    volume: Arc<Volume>,
     env: Arc<ConnEnv>,
     limits: Limits,
     peer: Arc<str>,
@@ -286,7 +286,7 @@ impl<E: Encoder> PoolJob<E> {
                 (result, _) => result,
             };
             drop(running);
-            let _ = tx.send(vec![Reply { tag, meta, result, _credit: credit }]);
+            let _ = tx.send(vec![Reply { tag, meta, result, _credit: Some(credit) }]);
             None
         })
     }
@@ -316,7 +316,6 @@ where
     /// A dispatcher writing replies to `w` in `enc`'s format, and the writer
     /// task to spawn beside it.
     pub fn new(
-        volume: Arc<Volume>,
         env: Arc<ConnEnv>,
         limits: Limits,
         peer: Arc<str>,
@@ -336,7 +335,6 @@ where
             broken: false,
         }));
         let d = Dispatcher {
-            volume,
             env,
             limits,
             peer,
@@ -352,11 +350,17 @@ where
         (d, Writer { rx, sink })
     }
 
-    /// Check, then hand to the device: inline or on the pool. `req` is an
-    /// error when decoding already refused the request. Fails when the
+    /// Check, then hand to `volume`'s device: inline or on the pool. `req`
+    /// is an error when decoding already refused the request. Fails when the
     /// connection is stopped (lost, replaced, or its replies failed): then
     /// the request is not run, and nothing after it either.
-    pub async fn dispatch(&self, tag: u64, meta: E::Meta, req: Result<IoRequest, Refusal>) -> io::Result<()> {
+    pub async fn dispatch(
+        &self,
+        volume: &Arc<Volume>,
+        tag: u64,
+        meta: E::Meta,
+        req: Result<IoRequest, Refusal>,
+    ) -> io::Result<()> {
         let moves = req.as_ref().map_or(0, |r| match r.kind {
             IoKind::Read | IoKind::Write => r.length,
             _ => 0,
@@ -379,21 +383,21 @@ where
         let stats = &self.env.stats;
         Stats::add(&stats.requests, 1);
         let kind = req.as_ref().ok().map(|r| r.kind);
-        let op = match req.and_then(|r| self.volume.validate(r, &self.limits)) {
+        let op = match req.and_then(|r| volume.validate(r, &self.limits)) {
             Ok(op) => op,
             Err(refusal) => {
                 stats.refused_request(&refusal);
-                let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
+                let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
                 at.log(&refusal, &self.logged);
-                self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: credit });
+                self.pending.lock().push(Reply { tag, meta, result: Err(refusal), _credit: Some(credit) });
                 return Ok(());
             }
         };
         // Counted as running before it may start: a fence waits for it.
         let Some(running) = self.activity.begin() else { return Err(stopped()) };
-        if let Some(pool) = self.volume.pool().filter(|_| !self.env.serial) {
+        if let Some(pool) = volume.pool().filter(|_| !self.env.serial) {
             let job = PoolJob::<E> {
-                volume: self.volume.clone(),
+                volume: volume.clone(),
                 op,
                 stats: self.env.stats.clone(),
                 peer: self.peer.clone(),
@@ -404,12 +408,33 @@ where
             };
             pool.submit(self.client, job.into_job());
         } else {
-            let at = Where { peer: &self.peer, volume: self.volume.name(), tag, kind };
-            let result = run(&self.volume, op, &self.env.stats, at, &self.logged);
+            let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
+            let result = run(volume, op, &self.env.stats, at, &self.logged);
             drop(running);
-            self.pending.lock().push(Reply { tag, meta, result, _credit: credit });
+            self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
         }
         Ok(())
+    }
+
+    /// Queues a reply the front end made itself ([`crate::frontend::Decoded::Local`]):
+    /// no credit (it moves nothing through a device) and not counted as a
+    /// request; it leaves with the next flush, in order with the others.
+    pub fn reply_local(&self, tag: u64, meta: E::Meta, result: Result<Outcome, Refusal>) {
+        self.pending.lock().push(Reply { tag, meta, result, _credit: None });
+    }
+
+    /// Sends the replies held, then `last` (a protocol's goodbye), before
+    /// the connection closes; bounded by the stall timeout.
+    pub async fn send_last(&self, last: &[u8]) {
+        let _ = self.flush().await;
+        let mut sink = self.sink.lock().await;
+        if sink.broken {
+            return;
+        }
+        let mut slices = [IoSlice::new(last)];
+        let stall = sink.stall;
+        let _ = write_all_vectored(&mut sink.w, &mut slices, stall).await;
+        let _ = tokio::time::timeout(stall, sink.w.flush()).await;
     }
 
     /// Sends the replies held so far: written here at once when the socket's

@@ -10,6 +10,7 @@ use crate::config::{ConfigError, ServerConfig};
 use crate::driver::{refuse_busy, serve_connection, Transport};
 use crate::frontend::brp::Brp;
 use crate::frontend::nbd::Nbd;
+use crate::frontend::nvme::{Nvme, Subsystem};
 use crate::frontend::Frontend;
 use crate::pipeline::{Budget, ConnEnv};
 use crate::sessions::Sessions;
@@ -52,9 +53,12 @@ pub struct Server {
     /// counters (`nbd_env`), so that metrics tell the protocols apart.
     env: Arc<ConnEnv>,
     nbd_env: Arc<ConnEnv>,
+    nvme_env: Arc<ConnEnv>,
     catalog: Arc<Catalog>,
     brp: Brp,
     nbd: Nbd,
+    nvme: Nvme,
+    nvme_tcp: Option<TcpListener>,
     brp_tcp: TcpListener,
     brp_unix: Option<Unix>,
     nbd_tcp: Option<TcpListener>,
@@ -69,6 +73,7 @@ pub struct Server {
 pub struct ServerHandle {
     env: Arc<ConnEnv>,
     nbd_env: Arc<ConnEnv>,
+    nvme_env: Arc<ConnEnv>,
     catalog: Arc<Catalog>,
 }
 
@@ -84,8 +89,12 @@ impl ServerHandle {
     }
 
     /// The counters of each protocol.
-    pub fn protocol_stats(&self) -> [(&'static str, StatsSnapshot); 2] {
-        [("brp", self.env.stats.snapshot()), ("nbd", self.nbd_env.stats.snapshot())]
+    pub fn protocol_stats(&self) -> [(&'static str, StatsSnapshot); 3] {
+        [
+            ("brp", self.env.stats.snapshot()),
+            ("nbd", self.nbd_env.stats.snapshot()),
+            ("nvme", self.nvme_env.stats.snapshot()),
+        ]
     }
 
     /// The volumes, for metrics.
@@ -133,6 +142,10 @@ impl Server {
             Some(a) => Some(bind(a).await?),
             None => None,
         };
+        let nvme_tcp = match config.nvme {
+            Some(a) => Some(bind(a).await?),
+            None => None,
+        };
         let metrics = match config.metrics {
             Some(a) => Some(bind(a).await?),
             None => None,
@@ -166,14 +179,20 @@ impl Server {
             instance,
             boot: config.boot_id.unwrap_or_else(boot_id),
         };
+        let nqn = config.nvme_nqn.clone().unwrap_or_else(Subsystem::default_nqn);
+        let nvme = Nvme { subsystem: Arc::new(Subsystem::new(nqn, &catalog, access.clone())) };
         let nbd = Nbd { catalog: catalog.clone(), access };
         let nbd_env = Arc::new(ConnEnv { stats: Arc::new(Stats::default()), ..(*env).clone() });
+        let nvme_env = Arc::new(ConnEnv { stats: Arc::new(Stats::default()), ..(*env).clone() });
         Ok(Server {
             env,
             nbd_env,
+            nvme_env,
             catalog,
             brp,
             nbd,
+            nvme,
+            nvme_tcp,
             brp_tcp,
             brp_unix,
             nbd_tcp,
@@ -199,8 +218,19 @@ impl Server {
         self.nbd_tcp.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
+    /// The NVMe/TCP listener's address and the subsystem's NQN, when it serves NVMe/TCP.
+    pub fn nvme_addr(&self) -> Option<(SocketAddr, String)> {
+        let a = self.nvme_tcp.as_ref()?.local_addr().expect("a bound listener has an address");
+        Some((a, self.nvme.subsystem.nqn.clone()))
+    }
+
     pub fn handle(&self) -> ServerHandle {
-        ServerHandle { env: self.env.clone(), nbd_env: self.nbd_env.clone(), catalog: self.catalog.clone() }
+        ServerHandle {
+            env: self.env.clone(),
+            nbd_env: self.nbd_env.clone(),
+            nvme_env: self.nvme_env.clone(),
+            catalog: self.catalog.clone(),
+        }
     }
 
     /// Serves until shutdown is requested, then drains and flushes. Fails
@@ -210,9 +240,12 @@ impl Server {
         let Server {
             env,
             nbd_env,
+            nvme_env,
             catalog,
             brp,
             nbd,
+            nvme,
+            nvme_tcp,
             brp_tcp,
             brp_unix,
             nbd_tcp,
@@ -250,6 +283,12 @@ impl Server {
         if let Some(u) = &nbd_unix {
             info!(path = %u.path.display(), "NBD unix socket ready");
         }
+        if let Some(l) = &nvme_tcp {
+            let sub = &nvme.subsystem;
+            info!(addr = %l.local_addr()?, nqn = sub.nqn, namespaces = sub.namespaces.len(), "NVMe/TCP listener ready");
+            tokio::spawn(sub.clone().reaper(env.shutdown.clone()));
+        }
+        let nvme = Arc::new(nvme);
         let (brp, nbd) = (Arc::new(brp), Arc::new(nbd));
         // The listeners stay bound (refusing) until everything is drained and
         // flushed: a new target started meanwhile on the same address cannot
@@ -257,6 +296,7 @@ impl Server {
         let drained = CancellationToken::new();
         let accept = Acceptor { env: &env, tracker: &tracker, gate: &gate, drained: &drained };
         let accept_nbd = Acceptor { env: &nbd_env, ..accept };
+        let accept_nvme = Acceptor { env: &nvme_env, ..accept };
         let drain = async {
             env.shutdown.cancelled().await;
             tracker.close();
@@ -271,11 +311,12 @@ impl Server {
             drained.cancel();
             unflushed
         };
-        let (_, _, _, _, unflushed) = tokio::join!(
+        let (_, _, _, _, _, unflushed) = tokio::join!(
             accept.run(brp_tcp, brp.clone()),
             accept.run_opt(brp_unix, brp),
             accept_nbd.run_opt(nbd_tcp, nbd.clone()),
             accept_nbd.run_opt(nbd_unix, nbd),
+            accept_nvme.run_opt(nvme_tcp, nvme),
             drain,
         );
         let s = handle.stats();
@@ -342,6 +383,8 @@ trait Listener: Send + 'static {
     type Stream: Transport;
     /// The next connection, a name for its peer, and its address (TCP).
     fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, String, Option<IpAddr>)>> + Send;
+    /// The address a connection reached (TCP).
+    fn local(s: &Self::Stream) -> Option<SocketAddr>;
 }
 
 impl Listener for TcpListener {
@@ -350,6 +393,9 @@ impl Listener for TcpListener {
         let (s, peer) = TcpListener::accept(self).await?;
         tune(&s);
         Ok((s, peer.to_string(), Some(peer.ip())))
+    }
+    fn local(s: &TcpStream) -> Option<SocketAddr> {
+        s.local_addr().ok()
     }
 }
 
@@ -385,6 +431,9 @@ impl Listener for Unix {
     async fn accept(&self) -> io::Result<(UnixStream, String, Option<IpAddr>)> {
         let (s, _) = self.listener.accept().await?;
         Ok((s, format!("unix:{}", self.path.display()), None))
+    }
+    fn local(_: &UnixStream) -> Option<SocketAddr> {
+        None
     }
 }
 
@@ -430,7 +479,8 @@ impl Acceptor<'_> {
                         .await;
                 };
                 // No address: a unix socket, this host.
-                let who = Who { ip, local: ip.is_none_or(|ip| ip.is_loopback()), ..Default::default() };
+                let via = L::local(&stream);
+                let who = Who { ip, via, local: ip.is_none_or(|ip| ip.is_loopback()), ..Default::default() };
                 serve_connection(frontend, stream, peer.into(), who, env, ticket).await
             });
         }

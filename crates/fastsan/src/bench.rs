@@ -1,10 +1,12 @@
-//! `fastsan bench`: a fio-like load generator for BRP volumes and NBD servers.
+//! `fastsan bench`: a fio-like load generator for BRP volumes, NBD servers
+//! and NVMe/TCP controllers.
 
 use crate::ClientArgs;
 use fastsan_target::config::parse_size;
 use std::time::Duration;
 
-/// Measure a BRP volume or any NBD server with fio-like jobs.
+/// Measure a BRP volume, any NBD server or any NVMe/TCP controller with
+/// fio-like jobs.
 ///
 /// Reports IOPS, bandwidth, latency (mean, p50, p99, p99.9 from an HDR
 /// histogram), client CPU and, over BRP, how many requests travelled in
@@ -16,12 +18,13 @@ use std::time::Duration;
 /// Examples:
 ///   fastsan bench brp://127.0.0.1:10810/vol0 --rw randread --bs 4k --iodepth 32 --jobs 4
 ///   fastsan bench nbd://127.0.0.1:10809/vol0 --rw randwrite --iodepth 32 --json
+///   fastsan bench nvme+tcp://127.0.0.1:4420/nqn.2024-01.io.fastsan:vol0 --iodepth 32 --jobs 2
 ///   fastsan bench brp://127.0.0.1:10810/vol0 --rw randwrite --iodepth 128 --merge off
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH, nbd://HOST:PORT/EXPORT
-    /// or mirror:LEG,LEG,log=PATH
+    /// brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH, nbd://HOST:PORT/EXPORT,
+    /// nvme+tcp://HOST[:PORT]/SUBSYSTEM_NQN[/NSID][?hdgst=1&ddgst=1] or mirror:LEG,LEG,log=PATH
     url: String,
     /// Access pattern, as fio names it.
     #[arg(long, default_value = "randread", value_name = "PATTERN")]
@@ -32,7 +35,7 @@ pub struct Args {
     /// Requests in flight per job.
     #[arg(long, default_value_t = 1, value_name = "N")]
     iodepth: usize,
-    /// Jobs (over NBD, one connection each).
+    /// Jobs (over NBD, one connection each; over NVMe/TCP, one I/O queue each).
     #[arg(long, default_value_t = 1, value_name = "N")]
     jobs: usize,
     /// Seconds to measure.

@@ -62,6 +62,17 @@ pub struct Args {
     /// --tls-ca turn the default NBD listener off and refuse an explicit one.
     #[arg(long)]
     nbd_insecure: bool,
+    /// Serve NVMe/TCP (the Linux kernel's nvme-tcp, SPDK...) on this
+    /// address, 127.0.0.1:4420 when given without one: one namespace per
+    /// volume (NSIDs in volume order) and a discovery controller.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:4420")]
+    nvme: Option<SocketAddr>,
+    /// The NVM subsystem's NQN [default: nqn.2026-11.io.fastsan:HOSTNAME].
+    #[arg(long, value_name = "NQN")]
+    nvme_nqn: Option<String>,
+    /// Allow NVMe/TCP on a non-loopback address (it authenticates nobody).
+    #[arg(long)]
+    nvme_allow_remote: bool,
     /// File holding the shared secret BRP clients must prove they know (the
     /// identity "default"). Authentication (this, --secrets-file or --tls-ca)
     /// is required when listening on an address other than loopback.
@@ -158,6 +169,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     c.nbd_unix = a.nbd_unix.or(file.nbd_unix);
     c.nbd_allow_remote = a.nbd_allow_remote || file.nbd_allow_remote;
     c.nbd_insecure = a.nbd_insecure || file.nbd_insecure;
+    c.nvme = a.nvme.or(file.nvme);
+    c.nvme_nqn = a.nvme_nqn.or(file.nvme_nqn);
+    c.nvme_allow_remote = a.nvme_allow_remote || file.nvme_allow_remote;
     if let Some(p) = a.secret_file.as_ref().or(file.secret_file.as_ref()) {
         c.secret = Some(read_secret(p)?);
     }
@@ -240,6 +254,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(a) = server.nbd_addr() {
         say!("fastsan: serving NBD on {a}");
+    }
+    if let Some((a, nqn)) = server.nvme_addr() {
+        say!("fastsan: serving NVMe/TCP on {a} (subsystem {nqn})");
     }
     if let Some(a) = server.metrics_addr() {
         say!("fastsan: serving metrics on http://{a}/metrics");

@@ -10,13 +10,14 @@
 
 pub mod brp;
 pub mod nbd;
+pub mod nvme;
 
 use crate::access::Who;
 use crate::fence::Activity;
 use crate::pipeline::Encoder;
 use crate::request::{IoRequest, Limits, Refusal};
 use crate::sessions::Fence;
-use crate::volume::Volume;
+use crate::volume::{Outcome, Volume};
 use bytes::BytesMut;
 use std::sync::Arc;
 
@@ -82,8 +83,16 @@ pub trait Handshake: Send {
 /// What [`Transmission::decode`] found at the front of the buffer.
 #[derive(Debug)]
 pub enum Decoded<M> {
-    /// A request (refused already when its wire form is wrong).
+    /// A request on the connection's volume (refused already when its wire
+    /// form is wrong).
     Request { tag: u64, meta: M, req: Result<IoRequest, Refusal> },
+    /// A request on a volume the request itself names (an NVMe namespace:
+    /// one connection, an I/O queue, reaches every namespace).
+    On { volume: Arc<Volume>, tag: u64, meta: M, req: Result<IoRequest, Refusal> },
+    /// Answered by the front end itself, without a volume (NVMe's admin
+    /// commands, an R2T asking for a write's data): the reply is queued with
+    /// the others, holds no credit and is not counted as a request.
+    Local { tag: u64, meta: M, result: Result<Outcome, Refusal> },
     /// The next frame is not all there: it needs `need` bytes in all (0 if unknown).
     Incomplete { need: usize },
     /// The client said goodbye (NBD's DISC).
@@ -93,7 +102,9 @@ pub enum Decoded<M> {
 /// A connection in its transmission phase, as a front end sees it.
 pub trait Transmission: Send + 'static {
     type Encoder: Encoder;
-    fn volume(&self) -> &Arc<Volume>;
+    /// The volume its [`Decoded::Request`]s go to (none: an NVMe admin
+    /// queue, or an I/O queue whose requests each name their namespace).
+    fn volume(&self) -> Option<&Arc<Volume>>;
     /// The front end's limits on top of the volume's.
     fn limits(&self) -> Limits;
     fn encoder(&self) -> Self::Encoder;
@@ -106,6 +117,11 @@ pub trait Transmission: Send + 'static {
     fn activity(&self) -> Arc<Activity>;
     /// What the last handshake reply must wait for, once (BRP's session fence).
     fn fence(&mut self) -> Option<Fence> {
+        None
+    }
+    /// What to send before closing after [`Transmission::decode`] failed,
+    /// if the protocol has a way to say why (NVMe/TCP's C2HTermReq).
+    fn farewell(&mut self) -> Option<Vec<u8>> {
         None
     }
     /// Whether the stream ending now would cut a frame in half.

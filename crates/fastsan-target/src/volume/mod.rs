@@ -50,6 +50,12 @@ pub struct Volume {
     flusher: Flusher,
 }
 
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume").field("name", &self.name).field("size", &self.size).finish()
+    }
+}
+
 /// Flushes in groups (see [`Volume::flush`]).
 #[derive(Default)]
 struct Flusher {

@@ -1,6 +1,8 @@
 //! Helpers for tests that run the `fastsan` binary.
 #![allow(dead_code)]
 
+pub mod guest;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +17,8 @@ pub struct Served {
     pub nbd: String,
     /// `HOST:PORT` of `/metrics`, with `--metrics`.
     pub metrics: String,
+    /// `HOST:PORT` of NVMe/TCP, with `--nvme` (from the line naming NVMe).
+    pub nvme: String,
 }
 
 impl Served {
@@ -32,22 +36,48 @@ impl Served {
             .stderr(Stdio::piped())
             .spawn()
             .expect("fastsan runs");
+        // One line per listener, each with its address after "on" (a line
+        // for a unix socket too, skipped); read by what it names, not by its
+        // place, until every address asked for is known.
         let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut addr_after_on = || {
+        let want_metrics = args.contains(&"--metrics");
+        let want_nvme = args.contains(&"--nvme");
+        let (mut addr, mut nbd_addr, mut metrics, mut nvme) = (None, None, None, None);
+        while addr.is_none()
+            || (nbd && nbd_addr.is_none())
+            || (want_metrics && metrics.is_none())
+            || (want_nvme && nvme.is_none())
+        {
             let mut line = String::new();
-            out.read_line(&mut line).unwrap();
-            let addr = line.split_whitespace().skip_while(|w| *w != "on").nth(1);
-            addr.unwrap_or_else(|| panic!("no address in {line:?}")).to_owned()
-        };
-        let addr = addr_after_on();
-        let nbd = if nbd { addr_after_on() } else { String::new() };
-        let metrics = if args.contains(&"--metrics") {
-            let url = addr_after_on();
-            url.trim_start_matches("http://").trim_end_matches("/metrics").to_owned()
-        } else {
-            String::new()
-        };
-        Served { child, addr, nbd, metrics }
+            if out.read_line(&mut line).unwrap() == 0 {
+                let mut err = String::new();
+                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+                panic!("fastsan serve {args:?} ended before printing its addresses:\n{err}");
+            }
+            if line.contains("unix socket") {
+                continue;
+            }
+            let on = line.split_whitespace().skip_while(|w| *w != "on").nth(1);
+            let on = on.unwrap_or_else(|| panic!("no address in {line:?}")).to_owned();
+            if line.contains("NVMe") {
+                nvme = Some(on);
+            } else if line.contains("metrics") {
+                metrics = Some(on.trim_start_matches("http://").trim_end_matches("/metrics").to_owned());
+            } else if line.contains("NBD") {
+                nbd_addr = Some(on);
+            } else if line.contains("BRP") {
+                addr = Some(on);
+            } else {
+                panic!("an address of what? {line:?}");
+            }
+        }
+        Served {
+            child,
+            addr: addr.unwrap(),
+            nbd: nbd_addr.unwrap_or_default(),
+            metrics: metrics.unwrap_or_default(),
+            nvme: nvme.unwrap_or_default(),
+        }
     }
 
     pub fn url(&self, vol: &str) -> String {

@@ -150,8 +150,8 @@ impl BrpConn {
 impl Transmission for BrpConn {
     type Encoder = BrpEncoder;
 
-    fn volume(&self) -> &Arc<Volume> {
-        &self.volume
+    fn volume(&self) -> Option<&Arc<Volume>> {
+        Some(&self.volume)
     }
 
     fn limits(&self) -> Limits {

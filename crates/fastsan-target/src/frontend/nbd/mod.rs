@@ -116,8 +116,8 @@ pub struct NbdMeta {
 impl Transmission for NbdConn {
     type Encoder = NbdEncoder;
 
-    fn volume(&self) -> &Arc<Volume> {
-        &self.volume
+    fn volume(&self) -> Option<&Arc<Volume>> {
+        Some(&self.volume)
     }
 
     fn limits(&self) -> Limits {

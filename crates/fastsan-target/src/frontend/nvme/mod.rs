@@ -1,0 +1,1065 @@
+//! The NVMe/TCP front end: the Linux kernel's `nvme-tcp` (driven by
+//! nvme-cli), SPDK and other NVMe over Fabrics hosts. Its handshake
+//! ([`handshake`]: ICReq and Connect), **decode** ([`NvmeConn::decode`]:
+//! PDUs to admin commands answered here, I/O commands to requests on the
+//! namespace's volume, write data solicited by R2T), its reply format
+//! ([`NvmeEncoder`]: C2HData and CapsuleResp) and the one mapping from a
+//! refusal to an NVMe status ([`status_for`]). The connection itself is
+//! [`crate::driver`]'s: each queue is one TCP connection through the shared
+//! pipeline, its credits the pipeline's, its completions out of order.
+//!
+//! The subsystem ([`Subsystem`]) has one namespace per volume, NSIDs in
+//! configuration order, each with an NGUID and a UUID derived from the
+//! subsystem's NQN and the volume's name (stable across restarts and
+//! reordering). A controller lives while its admin queue does, or until
+//! its host sends nothing for its keep-alive timeout ([`Subsystem::reap`]).
+//! A discovery controller (`nqn.2014-08.org.nvmexpress.discovery`) is
+//! served on the same port. Byte-level notes with sources: docs/nvme-tcp.md.
+
+pub mod admin;
+pub mod handshake;
+
+pub use handshake::NvmeHandshake;
+
+use crate::access::{Access, Mode, Who};
+use crate::backend::BackendError;
+use crate::catalog::Catalog;
+use crate::fence::Activity;
+use crate::frontend::{Decoded, Frontend, Transmission, WireError};
+use crate::pipeline::{Encoded, Encoder, Reply};
+use crate::request::{IoKind, IoRequest, Limits, Refusal};
+use crate::volume::{Outcome, Volume};
+use bytes::{Bytes, BytesMut};
+use fastsan_nvme::command::{fctype, sgl, status, Cqe, Sqe, Status, OPC_FABRICS};
+use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Header, R2t, TermReq};
+use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// The well-known NQN of discovery controllers.
+pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
+/// In-capsule data on I/O queues (IOCCSZ): a 4 KiB or 8 KiB write travels
+/// with its command, no R2T round trip.
+pub const IN_CAPSULE: u32 = 8192;
+/// In-capsule data on the admin queue and for Connect (the Linux host's 8 KiB).
+pub const ADMIN_IN_CAPSULE: u32 = 8192;
+/// Most data in one H2CData PDU (MAXH2CDATA).
+pub const MAX_H2C_DATA: u32 = 1 << 20;
+/// Entries per queue (CAP.MQES + 1, MAXCMD).
+pub const QUEUE_ENTRIES: u16 = 128;
+/// Most I/O queues a controller grants.
+pub const MAX_IO_QUEUES: u16 = 16;
+/// Largest transfer (MDTS), if the volumes allow it: 1 MiB.
+const MAX_TRANSFER: u32 = 1 << 20;
+/// Write data asked for by R2T and not yet arrived, per queue: what a host
+/// can make the target buffer.
+const R2T_BYTES: u64 = 8 << 20;
+
+/// The NVMe/TCP protocol as the target serves it.
+pub struct Nvme {
+    pub subsystem: Arc<Subsystem>,
+}
+
+impl Frontend for Nvme {
+    type Handshake = NvmeHandshake;
+    type Conn = NvmeConn;
+    const NAME: &'static str = "NVMe/TCP";
+
+    fn handshake(&self, who: Who) -> NvmeHandshake {
+        NvmeHandshake::new(self.subsystem.clone(), who)
+    }
+
+    fn busy(&self) -> Option<Vec<u8>> {
+        // Nothing may precede ICResp: the host sees a close.
+        None
+    }
+}
+
+/// A volume as a namespace.
+pub struct Namespace {
+    pub nsid: u32,
+    pub volume: Arc<Volume>,
+    /// log2 of the LBA size: the volume's granule (at least 512 bytes).
+    pub lba_shift: u8,
+    pub nguid: [u8; 16],
+    pub uuid: [u8; 16],
+}
+
+/// The NVM subsystem: its NQN, its namespaces, its live controllers.
+pub struct Subsystem {
+    pub nqn: String,
+    pub serial: String,
+    pub namespaces: Vec<Namespace>,
+    pub access: Arc<Access>,
+    /// MDTS: the largest transfer is 4 KiB << mdts.
+    pub mdts: u8,
+    controllers: Mutex<HashMap<u16, Arc<Controller>>>,
+    next_cntlid: Mutex<u16>,
+    epoch: Instant,
+}
+
+/// The fields of a Connect command the subsystem checks.
+pub struct ConnectArgs {
+    pub qid: u16,
+    /// Queue entries, 0's based.
+    pub sqsize: u16,
+    pub cattr: u8,
+    pub kato_ms: u32,
+    pub cntlid: u16,
+    pub subnqn: String,
+    pub hostnqn: String,
+    pub digests: Digests,
+}
+
+/// A controller: one host's association, its admin queue and I/O queues.
+pub struct Controller {
+    pub cntlid: u16,
+    pub hostnqn: String,
+    pub discovery: bool,
+    /// By NSID - 1: whether this host sees the namespace, and how.
+    pub access: Vec<Option<Mode>>,
+    state: Mutex<CtrlState>,
+    /// Milliseconds since the subsystem's epoch when the host last sent a command.
+    last_seen: AtomicU64,
+}
+
+struct CtrlState {
+    cc: u32,
+    csts: u32,
+    io_queues: u16,
+    kato_ms: u32,
+    aers: u16,
+    async_config: u32,
+    /// Each connected queue's activity, by queue id (stopped on teardown).
+    queues: HashMap<u16, Arc<Activity>>,
+}
+
+/// CC and CSTS bits.
+const CC_EN: u32 = 1;
+const CC_SHN: u32 = 3 << 14;
+const CSTS_RDY: u32 = 1;
+const CSTS_CFS: u32 = 1 << 1;
+const CSTS_SHST_DONE: u32 = 2 << 2;
+const CSTS_SHST_BUSY: u32 = 1 << 2;
+
+impl Subsystem {
+    pub fn new(nqn: String, catalog: &Catalog, access: Arc<Access>) -> Subsystem {
+        let id = |what: &str, name: &str| -> [u8; 32] {
+            Sha256::new()
+                .chain_update(b"fastsan nvme\0")
+                .chain_update(what)
+                .chain_update(b"\0")
+                .chain_update(&nqn)
+                .chain_update(b"\0")
+                .chain_update(name)
+                .finalize()
+                .into()
+        };
+        let namespaces: Vec<Namespace> = catalog
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let h = id("namespace", v.name());
+                let mut uuid: [u8; 16] = h[16..].try_into().expect("16 bytes");
+                uuid[6] = (uuid[6] & 0x0f) | 0x80; // version 8: name-based, custom hash
+                uuid[8] = (uuid[8] & 0x3f) | 0x80; // RFC 4122 variant
+                Namespace {
+                    nsid: i as u32 + 1,
+                    volume: v.clone(),
+                    lba_shift: v.granule().max(512).ilog2() as u8,
+                    nguid: h[..16].try_into().expect("16 bytes"),
+                    uuid,
+                }
+            })
+            .collect();
+        let largest = namespaces.iter().map(|n| n.volume.max_transfer()).min().unwrap_or(MAX_TRANSFER);
+        let mdts = (largest.min(MAX_TRANSFER) / 4096).max(2).ilog2() as u8;
+        let serial = id("serial", "").iter().take(10).map(|b| format!("{b:02x}")).collect();
+        Subsystem {
+            nqn,
+            serial,
+            namespaces,
+            access,
+            mdts,
+            controllers: Mutex::new(HashMap::new()),
+            next_cntlid: Mutex::new(1),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// The default NQN: this host's name under fastsan's naming authority.
+    pub fn default_nqn() -> String {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let host = host.trim();
+        format!("nqn.2026-11.io.fastsan:{}", if host.is_empty() { "target" } else { host })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Checks a Connect and makes (queue 0) or joins (queue N) a controller.
+    pub fn connect(self: &Arc<Self>, a: ConnectArgs, who: &Who) -> Result<NvmeConn, ((u8, u8), String)> {
+        let invalid = |why: String| (status::CONNECT_INVALID_PARAMETERS, why);
+        let discovery = a.subnqn == DISCOVERY_NQN;
+        if !discovery && a.subnqn != self.nqn {
+            return Err(invalid(format!("no subsystem {:?} here (this one is {:?})", a.subnqn, self.nqn)));
+        }
+        if a.hostnqn.is_empty() {
+            return Err((status::CONNECT_INVALID_HOST, "a Connect without a host NQN".into()));
+        }
+        if a.sqsize == 0 || a.sqsize >= QUEUE_ENTRIES {
+            return Err(invalid(format!(
+                "queue size {} (1 to {} allowed)",
+                a.sqsize as u32 + 1,
+                QUEUE_ENTRIES
+            )));
+        }
+        let activity = Activity::new();
+        let ctrl = if a.qid == 0 {
+            let access = if discovery {
+                Vec::new()
+            } else {
+                self.namespaces
+                    .iter()
+                    .map(|n| self.access.mode_for(who, n.volume.name(), false).ok())
+                    .collect()
+            };
+            let mut ctrls = self.controllers.lock();
+            let cntlid = {
+                let mut next = self.next_cntlid.lock();
+                let mut id = *next;
+                while ctrls.contains_key(&id) {
+                    id = if id >= 0xffef { 1 } else { id + 1 };
+                }
+                *next = if id >= 0xffef { 1 } else { id + 1 };
+                id
+            };
+            let ctrl = Arc::new(Controller {
+                cntlid,
+                hostnqn: a.hostnqn.clone(),
+                discovery,
+                access,
+                state: Mutex::new(CtrlState {
+                    cc: 0,
+                    csts: 0,
+                    io_queues: 0,
+                    kato_ms: a.kato_ms,
+                    aers: 0,
+                    async_config: 0,
+                    queues: HashMap::from([(0, activity.clone())]),
+                }),
+                last_seen: AtomicU64::new(self.now_ms()),
+            });
+            ctrls.insert(cntlid, ctrl.clone());
+            let visible = ctrl.access.iter().filter(|a| a.is_some()).count();
+            info!(
+                cntlid,
+                hostnqn = a.hostnqn,
+                kato_ms = a.kato_ms,
+                namespaces = visible,
+                "NVMe {} controller created",
+                if discovery { "discovery" } else { "I/O" }
+            );
+            ctrl
+        } else {
+            let ctrls = self.controllers.lock();
+            let Some(ctrl) = ctrls.get(&a.cntlid).filter(|c| !c.discovery && c.hostnqn == a.hostnqn) else {
+                return Err(invalid(format!("no controller {} for host {:?}", a.cntlid, a.hostnqn)));
+            };
+            let mut st = ctrl.state.lock();
+            if st.csts & CSTS_RDY == 0 {
+                return Err(invalid(format!("controller {} is not enabled", a.cntlid)));
+            }
+            if a.qid > st.io_queues {
+                return Err(invalid(format!("queue {} of {} granted", a.qid, st.io_queues)));
+            }
+            if st.queues.contains_key(&a.qid) {
+                return Err(invalid(format!("queue {} is connected already", a.qid)));
+            }
+            st.queues.insert(a.qid, activity.clone());
+            ctrl.clone()
+        };
+        Ok(NvmeConn {
+            sub: self.clone(),
+            ctrl,
+            qid: a.qid,
+            entries: a.sqsize + 1,
+            digests: a.digests,
+            sqhd: 1,
+            sqflow_off: a.cattr & (1 << 2) != 0,
+            activity,
+            writes: HashMap::new(),
+            waiting: VecDeque::new(),
+            solicited: 0,
+            ready: VecDeque::new(),
+            farewell: None,
+            via: who.via,
+        })
+    }
+
+    /// A queue's connection ended: the admin queue takes its controller (and
+    /// every I/O queue of it) along.
+    fn disconnected(&self, ctrl: &Controller, qid: u16) {
+        if qid == 0 {
+            self.teardown(ctrl);
+        } else {
+            ctrl.state.lock().queues.remove(&qid);
+        }
+    }
+
+    fn teardown(&self, ctrl: &Controller) {
+        let mut ctrls = self.controllers.lock();
+        if ctrls.get(&ctrl.cntlid).is_some_and(|c| std::ptr::eq(&**c, ctrl)) {
+            ctrls.remove(&ctrl.cntlid);
+            info!(cntlid = ctrl.cntlid, hostnqn = ctrl.hostnqn, "NVMe controller deleted");
+        }
+        for a in ctrl.state.lock().queues.values() {
+            a.stop();
+        }
+    }
+
+    /// Tears down every controller whose host sent nothing for its
+    /// keep-alive timeout; run every half second by [`Subsystem::reaper`].
+    pub fn reap(&self) {
+        let now = self.now_ms();
+        let expired: Vec<Arc<Controller>> = self
+            .controllers
+            .lock()
+            .values()
+            .filter(|c| {
+                let kato = c.state.lock().kato_ms as u64;
+                kato > 0 && now.saturating_sub(c.last_seen.load(Relaxed)) > kato
+            })
+            .cloned()
+            .collect();
+        for c in expired {
+            let kato = c.state.lock().kato_ms;
+            warn!(
+                cntlid = c.cntlid,
+                hostnqn = c.hostnqn,
+                "NVMe host sent nothing for its keep-alive timeout ({kato} ms): controller torn down"
+            );
+            self.teardown(&c);
+        }
+    }
+
+    /// Runs [`Subsystem::reap`] until `shutdown`.
+    pub async fn reaper(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => self.reap(),
+            }
+        }
+    }
+
+    /// How many controllers are live.
+    pub fn controllers(&self) -> usize {
+        self.controllers.lock().len()
+    }
+}
+
+impl Controller {
+    /// The namespace `nsid` if this host sees it, and whether it may write.
+    pub fn namespace(&self, nsid: u32) -> Option<Mode> {
+        let i = usize::try_from(nsid).ok()?.checked_sub(1)?;
+        *self.access.get(i)?
+    }
+
+    fn touch(&self, now: u64) {
+        self.last_seen.store(now, Relaxed);
+    }
+}
+
+/// A C2HTermReq: the target closes the connection, for this reason.
+pub fn term_req(fes: u16, fei: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    pdu::encode(&Header::C2hTermReq(TermReq { fes, fei }), 0, &[], Digests::default(), 0, &mut out);
+    out
+}
+
+/// A write (or a Dataset Management range list) whose data comes by R2T.
+struct Solicited {
+    cid: u16,
+    sqhd: u16,
+    nsid: u32,
+    /// The byte offset and FUA of a write; `None`: Dataset Management.
+    write: Option<(u64, bool)>,
+    length: u32,
+    parts: Vec<Bytes>,
+    received: u32,
+    digest_ok: bool,
+    /// The R2T went out (else it waits in [`NvmeConn::waiting`]).
+    asked: bool,
+}
+
+/// One queue (one TCP connection) in its transmission phase.
+pub struct NvmeConn {
+    sub: Arc<Subsystem>,
+    ctrl: Arc<Controller>,
+    qid: u16,
+    /// Queue entries (SQSIZE + 1).
+    entries: u16,
+    digests: Digests,
+    /// The submission queue head after the last command taken.
+    sqhd: u16,
+    /// The host disabled SQ flow control: a read's data may say SUCCESS and
+    /// carry no completion.
+    sqflow_off: bool,
+    activity: Arc<Activity>,
+    /// Writes waiting for their data, by transfer tag.
+    writes: HashMap<u16, Solicited>,
+    /// Transfer tags whose R2T waits for room in [`R2T_BYTES`].
+    waiting: VecDeque<u16>,
+    /// Bytes asked for by R2T and not yet arrived.
+    solicited: u64,
+    /// Decoded items not yet handed to the driver.
+    ready: VecDeque<Decoded<NvmeMeta>>,
+    farewell: Option<Vec<u8>>,
+    /// The address the host connected to.
+    via: Option<SocketAddr>,
+}
+
+impl Drop for NvmeConn {
+    fn drop(&mut self) {
+        self.sub.disconnected(&self.ctrl, self.qid);
+    }
+}
+
+impl std::fmt::Debug for NvmeConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeConn").field("cntlid", &self.ctrl.cntlid).field("qid", &self.qid).finish()
+    }
+}
+
+/// What the encoder needs to answer a command.
+pub struct NvmeMeta {
+    cid: u16,
+    sqhd: u16,
+    answer: Answer,
+}
+
+enum Answer {
+    /// A request on a namespace: its status from the outcome.
+    Io { write: bool },
+    /// Answered here: the status and result are known; data, if any, in the outcome.
+    Admin { status: Status, dw0: u32, dw1: u32 },
+    /// Not a completion: the R2T that asks for a write's data.
+    R2t(R2t),
+}
+
+/// An NVMe protocol error from the host: the connection closes.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Violation(String);
+
+impl NvmeConn {
+    fn fail(&mut self, fes: u16, fei: u32, why: String) -> WireError {
+        self.farewell = Some(term_req(fes, fei));
+        Box::new(Violation(why))
+    }
+
+    /// Takes one command off the submission queue: its completion's SQHD.
+    fn take(&mut self) -> u16 {
+        self.sqhd = (self.sqhd + 1) % self.entries;
+        self.sqhd
+    }
+
+    fn local(&self, cid: u16, sqhd: u16, st: (u8, u8), dnr: bool) -> Decoded<NvmeMeta> {
+        let status = Status { sct: st.0, sc: st.1, dnr };
+        let meta = NvmeMeta { cid, sqhd, answer: Answer::Admin { status, dw0: 0, dw1: 0 } };
+        Decoded::Local { tag: cid as u64, meta, result: Ok(Outcome::Done) }
+    }
+
+    fn done(&self, cid: u16, sqhd: u16, dw0: u32, dw1: u32, data: Option<Vec<u8>>) -> Decoded<NvmeMeta> {
+        let meta = NvmeMeta { cid, sqhd, answer: Answer::Admin { status: Status::SUCCESS, dw0, dw1 } };
+        let result = Ok(data.map_or(Outcome::Done, |d| Outcome::Data(Bytes::from(d))));
+        Decoded::Local { tag: cid as u64, meta, result }
+    }
+
+    fn invalid(&self, cid: u16, sqhd: u16) -> Decoded<NvmeMeta> {
+        self.local(cid, sqhd, status::INVALID_FIELD, true)
+    }
+
+    /// An admin command: answered here, or held (an asynchronous event request).
+    fn admin(&mut self, sqe: &Sqe) -> Option<Decoded<NvmeMeta>> {
+        let (cid, sqhd) = (sqe.cid, self.take());
+        // Commands that return data name its length in a transport SGL.
+        let out_len = || {
+            let d = sqe.sgl();
+            (d.id == sgl::TRANSPORT_DATA_BLOCK).then_some(d.length as usize)
+        };
+        let ctrl = self.ctrl.clone();
+        Some(match (sqe.opcode, sqe.fctype()) {
+            (OPC_FABRICS, Some(fctype::PROPERTY_GET)) => {
+                let st = ctrl.state.lock();
+                let v = match sqe.cdw11 {
+                    0x00 => admin::cap(),
+                    0x08 => admin::VERSION as u64,
+                    0x14 => st.cc as u64,
+                    0x1c => st.csts as u64,
+                    _ => return Some(self.invalid(cid, sqhd)),
+                };
+                self.done(cid, sqhd, v as u32, (v >> 32) as u32, None)
+            }
+            (OPC_FABRICS, Some(fctype::PROPERTY_SET)) => match sqe.cdw11 {
+                0x14 => {
+                    self.set_cc(sqe.cdw12);
+                    self.done(cid, sqhd, 0, 0, None)
+                }
+                // A subsystem reset: nothing to reset in memory.
+                0x20 => self.done(cid, sqhd, 0, 0, None),
+                _ => self.invalid(cid, sqhd),
+            },
+            (OPC_FABRICS, Some(fctype::CONNECT)) => {
+                self.local(cid, sqhd, status::COMMAND_SEQUENCE_ERROR, true)
+            }
+            (OPC_FABRICS, _) => self.local(cid, sqhd, status::INVALID_OPCODE, true),
+            // Identify
+            (0x06, _) => {
+                let Some(len) = out_len() else { return Some(self.invalid(cid, sqhd)) };
+                let (cns, csi) = (sqe.cdw10 & 0xff, sqe.cdw11 >> 24);
+                let ns = || {
+                    self.ctrl.namespace(sqe.nsid).map(|m| (&self.sub.namespaces[sqe.nsid as usize - 1], m))
+                };
+                let page = match (cns, csi) {
+                    (0x01, _) => admin::identify_controller(&self.sub, &ctrl),
+                    (0x00, _) => match ns() {
+                        Some((n, mode)) => {
+                            admin::identify_namespace(n, mode == Mode::ReadOnly || n.volume.read_only())
+                        }
+                        // Inactive but valid NSIDs read as zeros.
+                        None if !ctrl.discovery
+                            && sqe.nsid >= 1
+                            && sqe.nsid as usize <= self.sub.namespaces.len() =>
+                        {
+                            vec![0; admin::PAGE]
+                        }
+                        None => return Some(self.local(cid, sqhd, status::INVALID_NAMESPACE, true)),
+                    },
+                    (0x02, _) if !ctrl.discovery => admin::active_namespaces(&ctrl, sqe.nsid),
+                    (0x03, _) => match ns() {
+                        Some((n, _)) => admin::namespace_descriptors(n),
+                        None => return Some(self.local(cid, sqhd, status::INVALID_NAMESPACE, true)),
+                    },
+                    (0x05, 0) if ns().is_some() => vec![0; admin::PAGE],
+                    (0x06, 0) if !ctrl.discovery => admin::identify_controller_nvm(),
+                    _ => return Some(self.invalid(cid, sqhd)),
+                };
+                let Some(page) = admin::slice_of(&page, 0, len.min(admin::PAGE)) else {
+                    return Some(self.invalid(cid, sqhd));
+                };
+                self.done(cid, sqhd, 0, 0, Some(page))
+            }
+            // Get Log Page
+            (0x02, _) => {
+                let lid = sqe.cdw10 & 0xff;
+                let dwords = ((sqe.cdw11 & 0xffff) << 16 | sqe.cdw10 >> 16) as usize + 1;
+                let offset = sqe.cdw12 as u64 | (sqe.cdw13 as u64) << 32;
+                match out_len() {
+                    Some(len) if len == dwords * 4 && len <= MAX_TRANSFER as usize => {}
+                    _ => return Some(self.invalid(cid, sqhd)),
+                }
+                let visible: Vec<&Namespace> =
+                    self.sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()).collect();
+                let page = match lid {
+                    0x01 => vec![0; 64],
+                    0x02 => admin::smart_log(&visible),
+                    0x03 => vec![0; 512],
+                    0x04 => vec![0; admin::PAGE],
+                    0x70 if ctrl.discovery => admin::discovery_log(&self.sub, self.via()),
+                    _ => return Some(self.local(cid, sqhd, status::INVALID_LOG_PAGE, true)),
+                };
+                match admin::slice_of(&page, offset, dwords * 4) {
+                    Some(p) => self.done(cid, sqhd, 0, 0, Some(p)),
+                    None => self.invalid(cid, sqhd),
+                }
+            }
+            // Set Features, Get Features
+            (0x09 | 0x0a, _) => {
+                let set = sqe.opcode == 0x09;
+                let fid = sqe.cdw10 & 0xff;
+                let mut st = ctrl.state.lock();
+                let dw0 = match (fid, set) {
+                    (0x07, true) => {
+                        let (nsq, ncq) = (sqe.cdw11 & 0xffff, sqe.cdw11 >> 16);
+                        if nsq == 0xffff || ncq == 0xffff || ctrl.discovery {
+                            drop(st);
+                            return Some(self.invalid(cid, sqhd));
+                        }
+                        st.io_queues = (nsq.min(ncq) + 1).min(MAX_IO_QUEUES as u32) as u16;
+                        let n = st.io_queues as u32 - 1;
+                        n | n << 16
+                    }
+                    (0x07, false) => {
+                        let n = (st.io_queues.max(1) - 1) as u32;
+                        n | n << 16
+                    }
+                    // Volatile write cache: always on (FLUSH makes writes durable).
+                    (0x06, _) => 1,
+                    (0x0b, true) => {
+                        st.async_config = sqe.cdw11;
+                        sqe.cdw11
+                    }
+                    (0x0b, false) => st.async_config,
+                    (0x0f, true) => {
+                        st.kato_ms = sqe.cdw11;
+                        sqe.cdw11
+                    }
+                    (0x0f, false) => st.kato_ms,
+                    _ => {
+                        drop(st);
+                        return Some(self.invalid(cid, sqhd));
+                    }
+                };
+                drop(st);
+                self.done(cid, sqhd, dw0, 0, None)
+            }
+            // Keep Alive: every command restarts the timer (decode touched it).
+            (0x18, _) => self.done(cid, sqhd, 0, 0, None),
+            // Asynchronous Event Request: held; this target raises no events yet.
+            (0x0c, _) => {
+                let mut st = ctrl.state.lock();
+                if st.aers >= admin::AER_LIMIT {
+                    drop(st);
+                    return Some(self.local(cid, sqhd, (status::COMMAND_SPECIFIC, 0x05), true));
+                }
+                st.aers += 1;
+                return None;
+            }
+            // Abort: commands run to completion here; "not aborted".
+            (0x08, _) => self.done(cid, sqhd, 1, 0, None),
+            _ => self.local(cid, sqhd, status::INVALID_OPCODE, true),
+        })
+    }
+
+    /// The address the host reached this target at, for the discovery log.
+    fn via(&self) -> Option<SocketAddr> {
+        self.via
+    }
+
+    /// A write of the controller configuration: enable, reset, shutdown.
+    fn set_cc(&mut self, cc: u32) {
+        let mut st = self.ctrl.state.lock();
+        let was = st.cc;
+        st.cc = cc;
+        if cc & CC_EN != 0 && was & CC_EN == 0 {
+            // The host's queue entry sizes (IOSQES 6, IOCQES 4) and 4 KiB pages.
+            let sizes_ok = (cc >> 16) & 0xf == 6 && (cc >> 20) & 0xf == 4 || self.ctrl.discovery;
+            let ok = sizes_ok && (cc >> 7) & 0xf == 0 && (cc >> 4) & 0x7 == 0 && (cc >> 11) & 0x7 == 0;
+            st.csts = if ok { CSTS_RDY } else { CSTS_CFS };
+        } else if cc & CC_EN == 0 && was & CC_EN != 0 {
+            // A reset: the I/O queues go, the admin queue stays.
+            for (qid, a) in &st.queues {
+                if *qid != 0 {
+                    a.stop();
+                }
+            }
+            st.csts = 0;
+            st.aers = 0;
+        }
+        if cc & CC_SHN != 0 && was & CC_SHN == 0 {
+            // Shutdown: flush every namespace this host sees, then report it done.
+            st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_BUSY;
+            let ctrl = self.ctrl.clone();
+            let sub = self.sub.clone();
+            tokio::task::spawn_blocking(move || {
+                for n in sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()) {
+                    if let Err(e) = n.volume.flush() {
+                        warn!(volume = n.volume.name(), "flush at the host's shutdown failed: {e}");
+                    }
+                }
+                let mut st = ctrl.state.lock();
+                if st.cc & CC_SHN != 0 {
+                    st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_DONE;
+                }
+            });
+        } else if cc & CC_SHN == 0 {
+            st.csts &= !(3 << 2);
+        }
+    }
+
+    /// An I/O command: a request on its namespace's volume, or its R2T.
+    fn io(&mut self, sqe: &Sqe, data: Bytes, digest_ok: bool) -> Result<Decoded<NvmeMeta>, WireError> {
+        let (cid, sqhd) = (sqe.cid, self.take());
+        if sqe.opcode == OPC_FABRICS {
+            let st = if sqe.fctype() == Some(fctype::CONNECT) {
+                status::COMMAND_SEQUENCE_ERROR
+            } else {
+                status::INVALID_OPCODE
+            };
+            return Ok(self.local(cid, sqhd, st, true));
+        }
+        let Some(mode) = self.ctrl.namespace(sqe.nsid) else {
+            return Ok(self.local(cid, sqhd, status::INVALID_NAMESPACE, true));
+        };
+        let ns = &self.sub.namespaces[sqe.nsid as usize - 1];
+        let volume = ns.volume.clone();
+        let shift = ns.lba_shift;
+        let read_only = mode == Mode::ReadOnly;
+        // SLBA and NLB (0's based) in bytes; past the end is the volume's refusal.
+        let range = || {
+            let slba = sqe.cdw10 as u64 | (sqe.cdw11 as u64) << 32;
+            let blocks = (sqe.cdw12 & 0xffff) as u64 + 1;
+            let offset = slba.saturating_mul(1 << shift);
+            (offset, blocks << shift)
+        };
+        let fua = sqe.cdw12 & (1 << 30) != 0;
+        let d = sqe.sgl();
+        let on = |kind: IoKind, offset: u64, length: u64, fua: bool, payload: Bytes, write: bool| {
+            let req = if write && read_only {
+                Err(Refusal::ReadOnly)
+            } else {
+                Ok(IoRequest { kind, offset, length, fua, payload })
+            };
+            let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write } };
+            Decoded::On { volume: volume.clone(), tag: cid as u64, meta, req }
+        };
+        Ok(match sqe.opcode {
+            // Flush: nothing to do on a volume with nothing volatile.
+            0x00 if !volume.caps().flush => self.done(cid, sqhd, 0, 0, None),
+            0x00 => on(IoKind::Flush, 0, 0, false, Bytes::new(), false),
+            0x02 => {
+                let (offset, length) = range();
+                if d.id != sgl::TRANSPORT_DATA_BLOCK || d.length as u64 != length {
+                    return Ok(self.local(cid, sqhd, status::SGL_INVALID_DATA_LENGTH, true));
+                }
+                on(IoKind::Read, offset, length, false, Bytes::new(), false)
+            }
+            0x01 | 0x09 => {
+                let dsm = sqe.opcode == 0x09;
+                // Dataset Management's data is its ranges, 16 bytes each; Linux
+                // always sends room for 256 (4 KiB), whatever NR says.
+                let ranges = ((sqe.cdw10 & 0xff) as u64 + 1) * 16;
+                let (offset, length) = match dsm {
+                    true if (ranges..=4096).contains(&(d.length as u64)) => (0, d.length as u64),
+                    true => (0, ranges),
+                    false => range(),
+                };
+                if dsm && sqe.cdw10 & 0xff != 0 {
+                    // One range per command (DMRL 1 in the NVM Identify page).
+                    return Ok(self.invalid(cid, sqhd));
+                }
+                if d.length as u64 != length || length > 4096u64 << self.sub.mdts {
+                    return Ok(self.local(cid, sqhd, status::SGL_INVALID_DATA_LENGTH, true));
+                }
+                let write = (!dsm).then_some((offset, fua));
+                match d.id {
+                    sgl::DATA_BLOCK_OFFSET if d.addr == 0 && data.len() as u64 == length => {
+                        if !digest_ok {
+                            return Ok(self.local(cid, sqhd, status::TRANSIENT_TRANSPORT_ERROR, false));
+                        }
+                        self.written(cid, sqhd, sqe.nsid, write, data)
+                    }
+                    sgl::TRANSPORT_DATA_BLOCK if data.is_empty() => {
+                        return self.solicit(Solicited {
+                            cid,
+                            sqhd,
+                            nsid: sqe.nsid,
+                            write,
+                            length: length as u32,
+                            parts: Vec::new(),
+                            received: 0,
+                            digest_ok: true,
+                            asked: false,
+                        })
+                    }
+                    _ => self.local(cid, sqhd, status::SGL_INVALID_TYPE, true),
+                }
+            }
+            0x08 => {
+                let (offset, length) = range();
+                let deallocate = sqe.cdw12 & (1 << 25) != 0;
+                let kind = IoKind::WriteZeroes { no_hole: !deallocate, fast_only: false };
+                on(kind, offset, length, fua, Bytes::new(), true)
+            }
+            _ => self.local(cid, sqhd, status::INVALID_OPCODE, true),
+        })
+    }
+
+    /// A write's (or a deallocate's) data is all here: its request.
+    fn written(
+        &self,
+        cid: u16,
+        sqhd: u16,
+        nsid: u32,
+        write: Option<(u64, bool)>,
+        data: Bytes,
+    ) -> Decoded<NvmeMeta> {
+        let Some(mode) = self.ctrl.namespace(nsid) else {
+            return self.local(cid, sqhd, status::INVALID_NAMESPACE, true);
+        };
+        let volume = self.sub.namespaces[nsid as usize - 1].volume.clone();
+        let shift = self.sub.namespaces[nsid as usize - 1].lba_shift;
+        let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write: true } };
+        let req = if mode == Mode::ReadOnly {
+            Err(Refusal::ReadOnly)
+        } else if let Some((offset, fua)) = write {
+            Ok(IoRequest { kind: IoKind::Write, offset, length: data.len() as u64, fua, payload: data })
+        } else {
+            // Dataset Management, one range: context attributes, blocks (1's based), start.
+            let blocks = u32::from_le_bytes(data[4..8].try_into().expect("4 bytes")) as u64;
+            let slba = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
+            // Deallocation is a hint: on a volume that cannot trim, or of nothing, it does nothing.
+            if blocks == 0 || !volume.caps().trim {
+                return self.done(cid, sqhd, 0, 0, None);
+            }
+            let offset = slba.saturating_mul(1 << shift);
+            Ok(IoRequest {
+                kind: IoKind::Trim,
+                offset,
+                length: blocks << shift,
+                fua: false,
+                payload: Bytes::new(),
+            })
+        };
+        Decoded::On { volume, tag: cid as u64, meta, req }
+    }
+
+    /// Registers a write whose data comes by R2T; asks for it when the
+    /// bytes already asked for leave room.
+    fn solicit(&mut self, w: Solicited) -> Result<Decoded<NvmeMeta>, WireError> {
+        // Transfer tags are the command's slot; a host never has more commands
+        // outstanding than its queue has entries.
+        if self.writes.len() >= self.entries as usize {
+            return Err(self.fail(
+                fes::PDU_SEQUENCE_ERROR,
+                0,
+                "more writes outstanding than the queue has entries".into(),
+            ));
+        }
+        let ttag = (0..self.entries).find(|t| !self.writes.contains_key(t)).expect("a free tag");
+        self.writes.insert(ttag, w);
+        self.waiting.push_back(ttag);
+        self.ask();
+        Ok(self.ready.pop_front().unwrap_or(Decoded::Incomplete { need: 0 }))
+    }
+
+    /// Sends the R2Ts waiting, while the data asked for stays within [`R2T_BYTES`].
+    fn ask(&mut self) {
+        while let Some(&ttag) = self.waiting.front() {
+            let w = self.writes.get_mut(&ttag).expect("waiting writes are registered");
+            if self.solicited > 0 && self.solicited + w.length as u64 > R2T_BYTES {
+                return;
+            }
+            self.waiting.pop_front();
+            w.asked = true;
+            self.solicited += w.length as u64;
+            let r2t = R2t { cccid: w.cid, ttag, r2to: 0, r2tl: w.length };
+            let meta = NvmeMeta { cid: w.cid, sqhd: w.sqhd, answer: Answer::R2t(r2t) };
+            self.ready.push_back(Decoded::Local { tag: w.cid as u64, meta, result: Ok(Outcome::Done) });
+        }
+    }
+
+    /// Write data for an R2T.
+    fn h2c(&mut self, h: DataHeader, data: Bytes, digest_ok: bool) -> Result<(), WireError> {
+        let Some(w) = self.writes.get_mut(&h.ttag).filter(|w| w.asked && w.cid == h.cccid) else {
+            let why =
+                format!("H2CData for transfer tag {} (command {}) that no R2T asked for", h.ttag, h.cccid);
+            return Err(self.fail(fes::INVALID_HEADER_FIELD, 10, why));
+        };
+        if h.datao != w.received || h.datal > w.length - w.received {
+            let why = format!(
+                "H2CData at {}+{} where {} of {} bytes arrived",
+                h.datao, h.datal, w.received, w.length
+            );
+            return Err(self.fail(fes::DATA_OUT_OF_RANGE, 12, why));
+        }
+        if h.datal == 0 {
+            return Err(self.fail(fes::INVALID_HEADER_FIELD, 16, "an empty H2CData".into()));
+        }
+        w.received += h.datal;
+        w.digest_ok &= digest_ok;
+        w.parts.push(data);
+        if w.received < w.length {
+            return Ok(());
+        }
+        let w = self.writes.remove(&h.ttag).expect("present");
+        self.solicited -= w.length as u64;
+        let item = if !w.digest_ok {
+            self.local(w.cid, w.sqhd, status::TRANSIENT_TRANSPORT_ERROR, false)
+        } else {
+            let data = match <[Bytes; 1]>::try_from(w.parts) {
+                Ok([one]) => one,
+                Err(parts) => {
+                    let mut b = BytesMut::with_capacity(w.length as usize);
+                    for p in parts {
+                        b.extend_from_slice(&p);
+                    }
+                    b.freeze()
+                }
+            };
+            self.written(w.cid, w.sqhd, w.nsid, w.write, data)
+        };
+        self.ready.push_back(item);
+        self.ask();
+        Ok(())
+    }
+}
+
+impl Transmission for NvmeConn {
+    type Encoder = NvmeEncoder;
+
+    fn volume(&self) -> Option<&Arc<Volume>> {
+        None
+    }
+
+    fn limits(&self) -> Limits {
+        Limits { align: 1, max_io: 4096 << self.sub.mdts, read_only: false }
+    }
+
+    fn encoder(&self) -> NvmeEncoder {
+        NvmeEncoder { digests: self.digests, sqid: self.qid, sqflow_off: self.sqflow_off }
+    }
+
+    fn describe(&self) -> String {
+        let d = self.digests;
+        format!(
+            "controller {} ({}), queue {} of {} entries, header digest {}, data digest {}",
+            self.ctrl.cntlid, self.ctrl.hostnqn, self.qid, self.entries, d.header, d.data
+        )
+    }
+
+    fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
+    }
+
+    fn farewell(&mut self) -> Option<Vec<u8>> {
+        self.farewell.take()
+    }
+
+    fn mid_frame(&self, buf: &BytesMut) -> bool {
+        !buf.is_empty() || self.writes.values().any(|w| w.asked)
+    }
+
+    fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<NvmeMeta>, WireError> {
+        loop {
+            if let Some(d) = self.ready.pop_front() {
+                return Ok(d);
+            }
+            let max_data = if self.qid == 0 { ADMIN_IN_CAPSULE } else { MAX_H2C_DATA.max(IN_CAPSULE) };
+            let (p, used) = match pdu::parse(buf, self.digests, max_data) {
+                Ok(Some(x)) => x,
+                Ok(None) => {
+                    let need =
+                        buf.get(4..8).map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4")) as usize);
+                    return Ok(Decoded::Incomplete { need });
+                }
+                Err(e) => {
+                    let (fes, fei) = e.fes();
+                    self.farewell = Some(term_req(fes, fei));
+                    return Err(Box::new(e));
+                }
+            };
+            let frame = buf.split_to(used).freeze();
+            let data = frame.slice(p.data.clone());
+            self.ctrl.touch(self.sub.now_ms());
+            match p.header {
+                Header::CapsuleCmd(sqe) if self.qid == 0 => {
+                    if let Some(d) = self.admin(&sqe) {
+                        return Ok(d);
+                    }
+                }
+                Header::CapsuleCmd(sqe) => return self.io(&sqe, data, p.data_digest_ok),
+                Header::H2cData(h) => self.h2c(h, data, p.data_digest_ok)?,
+                Header::H2cTermReq(t) => {
+                    info!(
+                        cntlid = self.ctrl.cntlid,
+                        qid = self.qid,
+                        "the host ended the queue (H2CTermReq, status {:#x})",
+                        t.fes
+                    );
+                    return Ok(Decoded::Disconnect);
+                }
+                h => {
+                    let why = format!("{} from a host", h.name());
+                    return Err(self.fail(fes::PDU_SEQUENCE_ERROR, 0, why));
+                }
+            }
+        }
+    }
+}
+
+/// The one mapping from a refusal to an NVMe status; `write`: the command
+/// changes the namespace.
+pub fn status_for(r: &Refusal, write: bool) -> Status {
+    let (st, dnr) = match r {
+        Refusal::OutOfRange { .. } => (status::LBA_OUT_OF_RANGE, true),
+        Refusal::ReadOnly | Refusal::Device(BackendError::ReadOnly) => (status::ACCESS_DENIED, true),
+        Refusal::Device(BackendError::NoSpace) => ((status::GENERIC, 0x81), true),
+        Refusal::Device(BackendError::Unsupported) | Refusal::Unsupported(_) | Refusal::NotFast => {
+            (status::INVALID_OPCODE, true)
+        }
+        Refusal::Device(_) if write => (status::WRITE_FAULT, true),
+        Refusal::Device(_) => (status::UNRECOVERED_READ_ERROR, true),
+        Refusal::DigestMismatch => (status::TRANSIENT_TRANSPORT_ERROR, false),
+        // Not ready: the host retries (after the target is back, on another path).
+        Refusal::ShuttingDown => (status::NAMESPACE_NOT_READY, false),
+        Refusal::UnknownCommand(_) => (status::INVALID_OPCODE, true),
+        Refusal::Invalid(_) | Refusal::Misaligned { .. } | Refusal::TooLarge { .. } => {
+            (status::INVALID_FIELD, true)
+        }
+    };
+    Status { sct: st.0, sc: st.1, dnr }
+}
+
+/// NVMe/TCP replies: a read's data as one C2HData PDU (never padded: the
+/// Linux host ignores the data offset) followed by its CapsuleResp, or, when
+/// the host disabled SQ flow control, the C2HData alone marked SUCCESS.
+pub struct NvmeEncoder {
+    digests: Digests,
+    sqid: u16,
+    sqflow_off: bool,
+}
+
+impl Encoder for NvmeEncoder {
+    type Meta = NvmeMeta;
+
+    fn encode(&mut self, r: &Reply<NvmeMeta>, scratch: &mut Vec<u8>) -> Encoded {
+        let start = scratch.len();
+        let m = &r.meta;
+        let (status, dw0, dw1) = match (&m.answer, &r.result) {
+            (Answer::R2t(t), _) => {
+                pdu::encode_head(&Header::R2t(*t), 0, 0, self.digests, 0, scratch);
+                let end = scratch.len();
+                return Encoded { head: start..end, data: None, tail: end..end };
+            }
+            (Answer::Admin { status, dw0, dw1 }, _) => (*status, *dw0, *dw1),
+            (Answer::Io { .. }, Ok(_)) => (Status::SUCCESS, 0, 0),
+            (Answer::Io { write }, Err(e)) => (status_for(e, *write), 0, 0),
+        };
+        let data = match &r.result {
+            Ok(Outcome::Data(d)) if status.is_success() && !d.is_empty() => Some(d.clone()),
+            _ => None,
+        };
+        let mut head_end = start;
+        let mut resp = true;
+        if let Some(d) = &data {
+            let success = self.sqflow_off && dw0 == 0 && dw1 == 0;
+            let flags = flag::LAST_PDU | if success { flag::SUCCESS } else { 0 };
+            let h = Header::C2hData(DataHeader { cccid: m.cid, ttag: 0, datao: 0, datal: d.len() as u32 });
+            pdu::encode_head(&h, flags, d.len(), self.digests, 0, scratch);
+            head_end = scratch.len();
+            if let Some(dd) = pdu::data_digest(&h, d, self.digests) {
+                scratch.extend_from_slice(&dd);
+            }
+            resp = !success;
+        }
+        if resp {
+            let cqe = Cqe { dw0, dw1, sqhd: m.sqhd, sqid: self.sqid, cid: m.cid, status, phase: false };
+            pdu::encode_head(&Header::CapsuleResp(cqe), 0, 0, self.digests, 0, scratch);
+        }
+        let end = scratch.len();
+        if data.is_none() {
+            return Encoded { head: start..end, data: None, tail: end..end };
+        }
+        Encoded { head: start..head_end, data, tail: head_end..end }
+    }
+}

@@ -1,0 +1,519 @@
+//! The NVMe/TCP front end from a raw socket: a scripted host (the codec's
+//! PDUs, nothing else) goes through the Linux host's bring-up (ICReq,
+//! Connect, CC.EN, Identify, Set Features, I/O queues), reads and writes in
+//! capsules and by R2T, and sends what a broken or hostile host would:
+//! malformed PDUs, commands before Connect, unknown opcodes, missing
+//! namespaces, LBAs past the end, data without an R2T, bad digests. Each
+//! gets its status, or a C2HTermReq and a close, and another host's queue
+//! goes on working throughout.
+
+mod common;
+
+use common::*;
+use fastsan_nvme::command::{fctype, sgl, status, Cqe, SglDesc, Sqe, OPC_FABRICS};
+use fastsan_nvme::pdu::{self, flag, DataHeader, Digests, Header, IcReq, Pdu};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+const NQN: &str = "nqn.2026-11.io.fastsan:test";
+const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000001";
+
+/// A scripted NVMe/TCP host on one queue.
+struct Host {
+    s: TcpStream,
+    d: Digests,
+    buf: Vec<u8>,
+    cid: u16,
+}
+
+fn sqe(opcode: u8) -> Sqe {
+    Sqe::decode(&[0; 64]).with(|s| s.opcode = opcode)
+}
+
+trait With: Sized {
+    fn with(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self
+    }
+}
+impl With for Sqe {}
+
+impl Host {
+    /// Connects and exchanges ICReq/ICResp.
+    fn ic(addr: &str, d: Digests) -> Host {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut h = Host { s, d: Digests::default(), buf: Vec::new(), cid: 0 };
+        h.send(&Header::IcReq(IcReq { pfv: 0, hpda: 0, digests: d, maxr2t: 0 }), 0, &[]);
+        match h.recv() {
+            (Header::IcResp(r), _) => {
+                assert_eq!((r.pfv, r.cpda, r.digests), (0, 0, d));
+                assert!(r.maxh2cdata >= 4096 && r.maxh2cdata % 4 == 0);
+            }
+            other => panic!("expected ICResp, got {other:?}"),
+        }
+        h.d = d;
+        h
+    }
+
+    /// ICReq, then Connect on queue `qid` of controller `cntlid` (0xffff: a new one).
+    fn connect(addr: &str, d: Digests, nqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> (Host, Cqe) {
+        let mut h = Host::ic(addr, d);
+        let cqe = h.try_connect(nqn, qid, cntlid, kato_ms);
+        (h, cqe)
+    }
+
+    fn try_connect(&mut self, nqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> Cqe {
+        let mut data = vec![0u8; 1024];
+        data[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        data[256..256 + nqn.len()].copy_from_slice(nqn.as_bytes());
+        data[512..512 + HOSTNQN.len()].copy_from_slice(HOSTNQN.as_bytes());
+        let c = sqe(OPC_FABRICS).with(|s| {
+            s.nsid = fctype::CONNECT as u32;
+            s.cdw10 = (qid as u32) << 16;
+            s.cdw11 = 31;
+            s.cdw12 = kato_ms;
+        });
+        self.command(c, &data)
+    }
+
+    fn send(&mut self, h: &Header, flags: u8, data: &[u8]) {
+        let mut out = Vec::new();
+        pdu::encode(h, flags, data, self.d, 0, &mut out);
+        self.s.write_all(&out).unwrap();
+    }
+
+    /// The next PDU (panics on a close or a timeout).
+    fn recv(&mut self) -> (Header, Vec<u8>) {
+        self.try_recv().expect("a PDU before the connection closed")
+    }
+
+    /// The next PDU, or `None` when the target closed the connection.
+    fn try_recv(&mut self) -> Option<(Header, Vec<u8>)> {
+        loop {
+            if let Some((p, used)) = pdu::parse(&self.buf, self.d, 1 << 24).unwrap() {
+                let Pdu { header, data, data_digest_ok, .. } = p;
+                assert!(data_digest_ok);
+                let d = self.buf[data].to_vec();
+                self.buf.drain(..used);
+                return Some((header, d));
+            }
+            let mut chunk = [0u8; 65536];
+            match self.s.read(&mut chunk) {
+                Ok(0) => return None,
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                Err(e) => panic!("reading from the target: {e}"),
+            }
+        }
+    }
+
+    /// Sends a command (with in-capsule `data`) and returns its completion.
+    fn command(&mut self, mut c: Sqe, data: &[u8]) -> Cqe {
+        self.submit(&mut c, data);
+        self.complete(c.cid).0
+    }
+
+    fn submit(&mut self, c: &mut Sqe, data: &[u8]) {
+        self.cid = self.cid.wrapping_add(1);
+        c.cid = self.cid;
+        if !data.is_empty() {
+            c.dptr = SglDesc { addr: 0, length: data.len() as u32, id: sgl::DATA_BLOCK_OFFSET }.encode();
+        }
+        self.send(&Header::CapsuleCmd(*c), 0, data);
+    }
+
+    /// Reads until command `cid` completes: its completion and the data sent for it.
+    fn complete(&mut self, cid: u16) -> (Cqe, Vec<u8>) {
+        let mut got = Vec::new();
+        loop {
+            match self.recv() {
+                (Header::C2hData(h), d) => {
+                    assert_eq!((h.cccid, h.datao as usize), (cid, got.len()));
+                    got.extend_from_slice(&d);
+                }
+                (Header::CapsuleResp(c), _) => {
+                    assert_eq!(c.cid, cid, "completion for another command");
+                    return (c, got);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// A command that returns `len` bytes.
+    fn fetch(&mut self, mut c: Sqe, len: u32) -> (Cqe, Vec<u8>) {
+        c.dptr = SglDesc { addr: 0, length: len, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        self.submit(&mut c, &[]);
+        self.complete(c.cid)
+    }
+
+    fn property_set(&mut self, offset: u32, value: u32) -> Cqe {
+        let c = sqe(OPC_FABRICS).with(|s| {
+            s.nsid = fctype::PROPERTY_SET as u32;
+            s.cdw11 = offset;
+            s.cdw12 = value;
+        });
+        self.command(c, &[])
+    }
+
+    fn property_get(&mut self, offset: u32) -> u64 {
+        let c = sqe(OPC_FABRICS).with(|s| {
+            s.nsid = fctype::PROPERTY_GET as u32;
+            s.cdw10 = 1;
+            s.cdw11 = offset;
+        });
+        let cqe = self.command(c, &[]);
+        assert!(cqe.status.is_success());
+        cqe.dw0 as u64 | (cqe.dw1 as u64) << 32
+    }
+
+    fn read(&mut self, nsid: u32, slba: u64, blocks: u32) -> (Cqe, Vec<u8>) {
+        let c = sqe(0x02).with(|s| {
+            s.nsid = nsid;
+            s.cdw10 = slba as u32;
+            s.cdw11 = (slba >> 32) as u32;
+            s.cdw12 = blocks - 1;
+        });
+        self.fetch(c, blocks * 512)
+    }
+
+    fn write_cmd(nsid: u32, slba: u64, blocks: u32) -> Sqe {
+        sqe(0x01).with(|s| {
+            s.nsid = nsid;
+            s.cdw10 = slba as u32;
+            s.cdw11 = (slba >> 32) as u32;
+            s.cdw12 = blocks - 1;
+        })
+    }
+
+    /// A write with its data in the capsule.
+    fn write(&mut self, nsid: u32, slba: u64, data: &[u8]) -> Cqe {
+        self.command(Host::write_cmd(nsid, slba, data.len() as u32 / 512), data)
+    }
+
+    /// A write whose data goes by R2T and H2CData PDUs of `piece` bytes.
+    fn write_r2t(&mut self, nsid: u32, slba: u64, data: &[u8], piece: usize) -> Cqe {
+        let mut c = Host::write_cmd(nsid, slba, data.len() as u32 / 512);
+        c.dptr = SglDesc { addr: 0, length: data.len() as u32, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        self.submit(&mut c, &[]);
+        let r2t = match self.recv() {
+            (Header::R2t(r), _) => r,
+            other => panic!("expected an R2T, got {other:?}"),
+        };
+        assert_eq!((r2t.cccid, r2t.r2to, r2t.r2tl as usize), (c.cid, 0, data.len()));
+        let pieces = data.chunks(piece).count();
+        for (i, p) in data.chunks(piece).enumerate() {
+            let h =
+                DataHeader { cccid: c.cid, ttag: r2t.ttag, datao: (i * piece) as u32, datal: p.len() as u32 };
+            let last = if i + 1 == pieces { flag::LAST_PDU } else { 0 };
+            self.send(&Header::H2cData(h), last, p);
+        }
+        self.complete(c.cid).0
+    }
+
+    /// Admin bring-up as Linux does it: CC.EN, RDY, Identify, queues.
+    fn enable(&mut self, queues: u32) -> Vec<u8> {
+        assert!(self.property_set(0x14, 0x0046_0001).status.is_success());
+        assert_eq!(self.property_get(0x1c) & 1, 1, "CSTS.RDY");
+        let (cqe, id) = self.fetch(sqe(0x06).with(|s| s.cdw10 = 1), 4096);
+        assert!(cqe.status.is_success());
+        let set = sqe(0x09).with(|s| {
+            s.cdw10 = 0x07;
+            s.cdw11 = (queues - 1) | (queues - 1) << 16;
+        });
+        let cqe = self.command(set, &[]);
+        assert_eq!(cqe.dw0 & 0xffff, queues - 1);
+        id
+    }
+}
+
+fn sc(c: &Cqe) -> (u8, u8) {
+    (c.status.sct, c.status.sc)
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+fn serve(dir: &std::path::Path) -> Served {
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+    let file = format!("f=file:{}", img.display());
+    Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--nvme",
+        "127.0.0.1:0",
+        "--nvme-nqn",
+        NQN,
+        "--volume",
+        "v=memory:8M",
+        "--volume",
+        &file,
+        "--volume",
+        "r=memory:1M,ro",
+    ])
+}
+
+const BOTH: Digests = Digests { header: true, data: true };
+
+#[test]
+fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
+    let dir = temp_dir("nvme-io");
+    let t = serve(&dir);
+    for d in [Digests::default(), BOTH] {
+        let (mut admin, cqe) = Host::connect(&t.nvme, d, NQN, 0, 0xffff, 0);
+        assert!(cqe.status.is_success(), "{cqe:?}");
+        let cntlid = cqe.dw0 as u16;
+        let id = admin.enable(2);
+        assert_eq!(u16::from_le_bytes([id[78], id[79]]), cntlid, "Identify's CNTLID is Connect's");
+        assert!(id[768..].starts_with(NQN.as_bytes()));
+        assert_eq!(u32::from_le_bytes(id[516..520].try_into().unwrap()), 3, "NN: one namespace per volume");
+        // The active namespaces, and each one's size and LBA format.
+        let (_, list) = admin.fetch(sqe(0x06).with(|s| s.cdw10 = 2), 4096);
+        assert_eq!(&list[..16], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
+        let (_, ns) = admin.fetch(sqe(0x06).with(|s| s.nsid = 1), 4096);
+        assert_eq!(u64::from_le_bytes(ns[..8].try_into().unwrap()), (8 << 20) / 512);
+        assert_eq!((ns[99], ns[130]), (0, 9), "writable, 512-byte LBAs");
+        let (_, ro) = admin.fetch(sqe(0x06).with(|s| s.nsid = 3), 4096);
+        assert_eq!(ro[99], 1, "the ,ro volume is write protected");
+        let (_, desc) = admin.fetch(
+            sqe(0x06).with(|s| {
+                s.nsid = 1;
+                s.cdw10 = 3;
+            }),
+            4096,
+        );
+        assert_eq!((desc[0], desc[1]), (2, 16), "an NGUID first");
+        assert_ne!(&desc[4..20], &[0; 16]);
+
+        let (mut io, cqe) = Host::connect(&t.nvme, d, NQN, 1, cntlid, 0);
+        assert!(cqe.status.is_success(), "{cqe:?}");
+        let (mut io2, cqe) = Host::connect(&t.nvme, d, NQN, 2, cntlid, 0);
+        assert!(cqe.status.is_success(), "{cqe:?}");
+        // A queue past those granted, and one connected twice, are refused.
+        let (_, cqe) = Host::connect(&t.nvme, d, NQN, 3, cntlid, 0);
+        assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+        let (_, cqe) = Host::connect(&t.nvme, d, NQN, 1, cntlid, 0);
+        assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+
+        for nsid in [1, 2] {
+            let small = pattern(nsid as u8, 4096);
+            assert!(io.write(nsid, 8, &small).status.is_success());
+            let big = pattern(nsid as u8 + 100, 256 << 10);
+            // By R2T: one H2CData PDU, then several.
+            assert!(io2.write_r2t(nsid, 64, &big, 256 << 10).status.is_success());
+            assert!(io.write_r2t(nsid, 1024, &big, 24 << 10).status.is_success());
+            let (cqe, back) = io2.read(nsid, 8, 8);
+            assert!(cqe.status.is_success());
+            assert_eq!(back, small);
+            let (_, back) = io.read(nsid, 64, 512);
+            assert_eq!(back, big);
+            let (_, back) = io.read(nsid, 1024, 512);
+            assert_eq!(back, big);
+            // Flush, Write Zeroes, and a deallocate.
+            assert!(io.command(sqe(0x00).with(|s| s.nsid = nsid), &[]).status.is_success());
+            let wz = Host::write_cmd(nsid, 8, 4).with(|s| s.opcode = 0x08);
+            assert!(io.command(wz, &[]).status.is_success());
+            let (_, back) = io.read(nsid, 8, 8);
+            assert_eq!((&back[..2048], &back[2048..]), (&[0u8; 2048][..], &small[2048..]));
+            // As Linux sends it: one range, in room for 256.
+            let mut range = vec![0u8; 4096];
+            range[4..8].copy_from_slice(&8u32.to_le_bytes());
+            range[8..16].copy_from_slice(&64u64.to_le_bytes());
+            let dsm = sqe(0x09).with(|s| {
+                s.nsid = nsid;
+                s.cdw11 = 1 << 2;
+            });
+            assert!(io.command(dsm, &range).status.is_success());
+        }
+        // The right status for each bad command, and the queue goes on.
+        let blocks = (8 << 20) / 512;
+        assert_eq!(sc(&io.read(1, blocks - 4, 8).0), status::LBA_OUT_OF_RANGE);
+        assert_eq!(sc(&io.write(1, blocks, &[1; 512])), status::LBA_OUT_OF_RANGE);
+        assert_eq!(sc(&io.read(9, 0, 1).0), status::INVALID_NAMESPACE);
+        assert_eq!(sc(&io.command(sqe(0x7e).with(|s| s.nsid = 1), &[])), status::INVALID_OPCODE);
+        assert_eq!(sc(&admin.command(sqe(0xc5), &[])), status::INVALID_OPCODE);
+        assert_eq!(sc(&io.write(3, 0, &[1; 512])), status::ACCESS_DENIED, "a read-only namespace");
+        let bad_sgl = Host::write_cmd(1, 0, 8).with(|s| s.dptr = [0; 16]);
+        assert!(!io.command(bad_sgl, &[]).status.is_success());
+        assert!(io.command(bad_sgl, &[]).status.dnr);
+        let (cqe, back) = io.read(1, 8, 1);
+        assert!(cqe.status.is_success());
+        assert_eq!(back, vec![0; 512]);
+        if d.data {
+            // A data digest that does not match: the command fails (transient), the queue goes on.
+            let mut c = Host::write_cmd(1, 0, 1);
+            io.cid += 1;
+            c.cid = io.cid;
+            c.dptr = SglDesc { addr: 0, length: 512, id: sgl::DATA_BLOCK_OFFSET }.encode();
+            let mut out = Vec::new();
+            pdu::encode(&Header::CapsuleCmd(c), 0, &[7; 512], d, 0, &mut out);
+            let n = out.len();
+            out[n - 1] ^= 0xff;
+            io.s.write_all(&out).unwrap();
+            let cqe = io.complete(c.cid).0;
+            assert_eq!(sc(&cqe), status::TRANSIENT_TRANSPORT_ERROR);
+            assert!(!cqe.status.dnr, "the host may retry");
+            assert_eq!(io.read(1, 0, 1).1, vec![0; 512], "the bad write left nothing");
+        }
+        // Shutdown: SHST goes to "complete" once the volumes are flushed.
+        assert!(admin.property_set(0x14, 0x0046_4001).status.is_success());
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while admin.property_get(0x1c) >> 2 & 3 != 2 {
+            assert!(std::time::Instant::now() < deadline, "shutdown never completed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Closing the admin queue deletes the controller: its I/O queues close.
+        drop(admin);
+        assert!(io.try_recv().is_none(), "the I/O queue closes with its controller");
+        assert!(io2.try_recv().is_none());
+    }
+    drop(t);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
+    let dir = temp_dir("nvme-bad");
+    let t = serve(&dir);
+    // A good host, checked between every bad one.
+    let (mut admin, cqe) = Host::connect(&t.nvme, BOTH, NQN, 0, 0xffff, 0);
+    let cntlid = cqe.dw0 as u16;
+    admin.enable(1);
+    let (mut good, _) = Host::connect(&t.nvme, BOTH, NQN, 1, cntlid, 0);
+    let mut n = 0u8;
+    let mut check = |good: &mut Host| {
+        n += 1;
+        let data = pattern(n, 4096);
+        assert!(good.write(1, 100, &data).status.is_success());
+        assert_eq!(good.read(1, 100, 8).1, data);
+    };
+    check(&mut good);
+
+    let terminated = |h: &mut Host| match h.try_recv() {
+        Some((Header::C2hTermReq(t), _)) => {
+            assert!(h.try_recv().is_none(), "closed after the C2HTermReq");
+            t.fes
+        }
+        other => panic!("expected a C2HTermReq, got {other:?}"),
+    };
+    // A PDU with a wrong header length, before ICReq.
+    let mut h =
+        Host { s: TcpStream::connect(&t.nvme).unwrap(), d: Digests::default(), buf: Vec::new(), cid: 0 };
+    h.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    h.s.write_all(&[0, 0, 64, 0, 128, 0, 0, 0]).unwrap();
+    assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+    check(&mut good);
+    // An unknown PDU type, after ICReq.
+    let mut h = Host::ic(&t.nvme, Digests::default());
+    h.s.write_all(&[0x7f, 0, 24, 0, 24, 0, 0, 0]).unwrap();
+    assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+    // A command before Connect: Command Sequence Error, then a close.
+    let mut h = Host::ic(&t.nvme, Digests::default());
+    let cqe = h.command(Host::write_cmd(1, 0, 1), &[0; 512]);
+    assert_eq!(sc(&cqe), status::COMMAND_SEQUENCE_ERROR);
+    assert!(h.try_recv().is_none());
+    // Connect to a subsystem that is not here, or to a controller that does not exist.
+    let (mut h, cqe) =
+        Host::connect(&t.nvme, Digests::default(), "nqn.2026-11.io.example:nope", 0, 0xffff, 0);
+    assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+    assert!(h.try_recv().is_none());
+    let (_, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 1, 999, 0);
+    assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+    check(&mut good);
+    // A plen far beyond any limit: refused from the 8-byte header, nothing buffered.
+    let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    h.s.write_all(&[4, 0, 72, 72, 0xff, 0xff, 0xff, 0x7f]).unwrap();
+    assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+    // Data no R2T asked for.
+    let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    let dh = DataHeader { cccid: 1, ttag: 0, datao: 0, datal: 512 };
+    h.send(&Header::H2cData(dh), flag::LAST_PDU, &[1; 512]);
+    assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+    // Data beyond what the R2T asked for.
+    let (mut a2, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    a2.enable(1);
+    let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    let mut c = Host::write_cmd(1, 0, 16);
+    c.dptr = SglDesc { addr: 0, length: 8192, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+    h.submit(&mut c, &[]);
+    let Header::R2t(r) = h.recv().0 else { panic!("an R2T") };
+    let dh = DataHeader { cccid: c.cid, ttag: r.ttag, datao: 4096, datal: 4096 };
+    h.send(&Header::H2cData(dh), flag::LAST_PDU, &[1; 4096]);
+    assert_eq!(terminated(&mut h), pdu::fes::DATA_OUT_OF_RANGE);
+    check(&mut good);
+    // A header digest that does not match.
+    let (mut h, _) = Host::connect(&t.nvme, BOTH, NQN, 0, 0xffff, 0);
+    let mut out = Vec::new();
+    pdu::encode(&Header::CapsuleCmd(sqe(0x18)), 0, &[], BOTH, 0, &mut out);
+    out[72] ^= 1;
+    h.s.write_all(&out).unwrap();
+    assert_eq!(terminated(&mut h), pdu::fes::HEADER_DIGEST);
+    // Digest flags that differ from what was agreed.
+    let (mut h, _) = Host::connect(&t.nvme, BOTH, NQN, 0, 0xffff, 0);
+    let mut out = Vec::new();
+    pdu::encode(&Header::CapsuleCmd(sqe(0x18)), 0, &[], Digests::default(), 0, &mut out);
+    h.s.write_all(&out).unwrap();
+    assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+    // A host that leaves in the middle of a PDU.
+    let (mut h, _) = Host::connect(&t.nvme, BOTH, NQN, 0, 0xffff, 0);
+    h.s.write_all(&[4, 1, 72, 0, 76, 0, 0, 0, 0x18]).unwrap();
+    drop(h);
+    check(&mut good);
+    let log = t.signal("TERM").1;
+    assert!(log.contains("NVMe/TCP"), "{log}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
+    let dir = temp_dir("nvme-disc");
+    let t = serve(&dir);
+    let disc = "nqn.2014-08.org.nvmexpress.discovery";
+    let (mut h, cqe) = Host::connect(&t.nvme, Digests::default(), disc, 0, 0xffff, 0);
+    assert!(cqe.status.is_success());
+    assert!(h.property_set(0x14, 0x0046_0001).status.is_success());
+    let (_, id) = h.fetch(sqe(0x06).with(|s| s.cdw10 = 1), 4096);
+    assert_eq!(id[111], 2, "a discovery controller");
+    // The log as nvme-cli reads it: the header, then the entries.
+    let log = |h: &mut Host, offset: u64, len: u32| {
+        let c = sqe(0x02).with(|s| {
+            s.cdw10 = 0x70 | ((len / 4 - 1) << 16);
+            s.cdw12 = offset as u32;
+        });
+        h.fetch(c, len).1
+    };
+    let head = log(&mut h, 0, 1024);
+    assert_eq!(u64::from_le_bytes(head[8..16].try_into().unwrap()), 2, "NUMREC");
+    let entries = log(&mut h, 1024, 2048);
+    let e = &entries[1024..];
+    assert_eq!((e[0], e[2]), (3, 2), "TCP, an NVM subsystem");
+    assert!(e[256..].starts_with(NQN.as_bytes()));
+    let port = t.nvme.rsplit(':').next().unwrap();
+    assert!(e[32..64].starts_with(port.as_bytes()), "TRSVCID is the port the host reached");
+    assert!(e[512..].starts_with(b"127.0.0.1"));
+    // Identify Namespace means nothing here.
+    let (cqe, _) = h.fetch(sqe(0x06).with(|s| s.nsid = 1), 4096);
+    assert!(!cqe.status.is_success());
+
+    // A controller with a 1 s keep-alive: alive while the host sends, torn down when it stops.
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 1000);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(admin.command(sqe(0x18), &[]).status.is_success(), "keep-alive");
+    }
+    assert!(io.write(1, 0, &[5; 512]).status.is_success());
+    let start = std::time::Instant::now();
+    assert!(admin.try_recv().is_none(), "closed after its keep-alive timeout");
+    assert!(io.try_recv().is_none());
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(900) && waited < Duration::from_secs(5), "{waited:?}");
+    let log = t.signal("TERM").1;
+    assert!(log.contains("keep-alive timeout"), "{log}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
