@@ -272,9 +272,31 @@ def tls_table(r):
                   "the TLS-vs-plaintext rows are the cost, reported (target 0).\n")
 
 
+def frontends_table(r):
+    """The same volume through BRP, NBD and NVMe/TCP, the same client."""
+    t = r.get("frontends") or {}
+    if not t:
+        return "not measured\n"
+    rows, checks = [], []
+    for label, p in t.items():
+        for n, e in p.items():
+            rows.append([label, n, fmt(e.get("iops")), f"{e.get('lat_mean_us', 0):.0f}",
+                         f"{e.get('server_cpu_us_per_io', 0):.1f}"])
+        nv, nb = p.get("NVMe/TCP", {}), p.get("NBD", {})
+        check(checks, f"{label}: NVMe/TCP vs NBD, IOPS", nv.get("iops"), nb.get("iops"), 1.0)
+        check(checks, f"{label}: NVMe/TCP vs NBD, server CPU per I/O", nv.get("server_cpu_us_per_io"),
+              nb.get("server_cpu_us_per_io"), 1.0, higher=False)
+    out = table(["point", "front end", "IOPS", "mean us", "server CPU us/IO"], rows)
+    out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
+    return out + ("\nOne fastsan target, one 1 GiB memory volume, served at once over BRP, NBD and NVMe/TCP; the client "
+                  "is fastsan bench for all three (one connection or I/O queue per job; BRP with merging off, so each "
+                  "carries the same requests one per frame). Server CPU is the target process's, per I/O.\n")
+
+
 def write(r, out):
     m = r["machine"]
-    for name, table_of in (("mirror", mirror_table), ("attach", attach_table), ("tls", tls_table)):
+    for name, table_of in (("mirror", mirror_table), ("attach", attach_table), ("tls", tls_table),
+                           ("frontends", frontends_table)):
         if "latency" not in r and name in r:  # one experiment alone
             md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
                  f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
@@ -357,6 +379,7 @@ def write(r, out):
     md += "\n## 8. A volume as a local file: fio on fastsan attach --fuse vs nbdfuse\n\n" + attach_table(r)
     md += "\n## 9. Mirroring: a 2-leg mirror vs one leg\n\n" + mirror_table(r)
     md += "\n## 10. TLS: BRP and NBD encrypted vs plaintext, and vs nbdkit --tls=require\n\n" + tls_table(r)
+    md += "\n## 11. Front ends: one volume through BRP, NBD and NVMe/TCP\n\n" + frontends_table(r)
     for c in charts(r, out):
         md += f"\n![{c}]({c})\n"
     with open(os.path.join(out, "report.md"), "w") as fh:

@@ -285,6 +285,8 @@ def main():
                     help="only the mirror experiment: a 2-leg mirror vs one leg, dirty-region log optimized and naive")
     ap.add_argument("--tls", action="store_true",
                     help="only the TLS experiment: BRP and NBD over TLS vs plaintext, and NBD over TLS vs nbdkit --tls=require")
+    ap.add_argument("--frontends", action="store_true",
+                    help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
                     help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
     args = ap.parse_args()
@@ -321,7 +323,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems and not args.attach and not args.mirror and not args.tls:
+        if "nbdkit" in systems and not args.attach and not args.mirror and not args.tls and not args.frontends:
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -346,6 +348,9 @@ def main():
             raise StopIteration
         if args.tls:
             results["tls"] = tls_experiment(run, reps, have)
+            raise StopIteration
+        if args.frontends:
+            results["frontends"] = frontends_experiment(run, reps)
             raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
@@ -434,6 +439,9 @@ def main():
 
         # 9. TLS: what encryption costs, against plaintext and against nbdkit's TLS.
         results["tls"] = tls_experiment(run, reps, have)
+
+        # 10. The three front ends on one volume, one client.
+        results["frontends"] = frontends_experiment(run, reps)
     except StopIteration:
         pass
     finally:
@@ -525,6 +533,35 @@ def tls_experiment(run, reps, have):
         for s in systems.values():
             s.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def frontends_experiment(run, reps):
+    """One target, one memory volume, served over BRP, NBD and NVMe/TCP, driven by the same client
+    (fastsan bench) at 4K random read and write, QD32 on one connection (queue) and 4 x QD8 on four.
+    BRP without merging here, so that the three carry the same requests, one per frame: the protocols
+    and their front ends are what is compared."""
+    log("front ends: BRP, NBD, NVMe/TCP")
+    brp, nbd, nvme = free_port(), free_port(), free_port()
+    nqn = "nqn.2026-11.io.fastsan:bench"
+    s = System("fastsan", "fastsan")
+    s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}", "--nvme", f"127.0.0.1:{nvme}",
+             "--nvme-nqn", nqn, "--volume", "vol0=memory:1G"], brp)
+    try:
+        wait_port(nbd)
+        wait_port(nvme)
+        urls = {"BRP": f"brp://127.0.0.1:{brp}/vol0", "NBD": f"nbd://127.0.0.1:{nbd}/vol0",
+                "NVMe/TCP": f"nvme+tcp://127.0.0.1:{nvme}/{nqn}/1"}
+        out = {}
+        for rw in ("randread", "randwrite"):
+            for conns, qd in ((1, 32), (4, 8)):
+                fns = {name: with_cpu(lambda url=url, rw=rw, conns=conns, qd=qd:
+                                      run.fastsan_bench(url, rw, "4k", qd, conns, merge="off", connections=conns), s.pid)
+                       for name, url in urls.items()}
+                out[f"4K {rw}, {conns} x QD{qd}"] = run_point(
+                    run, reps, "frontends", {"rw": rw, "bs": "4k", "connections": conns, "qd": qd}, fns)
+        return out
+    finally:
+        s.stop()
 
 
 # Device-bound legs for the read point: each leg's volume adds this latency and

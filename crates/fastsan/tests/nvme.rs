@@ -517,3 +517,54 @@ fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
     assert!(log.contains("keep-alive timeout"), "{log}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
+    let t = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--nvme",
+        "127.0.0.1:0",
+        "--nvme-nqn",
+        NQN,
+        "--volume",
+        "e=memory:4M,faults=write:eio@1M-2M",
+        "--volume",
+        "fl=memory:1M,faults=flush:eio",
+    ]);
+    let host = |queues: u32| {
+        let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+        admin.enable(queues);
+        let (io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+        (admin, io)
+    };
+    let (_a1, mut io) = host(1);
+    let (_a2, mut other) = host(1);
+    // A write the device fails: Write Fault, do not retry; nothing of it is read back.
+    let bad = (1 << 20) / 512 + 8;
+    let cqe = io.write(1, bad, &pattern(9, 4096));
+    assert_eq!(sc(&cqe), status::WRITE_FAULT);
+    assert!(cqe.status.dnr);
+    assert_eq!(io.read(1, bad, 8).1, vec![0; 4096]);
+    // Writes around it land, and the queue goes on.
+    let good = pattern(3, 4096);
+    assert!(io.write(1, 16, &good).status.is_success());
+    assert_eq!(other.read(1, 16, 8).1, good);
+    // A failed flush: this host's flush fails, and so does every later one, the other host's too.
+    let flush = |h: &mut Host| h.command(sqe(0x00).with(|s| s.nsid = 2), &[]);
+    assert!(other.write(2, 0, &good).status.is_success());
+    assert_eq!(sc(&flush(&mut io)), status::WRITE_FAULT);
+    assert_eq!(sc(&flush(&mut other)), status::WRITE_FAULT);
+    assert_eq!(sc(&flush(&mut io)), status::WRITE_FAULT);
+    // FUA writes promise durability too: refused the same way.
+    let fua = Host::write_cmd(2, 8, 8).with(|s| s.cdw12 |= 1 << 30);
+    assert_eq!(sc(&other.command(fua, &good)), status::WRITE_FAULT);
+    // Namespace 1 is not affected.
+    assert!(flush_ok(&mut io, 1));
+    let log = t.signal("TERM").1;
+    assert!(log.contains("flush failed"), "{log}");
+}
+
+fn flush_ok(h: &mut Host, nsid: u32) -> bool {
+    h.command(sqe(0x00).with(|s| s.nsid = nsid), &[]).status.is_success()
+}

@@ -719,7 +719,8 @@ impl NvmeConn {
             } else {
                 Ok(IoRequest { kind, offset, length, fua, payload })
             };
-            let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write } };
+            // A failed flush is a write fault too: writes it covered may be lost.
+            let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write: write || kind == IoKind::Flush } };
             Decoded::On { volume: volume.clone(), tag: cid as u64, meta, req }
         };
         Ok(match sqe.opcode {
