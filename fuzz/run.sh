@@ -12,7 +12,7 @@ secs=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
 for t in request reply batch handshake nbd_request nbd_option target_brp_handshake target_nbd_handshake \
-         initiator_handshake nvme_pdu; do
+         initiator_handshake nvme_pdu target_nvme; do
   mkdir -p "target/corpus/$t"
   echo "== fuzzing $t for ${secs}s"
   cargo fuzz run "$t" "target/corpus/$t" "corpus/$t" -- -max_total_time="$secs" -print_final_stats=1 2>&1 \

@@ -80,3 +80,84 @@ pub fn nbd_handshake(data: &[u8]) {
     let (access, who) = access(data.last().copied().unwrap_or(0));
     feed(NbdHandshake::new(catalog(), access, who), data);
 }
+
+/// The NVMe/TCP front end, handshake then transmission, on a fresh
+/// subsystem with one enabled controller (id 1, 4 I/O queues granted, host
+/// [`NVME_HOST`]) so that inputs can join it as an I/O queue. The first
+/// byte chooses the security settings (see `access`); the rest is a host's
+/// bytes, fed in pieces. Decode must never panic. Returns how many items
+/// (requests and replies) decode gave, so the corpus can be checked to
+/// reach past the handshake.
+pub fn nvme(data: &[u8]) -> usize {
+    use crate::frontend::nvme::{ConnectArgs, NvmeHandshake, Subsystem};
+    use crate::frontend::{Decoded, Transmission};
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    // A shutdown (CC.SHN) flushes on a blocking thread: decode runs inside a runtime, as in the driver.
+    let rt = RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime")
+    });
+    let _in_runtime = rt.enter();
+    let (access, who) = access(data.first().copied().unwrap_or(0));
+    let sub = Arc::new(Subsystem::new(NVME_NQN.into(), &catalog(), access));
+    let args = |qid| ConnectArgs {
+        qid,
+        sqsize: 31,
+        cattr: 0,
+        kato_ms: 0,
+        cntlid: 0xffff,
+        subnqn: NVME_NQN.into(),
+        hostnqn: NVME_HOST.into(),
+        digests: Default::default(),
+    };
+    let mut admin = sub.connect(args(0), &who).expect("an admin queue");
+    let mut enable = BytesMut::from(&nvme_enable()[..]);
+    while let Ok(Decoded::Local { .. }) = admin.decode(&mut enable) {}
+    let mut hs = NvmeHandshake::new(sub.clone(), who);
+    let mut out = Vec::new();
+    let mut input = BytesMut::new();
+    let data = data.get(1..).unwrap_or_default();
+    let cut = data.first().map_or(1, |&b| (b as usize % 13) + 1);
+    let (mut conn, mut items) = (None, 0);
+    for piece in data.chunks(cut) {
+        input.extend_from_slice(piece);
+        if conn.is_none() {
+            match hs.advance(&mut input, &mut out) {
+                Ok(Step::Continue) => continue,
+                Ok(Step::Done(c)) => conn = Some(c),
+                Ok(_) | Err(_) => return items,
+            }
+        }
+        let c = conn.as_mut().expect("connected");
+        loop {
+            match c.decode(&mut input) {
+                Ok(Decoded::Incomplete { .. }) => break,
+                Ok(Decoded::Disconnect) | Err(_) => return items,
+                Ok(_) => items += 1,
+            }
+        }
+    }
+    items
+}
+
+/// The subsystem and host of [`nvme`].
+pub const NVME_NQN: &str = "nqn.2026-11.io.fastsan:fuzz";
+pub const NVME_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:fuzz";
+
+/// Property Set CC.EN and Set Features (4 I/O queues), as an admin queue receives them.
+fn nvme_enable() -> Vec<u8> {
+    use fastsan_nvme::command::{fctype, Sqe, OPC_FABRICS};
+    use fastsan_nvme::pdu::{encode, Digests, Header};
+    let mut v = Vec::new();
+    let mut cc = Sqe::decode(&[0; 64]);
+    cc.opcode = OPC_FABRICS;
+    cc.nsid = fctype::PROPERTY_SET as u32;
+    cc.cdw11 = 0x14;
+    cc.cdw12 = 0x0046_0001;
+    encode(&Header::CapsuleCmd(cc), 0, &[], Digests::default(), 0, &mut v);
+    let mut queues = Sqe::decode(&[0; 64]);
+    queues.opcode = 0x09;
+    queues.cdw10 = 0x07;
+    queues.cdw11 = 3 | 3 << 16;
+    encode(&Header::CapsuleCmd(queues), 0, &[], Digests::default(), 0, &mut v);
+    v
+}

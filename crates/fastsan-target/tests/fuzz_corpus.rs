@@ -27,3 +27,18 @@ fn brp_handshake_corpus() {
 fn nbd_handshake_corpus() {
     run("target_nbd_handshake", fastsan_target::fuzz_checks::nbd_handshake);
 }
+
+#[test]
+fn nvme_corpus() {
+    run("target_nvme", |d| {
+        fastsan_target::fuzz_checks::nvme(d);
+    });
+    // The seeds reach past the handshake: every command of theirs is decoded
+    // (the admin seed's 15 answers: AERs beyond the 4 held are refused; the
+    // I/O seed's 5 commands, an R2T for the sixth, and the write its data completes).
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/target_nvme");
+    for (seed, want) in [("admin", 15), ("admin-digests", 15), ("io", 7), ("io-digests", 7)] {
+        let bytes = std::fs::read(corpus.join(seed)).unwrap();
+        assert_eq!(fastsan_target::fuzz_checks::nvme(&bytes), want, "{seed}");
+    }
+}
