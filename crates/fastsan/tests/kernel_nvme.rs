@@ -9,14 +9,21 @@
 //! on namespace 1, writes 64 MiB, reads it back after a remount with the
 //! caches dropped, checks the file system and disconnects; then connects
 //! again with header and data digests, finds the data there, writes more,
-//! and checks it all again.
+//! and checks it all again. Then it connects once more, ready to wait up to
+//! 120 s for a lost controller, and prints `@@RESTART` as its writes begin:
+//! the host kills the target (SIGKILL) half a second later and starts it
+//! again 5 s after that on the same port, with the same NQN and volume. The
+//! kernel reconnects (the namespace the same, as its identifiers come from
+//! the NQN and the volume's name), sends again what was in flight, and
+//! every file reads back as written, after a remount too.
 
 mod common;
 
 use common::guest::{self, Guest};
 use common::*;
+use std::io::Read;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The subsystem's name, given to the target (rather than its default,
 /// which carries the host's name) and to the guest on its command line.
@@ -24,7 +31,7 @@ const NQN: &str = "nqn.2026-11.io.fastsan:kernel-nvme-test";
 const SIZE: u64 = 256 << 20;
 
 #[test]
-fn the_kernel_nvme_tcp_host_discovers_connects_and_keeps_ext4_with_and_without_digests() {
+fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target_restart() {
     if guest::qemu_missing() {
         eprintln!("SKIPPED: qemu-system-x86_64 cannot run here (scripts/test.sh installs qemu-system-x86)");
         return;
@@ -38,24 +45,51 @@ fn the_kernel_nvme_tcp_host_discovers_connects_and_keeps_ext4_with_and_without_d
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(SIZE).unwrap();
     let spec = format!("v=file:{}", img.display());
-    let target = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--nvme",
-        "127.0.0.1:0",
-        "--nvme-nqn",
-        NQN,
-        "--volume",
-        &spec,
-    ]);
-    let port = target.nvme.rsplit(':').next().unwrap().to_owned();
+    let serve = |nvme: &str| {
+        Served::start(&["--brp", "127.0.0.1:0", "--nvme", nvme, "--nvme-nqn", NQN, "--volume", &spec])
+    };
+    let mut target = Some(serve("127.0.0.1:0"));
+    let nvme = target.as_ref().unwrap().nvme.clone();
+    let port = nvme.rsplit(':').next().unwrap().to_owned();
 
     let append = format!("fastsan.nqn={NQN} fastsan.bytes={SIZE}");
     let mut guest = Guest::boot(&image, &append, 4420, &port, Duration::from_secs(420));
+    // The targets' logs (stderr), the killed one's and the last one's: shown
+    // with the guest's account when something fails, or with --no-capture.
+    let mut logs = Vec::new();
+    let mut restarted = None;
     while let Some(event) = guest.next_event() {
-        if event == "END" {
+        if event == "RESTART" {
+            // Writes in flight, then the target gone for 5 s: longer than
+            // the host takes to notice (the connections close at once),
+            // shorter than the kernel's I/O timeout (30 s) and far shorter
+            // than the controller loss timeout (120 s) the guest asked for.
+            std::thread::sleep(Duration::from_millis(500));
+            let mut t = target.take().unwrap();
+            t.child.kill().unwrap();
+            t.child.wait().unwrap();
+            logs.push(("killed target", stderr(&mut t)));
+            eprintln!("host: the target is killed; back in 5 s on {nvme}");
+            std::thread::sleep(Duration::from_secs(5));
+            target = Some(serve(&nvme));
+            assert_eq!(target.as_ref().unwrap().nvme, nvme);
+            restarted = Some(Instant::now());
+        } else if event == "END" {
             break;
         }
+    }
+    if let Some(mut t) = target.take() {
+        let _ = t.child.kill();
+        let _ = t.child.wait();
+        logs.push(("restarted target", stderr(&mut t)));
+    }
+    for (which, log) in &logs {
+        for line in log.lines() {
+            eprintln!("{which}: {line}");
+        }
+    }
+    if let Some(at) = restarted {
+        eprintln!("host: the guest ended {:.1} s after the restart", at.elapsed().as_secs_f64());
     }
     guest.finish(&[
         "modules loaded",
@@ -70,10 +104,21 @@ fn the_kernel_nvme_tcp_host_discovers_connects_and_keeps_ext4_with_and_without_d
         "nvme disconnect",
         "gone after disconnect",
         "nothing amiss in the kernel log",
+        "the writer finished across the restart",
+        "the outage came during the writes",
+        "live again with 2 I/O queues",
+        "the kernel reconnected",
+        "no I/O error around the restart",
     ]);
     // What the guest wrote is in the file, as a clean file system.
     let fsck = ok("fsck.ext4", &["-fn", &img.display().to_string()]);
     assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
-    drop(target);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// What a stopped target wrote to stderr (its log).
+fn stderr(t: &mut Served) -> String {
+    let mut err = String::new();
+    let _ = t.child.stderr.take().unwrap().read_to_string(&mut err);
+    err
 }

@@ -3,8 +3,9 @@
 # host (nvme-tcp, driven by nvme-cli) against the host's target, reached at
 # 10.0.2.100:4420 through qemu's user network. The kernel command line names
 # the subsystem (fastsan.nqn=NQN) and the size of its namespace 1
-# (fastsan.bytes=N). Prints @@PASS/@@FAIL lines for the host to check, and
-# @@END before powering off.
+# (fastsan.bytes=N). Prints @@PASS/@@FAIL lines for the host to check,
+# @@RESTART when the host should kill the target and start it again, @@LOG
+# lines (the kernel's account of the restart) and @@END before powering off.
 export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -44,12 +45,14 @@ echo "$HOSTID" >/etc/nvme/hostid
 FABRIC="-t tcp -a 10.0.2.100 -s 4420 --hostnqn $HOSTNQN --hostid $HOSTID"
 DEV=
 
-# Connects to NQN (LABEL, then more options) and waits, bounded, for its namespace 1.
+# Connects to NQN (LABEL, then more options) and waits, bounded, for its
+# namespace 1. The host gives a lost controller LOSS_TMO seconds to come back.
+LOSS_TMO=30
 connect() {
   label=$1
   shift
   # shellcheck disable=SC2086
-  check timeout 120 nvme connect $FABRIC -n "$NQN" --nr-io-queues 2 --ctrl-loss-tmo 30 "$@" || return 1
+  check timeout 120 nvme connect $FABRIC -n "$NQN" --nr-io-queues 2 --ctrl-loss-tmo $LOSS_TMO "$@" || return 1
   for i in $(seq 1 300); do
     for d in /dev/nvme*n1; do
       case $d in */nvme*c*n1 | '/dev/nvme*n1') ;; *) [ -b "$d" ] && DEV=$d ;; esac
@@ -135,5 +138,72 @@ fi
 dmesg | grep -iE 'nvme|ext4|blk_|dev nvme' | grep -iE 'error|fail|timeout|reset|invalid|digest' >/tmp/kerr
 if [ -s /tmp/kerr ]; then say "FAIL the kernel reported: $(tail -5 /tmp/kerr | tr '\n' ' ')"
 else say "PASS nothing amiss in the kernel log"; fi
+
+# 3. The target goes away (SIGKILL) during writes and comes back 5 s later on
+# the same port with the same volume: the host keeps retrying (a reconnect
+# every second, for up to 120 s), reconnects to what it takes for the same
+# controller's namespace, and sends again what was in flight. Nothing
+# acknowledged is lost, nothing read back is wrong. The writer: 4 files of
+# 12 MiB of known content, two with direct writes, two through the page
+# cache and fsync.
+dmesg | wc -l >/tmp/klines
+LOSS_TMO=120
+for n in 1 2 3 4; do dd if=/dev/urandom of=/tmp/w$n bs=1M count=12 2>/dev/null; done
+(cd /tmp && sha256sum w1 w2 w3 w4 >/tmp/wsums)
+if connect "for the restart" --reconnect-delay 1; then
+  check mount "$DEV" /mnt
+  verify
+  ctrl=$(ls /sys/class/nvme | head -1)
+  timeout 150 sh -c '
+    dd if=/tmp/w1 of=/mnt/w1 bs=1M oflag=direct &&
+    dd if=/tmp/w2 of=/mnt/w2 bs=256k oflag=direct &&
+    dd if=/tmp/w3 of=/mnt/w3 bs=1M conv=fsync &&
+    dd if=/tmp/w4 of=/mnt/w4 bs=64k conv=fsync' >/tmp/writer.out 2>&1 &
+  writer=$!
+  # Seconds since boot, as the kernel log counts them.
+  start=$(cut -d' ' -f1 /proc/uptime)
+  say "RESTART"
+  wait $writer
+  rc=$?
+  end=$(cut -d' ' -f1 /proc/uptime)
+  took=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
+  if [ $rc = 0 ]; then say "PASS the writer finished across the restart in $took s"
+  else say "FAIL the writer exited $rc after $took s: $(tail -3 /tmp/writer.out | tr '\n' ' ') | dmesg: $(dmesg | tail -5 | tr '\n' ' ')"; fi
+  # The whole outage, from the connection lost to the reconnect, came while
+  # the writer ran (and the kernel held back I/O for want of a path).
+  dmesg >/tmp/kall
+  lost=$(grep 'nvme.*starting error recovery' /tmp/kall | tail -1 | sed 's/^\[ *\([0-9.]*\)\].*/\1/')
+  back=$(grep 'nvme.*Successfully reconnected' /tmp/kall | tail -1 | sed 's/^\[ *\([0-9.]*\)\].*/\1/')
+  if [ -n "$lost" ] && [ -n "$back" ] && grep -q 'requeuing I/O' /tmp/kall &&
+    awk -v s="$start" -v l="$lost" -v b="$back" -v e="$end" 'BEGIN { exit !(s < l && l < b && b < e) }'; then
+    say "PASS the outage came during the writes (writer $start..$end s, lost at $lost, back at $back)"
+  else say "FAIL the outage missed the writes: writer $start..$end s, lost at ${lost:-?}, back at ${back:-?}"; fi
+  state=$(cat /sys/class/nvme/"$ctrl"/state)
+  queues=$(cat /sys/class/nvme/"$ctrl"/queue_count)
+  if [ "$state" = live ] && [ "$queues" = 3 ]; then say "PASS $ctrl live again with 2 I/O queues"
+  else say "FAIL $ctrl is $state with queue_count $queues after the restart"; fi
+  check sync
+  cat /tmp/wsums >>/tmp/sums
+  verify
+  fresh_mount
+  verify
+  check umount /mnt
+  check e2fsck -fn "$DEV"
+  # (What the kernel says from here on is about the disconnect.)
+  dmesg | tail -n +$(($(cat /tmp/klines) + 1)) >/tmp/k3
+  disconnect
+fi
+# The kernel's account of it: the connection lost, failed attempts while the
+# target was away, then a reconnect; no I/O error, no namespace changed or
+# removed, nothing from ext4.
+[ -e /tmp/k3 ] || dmesg | tail -n +$(($(cat /tmp/klines) + 1)) >/tmp/k3
+# (While the target is away, each attempt meets the text of the forward's
+# `nc` that cannot connect instead of an ICResp: "bad type returned 110".)
+grep -iE 'nvme' /tmp/k3 | tail -25 | while read -r line; do say "LOG $line"; done
+if grep -qE 'nvme[0-9]+: Successfully reconnected' /tmp/k3; then say "PASS the kernel reconnected: $(grep -E 'Successfully reconnected' /tmp/k3 | tail -1)"
+else say "FAIL the kernel logged no reconnect"; fi
+grep -iE 'I/O error|blk_update|critical|identifiers changed|removing|EXT4-fs (error|warning)|Buffer I/O|digest|invalid|aborted|timeout|lost' /tmp/k3 >/tmp/kerr
+if [ -s /tmp/kerr ]; then say "FAIL the kernel reported around the restart: $(tail -5 /tmp/kerr | tr '\n' ' ')"
+else say "PASS no I/O error around the restart"; fi
 say "END"
 poweroff -f
