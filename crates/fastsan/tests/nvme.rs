@@ -568,3 +568,63 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
 fn flush_ok(h: &mut Host, nsid: u32) -> bool {
     h.command(sqe(0x00).with(|s| s.nsid = nsid), &[]).status.is_success()
 }
+
+#[test]
+fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
+    // One device thread, 100 ms a write: a lost queue's writes wait their turn on the device.
+    let dir = temp_dir("nvme-fence");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
+    let spec = format!("v=file:{},delay=100ms", img.display());
+    let t = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--nvme",
+        "127.0.0.1:0",
+        "--nvme-nqn",
+        NQN,
+        "--io-threads",
+        "1",
+        "--volume",
+        &spec,
+    ]);
+    let host = || {
+        let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+        assert!(cqe.status.is_success());
+        admin.enable(1);
+        let (io, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+        assert!(cqe.status.is_success());
+        (admin, io)
+    };
+    let (a_admin, mut a) = host();
+    // Five writes elsewhere, then the old content of block 0; the host loses
+    // its connections before any completes.
+    for i in 0..5u64 {
+        a.submit(&mut Host::write_cmd(1, 8 + 8 * i, 8), &pattern(i as u8, 4096));
+    }
+    a.submit(&mut Host::write_cmd(1, 0, 8), &pattern(0xee, 4096));
+    std::thread::sleep(Duration::from_millis(50));
+    drop(a);
+    drop(a_admin);
+    // It reconnects (same host NQN) and writes the new content of block 0.
+    let start = std::time::Instant::now();
+    let (_b_admin, mut b) = host();
+    let waited = start.elapsed();
+    let new = pattern(0x11, 4096);
+    assert!(b.write(1, 0, &new).status.is_success());
+    // Read once every write of the lost queue has surely had its turn.
+    std::thread::sleep(Duration::from_millis(800));
+    let back = b.read(1, 0, 8).1;
+    assert!(
+        back == new,
+        "a lost queue's older write landed after the newer one (block 0 starts {:?})",
+        &back[..4]
+    );
+    for i in 0..5u64 {
+        assert_eq!(b.read(1, 8 + 8 * i, 8).1, pattern(i as u8, 4096), "the lost queue's writes all ran");
+    }
+    assert!(waited >= Duration::from_millis(200), "the Connect did not wait for the lost queue: {waited:?}");
+    let log = t.signal("TERM").1;
+    assert!(log.contains("waits for the host's lost queues to drain"), "{log}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -99,6 +99,9 @@ pub struct Subsystem {
     /// MDTS: the largest transfer is 4 KiB << mdts.
     pub mdts: u8,
     controllers: Mutex<HashMap<u16, Arc<Controller>>>,
+    /// Queues of deleted controllers, by host, that may still have device
+    /// work running (see [`NvmeConn::fence`]).
+    departed: Mutex<Vec<(String, Arc<Activity>)>>,
     next_cntlid: Mutex<u16>,
     epoch: Instant,
 }
@@ -187,6 +190,7 @@ impl Subsystem {
             access,
             mdts,
             controllers: Mutex::new(HashMap::new()),
+            departed: Mutex::new(Vec::new()),
             next_cntlid: Mutex::new(1),
             epoch: Instant::now(),
         }
@@ -319,8 +323,13 @@ impl Subsystem {
             ctrls.remove(&ctrl.cntlid);
             info!(cntlid = ctrl.cntlid, hostnqn = ctrl.hostnqn, "NVMe controller deleted");
         }
+        let mut departed = self.departed.lock();
+        departed.retain(|(_, a)| !a.is_drained());
         for a in ctrl.state.lock().queues.values() {
             a.stop();
+            if !a.is_drained() {
+                departed.push((ctrl.hostnqn.clone(), a.clone()));
+            }
         }
     }
 
@@ -358,6 +367,22 @@ impl Subsystem {
                 _ = tick.tick() => self.reap(),
             }
         }
+    }
+
+    /// The queues of `hostnqn`'s controllers that stopped with device work
+    /// still running.
+    fn stopped_queues(&self, hostnqn: &str) -> Vec<Arc<Activity>> {
+        let ctrls = self.controllers.lock();
+        let mine = ctrls.values().filter(|c| c.hostnqn == hostnqn);
+        let mut v: Vec<Arc<Activity>> = mine
+            .flat_map(|c| {
+                let st = c.state.lock();
+                st.queues.values().filter(|a| a.is_stopped() && !a.is_drained()).cloned().collect::<Vec<_>>()
+            })
+            .collect();
+        let departed = self.departed.lock();
+        v.extend(departed.iter().filter(|(h, a)| h == hostnqn && !a.is_drained()).map(|(_, a)| a.clone()));
+        v
     }
 
     /// How many controllers are live.
@@ -930,6 +955,29 @@ impl Transmission for NvmeConn {
 
     fn activity(&self) -> Arc<Activity> {
         self.activity.clone()
+    }
+
+    /// NVMe/TCP has no fence of its own: a host that lost a connection
+    /// reconnects and sends its writes again, and a write of the lost queue
+    /// still waiting for the device would then land after the newer one. So
+    /// a Connect from a host is answered once every queue of that host that
+    /// has stopped (its connection ended, or its controller was torn down)
+    /// has drained: what the host resends can no longer be overtaken.
+    fn fence(&mut self) -> Option<crate::sessions::Fence> {
+        let stopped = self.sub.stopped_queues(&self.ctrl.hostnqn);
+        if stopped.is_empty() {
+            return None;
+        }
+        info!(
+            hostnqn = self.ctrl.hostnqn,
+            queues = stopped.len(),
+            "NVMe Connect waits for the host's lost queues to drain"
+        );
+        Some(Box::pin(async move {
+            for a in stopped {
+                a.drained().await;
+            }
+        }))
     }
 
     fn farewell(&mut self) -> Option<Vec<u8>> {
