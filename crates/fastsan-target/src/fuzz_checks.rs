@@ -107,6 +107,7 @@ pub fn nvme(data: &[u8]) -> usize {
         cntlid: 0xffff,
         subnqn: NVME_NQN.into(),
         hostnqn: NVME_HOST.into(),
+        hostid: [0; 16],
         digests: Default::default(),
     };
     let mut admin = sub.connect(args(0), &who).expect("an admin queue");

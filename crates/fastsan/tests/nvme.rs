@@ -65,7 +65,13 @@ impl Host {
     }
 
     fn try_connect(&mut self, nqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> Cqe {
+        self.try_connect_as([0; 16], nqn, qid, cntlid, kato_ms)
+    }
+
+    /// Connect with host identifier `hostid`.
+    fn try_connect_as(&mut self, hostid: [u8; 16], nqn: &str, qid: u16, cntlid: u16, kato_ms: u32) -> Cqe {
         let mut data = vec![0u8; 1024];
+        data[..16].copy_from_slice(&hostid);
         data[16..18].copy_from_slice(&cntlid.to_le_bytes());
         data[256..256 + nqn.len()].copy_from_slice(nqn.as_bytes());
         data[512..512 + HOSTNQN.len()].copy_from_slice(HOSTNQN.as_bytes());
@@ -298,6 +304,9 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
         let (_, cqe) = Host::connect(&t.nvme, d, NQN, 1, cntlid, 0);
         assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+        // Another host (same NQN, another host identifier) cannot take this controller's queues.
+        let mut other = Host::ic(&t.nvme, d);
+        assert_eq!(sc(&other.try_connect_as([9; 16], NQN, 3, cntlid, 0)), status::CONNECT_INVALID_PARAMETERS);
 
         for nsid in [1, 2] {
             let small = pattern(nsid as u8, 4096);
@@ -328,6 +337,16 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
                 s.cdw11 = 1 << 2;
             });
             assert!(io.command(dsm, &range).status.is_success());
+            // Access hints without Deallocate change nothing.
+            let hint = sqe(0x09).with(|s| {
+                s.nsid = nsid;
+                s.cdw11 = 1;
+            });
+            let mut r = vec![0u8; 16];
+            r[4..8].copy_from_slice(&8u32.to_le_bytes());
+            r[8..16].copy_from_slice(&1024u64.to_le_bytes());
+            assert!(io.command(hint, &r).status.is_success());
+            assert_eq!(io.read(nsid, 1024, 8).1, big[..4096]);
         }
         // The right status for each bad command, and the queue goes on.
         let blocks = (8 << 20) / 512;
@@ -336,6 +355,19 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         assert_eq!(sc(&io.read(9, 0, 1).0), status::INVALID_NAMESPACE);
         assert_eq!(sc(&io.command(sqe(0x7e).with(|s| s.nsid = 1), &[])), status::INVALID_OPCODE);
         assert_eq!(sc(&admin.command(sqe(0xc5), &[])), status::INVALID_OPCODE);
+        // A fused pair is not supported: its write must not run alone.
+        let fused = Host::write_cmd(1, 8, 1).with(|s| s.flags = 2);
+        assert_eq!(sc(&io.command(fused, &[0xff; 512])), status::INVALID_FIELD);
+        // The write cache cannot be turned off (the host would stop flushing).
+        let vwc = sqe(0x09).with(|s| s.cdw10 = 0x06);
+        assert_eq!(sc(&admin.command(vwc, &[])), (status::COMMAND_SPECIFIC, 0x0e));
+        // A log page far longer than the page: refused, not a megabyte of zeros.
+        let dwords: u32 = (1 << 20) / 4 - 1;
+        let huge = sqe(0x02).with(|s| {
+            s.cdw10 = 0x02 | (dwords & 0xffff) << 16;
+            s.cdw11 = dwords >> 16;
+        });
+        assert_eq!(sc(&admin.fetch(huge, 1 << 20).0), status::INVALID_FIELD);
         assert_eq!(sc(&io.write(3, 0, &[1; 512])), status::ACCESS_DENIED, "a read-only namespace");
         let bad_sgl = Host::write_cmd(1, 0, 8).with(|s| s.dptr = [0; 16]);
         assert!(!io.command(bad_sgl, &[]).status.is_success());
@@ -538,7 +570,7 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
         let (io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
         (admin, io)
     };
-    let (_a1, mut io) = host(1);
+    let (mut a1, mut io) = host(1);
     let (_a2, mut other) = host(1);
     // A write the device fails: Write Fault, do not retry; nothing of it is read back.
     let bad = (1 << 20) / 512 + 8;
@@ -561,6 +593,18 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
     assert_eq!(sc(&other.command(fua, &good)), status::WRITE_FAULT);
     // Namespace 1 is not affected.
     assert!(flush_ok(&mut io, 1));
+    // A shutdown whose flush fails does not report a clean shutdown: CSTS.CFS.
+    assert!(a1.property_set(0x14, 0x0046_4001).status.is_success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let csts = loop {
+        let c = a1.property_get(0x1c);
+        if c >> 2 & 3 == 2 {
+            break c;
+        }
+        assert!(std::time::Instant::now() < deadline, "shutdown never finished");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(csts & 2, 2, "controller fatal status after a failed shutdown flush");
     let log = t.signal("TERM").1;
     assert!(log.contains("flush failed"), "{log}");
 }

@@ -114,6 +114,7 @@ impl Handshake for NvmeHandshake {
                     cntlid: u16::from_le_bytes([data[16], data[17]]),
                     subnqn: text(256..512),
                     hostnqn: text(512..768),
+                    hostid: data[..16].try_into().expect("16 bytes"),
                     digests: self.digests,
                 };
                 match self.sub.connect(args, &self.who) {

@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
@@ -116,6 +116,8 @@ pub struct ConnectArgs {
     pub cntlid: u16,
     pub subnqn: String,
     pub hostnqn: String,
+    /// The host identifier (Connect data bytes 0-15).
+    pub hostid: [u8; 16],
     pub digests: Digests,
 }
 
@@ -123,6 +125,9 @@ pub struct ConnectArgs {
 pub struct Controller {
     pub cntlid: u16,
     pub hostnqn: String,
+    /// Who made it: its I/O queues must come from the same host identifier and address.
+    hostid: [u8; 16],
+    ip: Option<std::net::IpAddr>,
     pub discovery: bool,
     /// By NSID - 1: whether this host sees the namespace, and how.
     pub access: Vec<Option<Mode>>,
@@ -247,6 +252,8 @@ impl Subsystem {
             let ctrl = Arc::new(Controller {
                 cntlid,
                 hostnqn: a.hostnqn.clone(),
+                hostid: a.hostid,
+                ip: who.ip,
                 discovery,
                 access,
                 state: Mutex::new(CtrlState {
@@ -273,7 +280,11 @@ impl Subsystem {
             ctrl
         } else {
             let ctrls = self.controllers.lock();
-            let Some(ctrl) = ctrls.get(&a.cntlid).filter(|c| !c.discovery && c.hostnqn == a.hostnqn) else {
+            // The controller's own host only: another host cannot take its queue slots.
+            let mine = |c: &&Arc<Controller>| {
+                !c.discovery && c.hostnqn == a.hostnqn && c.hostid == a.hostid && c.ip == who.ip
+            };
+            let Some(ctrl) = ctrls.get(&a.cntlid).filter(mine) else {
                 return Err(invalid(format!("no controller {} for host {:?}", a.cntlid, a.hostnqn)));
             };
             let mut st = ctrl.state.lock();
@@ -295,7 +306,7 @@ impl Subsystem {
             qid: a.qid,
             entries: a.sqsize + 1,
             digests: a.digests,
-            sqhd: 1,
+            head: Arc::new(AtomicU16::new(1)),
             sqflow_off: a.cattr & (1 << 2) != 0,
             activity,
             writes: HashMap::new(),
@@ -312,8 +323,13 @@ impl Subsystem {
     fn disconnected(&self, ctrl: &Controller, qid: u16) {
         if qid == 0 {
             self.teardown(ctrl);
-        } else {
-            ctrl.state.lock().queues.remove(&qid);
+        } else if let Some(a) = ctrl.state.lock().queues.remove(&qid) {
+            // Its device work may still run (its replies could not be written): the host's next Connect waits for it.
+            if !a.is_drained() {
+                let mut departed = self.departed.lock();
+                departed.retain(|(_, a)| !a.is_drained());
+                departed.push((ctrl.hostnqn.clone(), a));
+            }
         }
     }
 
@@ -342,8 +358,10 @@ impl Subsystem {
             .lock()
             .values()
             .filter(|c| {
+                // Whole seconds and one more, as Linux's target: a host that
+                // sends its keep-alive every KATO (older kernels) is not cut off.
                 let kato = c.state.lock().kato_ms as u64;
-                kato > 0 && now.saturating_sub(c.last_seen.load(Relaxed)) > kato
+                kato > 0 && now.saturating_sub(c.last_seen.load(Relaxed)) > kato.div_ceil(1000) * 1000 + 1000
             })
             .cloned()
             .collect();
@@ -413,7 +431,6 @@ pub fn term_req(fes: u16, fei: u32) -> Vec<u8> {
 /// A write (or a Dataset Management range list) whose data comes by R2T.
 struct Solicited {
     cid: u16,
-    sqhd: u16,
     nsid: u32,
     /// The byte offset and FUA of a write; `None`: Dataset Management.
     write: Option<(u64, bool)>,
@@ -433,8 +450,8 @@ pub struct NvmeConn {
     /// Queue entries (SQSIZE + 1).
     entries: u16,
     digests: Digests,
-    /// The submission queue head after the last command taken.
-    sqhd: u16,
+    /// The submission queue head after the last command taken, shared with the encoder.
+    head: Arc<AtomicU16>,
     /// The host disabled SQ flow control: a read's data may say SUCCESS and
     /// carry no completion.
     sqflow_off: bool,
@@ -467,7 +484,6 @@ impl std::fmt::Debug for NvmeConn {
 /// What the encoder needs to answer a command.
 pub struct NvmeMeta {
     cid: u16,
-    sqhd: u16,
     answer: Answer,
 }
 
@@ -491,31 +507,36 @@ impl NvmeConn {
         Box::new(Violation(why))
     }
 
-    /// Takes one command off the submission queue: its completion's SQHD.
-    fn take(&mut self) -> u16 {
-        self.sqhd = (self.sqhd + 1) % self.entries;
-        self.sqhd
+    /// Takes one command off the submission queue (its completions report
+    /// the head as it is when they are sent).
+    fn take(&mut self) {
+        let next = (self.head.load(Relaxed) + 1) % self.entries;
+        self.head.store(next, Relaxed);
     }
 
-    fn local(&self, cid: u16, sqhd: u16, st: (u8, u8), dnr: bool) -> Decoded<NvmeMeta> {
+    fn local(&self, cid: u16, st: (u8, u8), dnr: bool) -> Decoded<NvmeMeta> {
         let status = Status { sct: st.0, sc: st.1, dnr };
-        let meta = NvmeMeta { cid, sqhd, answer: Answer::Admin { status, dw0: 0, dw1: 0 } };
+        let meta = NvmeMeta { cid, answer: Answer::Admin { status, dw0: 0, dw1: 0 } };
         Decoded::Local { tag: cid as u64, meta, result: Ok(Outcome::Done) }
     }
 
-    fn done(&self, cid: u16, sqhd: u16, dw0: u32, dw1: u32, data: Option<Vec<u8>>) -> Decoded<NvmeMeta> {
-        let meta = NvmeMeta { cid, sqhd, answer: Answer::Admin { status: Status::SUCCESS, dw0, dw1 } };
+    fn done(&self, cid: u16, dw0: u32, dw1: u32, data: Option<Vec<u8>>) -> Decoded<NvmeMeta> {
+        let meta = NvmeMeta { cid, answer: Answer::Admin { status: Status::SUCCESS, dw0, dw1 } };
         let result = Ok(data.map_or(Outcome::Done, |d| Outcome::Data(Bytes::from(d))));
         Decoded::Local { tag: cid as u64, meta, result }
     }
 
-    fn invalid(&self, cid: u16, sqhd: u16) -> Decoded<NvmeMeta> {
-        self.local(cid, sqhd, status::INVALID_FIELD, true)
+    fn invalid(&self, cid: u16) -> Decoded<NvmeMeta> {
+        self.local(cid, status::INVALID_FIELD, true)
     }
 
     /// An admin command: answered here, or held (an asynchronous event request).
     fn admin(&mut self, sqe: &Sqe) -> Option<Decoded<NvmeMeta>> {
-        let (cid, sqhd) = (sqe.cid, self.take());
+        self.take();
+        let cid = sqe.cid;
+        if sqe.flags & 0x3 != 0 {
+            return Some(self.invalid(cid));
+        }
         // Commands that return data name its length in a transport SGL.
         let out_len = || {
             let d = sqe.sgl();
@@ -530,26 +551,24 @@ impl NvmeConn {
                     0x08 => admin::VERSION as u64,
                     0x14 => st.cc as u64,
                     0x1c => st.csts as u64,
-                    _ => return Some(self.invalid(cid, sqhd)),
+                    _ => return Some(self.invalid(cid)),
                 };
-                self.done(cid, sqhd, v as u32, (v >> 32) as u32, None)
+                self.done(cid, v as u32, (v >> 32) as u32, None)
             }
             (OPC_FABRICS, Some(fctype::PROPERTY_SET)) => match sqe.cdw11 {
                 0x14 => {
                     self.set_cc(sqe.cdw12);
-                    self.done(cid, sqhd, 0, 0, None)
+                    self.done(cid, 0, 0, None)
                 }
                 // A subsystem reset: nothing to reset in memory.
-                0x20 => self.done(cid, sqhd, 0, 0, None),
-                _ => self.invalid(cid, sqhd),
+                0x20 => self.done(cid, 0, 0, None),
+                _ => self.invalid(cid),
             },
-            (OPC_FABRICS, Some(fctype::CONNECT)) => {
-                self.local(cid, sqhd, status::COMMAND_SEQUENCE_ERROR, true)
-            }
-            (OPC_FABRICS, _) => self.local(cid, sqhd, status::INVALID_OPCODE, true),
+            (OPC_FABRICS, Some(fctype::CONNECT)) => self.local(cid, status::COMMAND_SEQUENCE_ERROR, true),
+            (OPC_FABRICS, _) => self.local(cid, status::INVALID_OPCODE, true),
             // Identify
             (0x06, _) => {
-                let Some(len) = out_len() else { return Some(self.invalid(cid, sqhd)) };
+                let Some(len) = out_len() else { return Some(self.invalid(cid)) };
                 let (cns, csi) = (sqe.cdw10 & 0xff, sqe.cdw11 >> 24);
                 let ns = || {
                     self.ctrl.namespace(sqe.nsid).map(|m| (&self.sub.namespaces[sqe.nsid as usize - 1], m))
@@ -567,21 +586,21 @@ impl NvmeConn {
                         {
                             vec![0; admin::PAGE]
                         }
-                        None => return Some(self.local(cid, sqhd, status::INVALID_NAMESPACE, true)),
+                        None => return Some(self.local(cid, status::INVALID_NAMESPACE, true)),
                     },
                     (0x02, _) if !ctrl.discovery => admin::active_namespaces(&ctrl, sqe.nsid),
                     (0x03, _) => match ns() {
                         Some((n, _)) => admin::namespace_descriptors(n),
-                        None => return Some(self.local(cid, sqhd, status::INVALID_NAMESPACE, true)),
+                        None => return Some(self.local(cid, status::INVALID_NAMESPACE, true)),
                     },
                     (0x05, 0) if ns().is_some() => vec![0; admin::PAGE],
                     (0x06, 0) if !ctrl.discovery => admin::identify_controller_nvm(),
-                    _ => return Some(self.invalid(cid, sqhd)),
+                    _ => return Some(self.invalid(cid)),
                 };
                 let Some(page) = admin::slice_of(&page, 0, len.min(admin::PAGE)) else {
-                    return Some(self.invalid(cid, sqhd));
+                    return Some(self.invalid(cid));
                 };
-                self.done(cid, sqhd, 0, 0, Some(page))
+                self.done(cid, 0, 0, Some(page))
             }
             // Get Log Page
             (0x02, _) => {
@@ -590,7 +609,7 @@ impl NvmeConn {
                 let offset = sqe.cdw12 as u64 | (sqe.cdw13 as u64) << 32;
                 match out_len() {
                     Some(len) if len == dwords * 4 && len <= MAX_TRANSFER as usize => {}
-                    _ => return Some(self.invalid(cid, sqhd)),
+                    _ => return Some(self.invalid(cid)),
                 }
                 let visible: Vec<&Namespace> =
                     self.sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()).collect();
@@ -600,11 +619,15 @@ impl NvmeConn {
                     0x03 => vec![0; 512],
                     0x04 => vec![0; admin::PAGE],
                     0x70 if ctrl.discovery => admin::discovery_log(&self.sub, self.via()),
-                    _ => return Some(self.local(cid, sqhd, status::INVALID_LOG_PAGE, true)),
+                    _ => return Some(self.local(cid, status::INVALID_LOG_PAGE, true)),
                 };
+                // Past the page: zeros, but no more than a page's worth of them.
+                if dwords * 4 > page.len().max(admin::PAGE) {
+                    return Some(self.invalid(cid));
+                }
                 match admin::slice_of(&page, offset, dwords * 4) {
-                    Some(p) => self.done(cid, sqhd, 0, 0, Some(p)),
-                    None => self.invalid(cid, sqhd),
+                    Some(p) => self.done(cid, 0, 0, Some(p)),
+                    None => self.invalid(cid),
                 }
             }
             // Set Features, Get Features
@@ -617,7 +640,7 @@ impl NvmeConn {
                         let (nsq, ncq) = (sqe.cdw11 & 0xffff, sqe.cdw11 >> 16);
                         if nsq == 0xffff || ncq == 0xffff || ctrl.discovery {
                             drop(st);
-                            return Some(self.invalid(cid, sqhd));
+                            return Some(self.invalid(cid));
                         }
                         st.io_queues = (nsq.min(ncq) + 1).min(MAX_IO_QUEUES as u32) as u16;
                         let n = st.io_queues as u32 - 1;
@@ -627,8 +650,13 @@ impl NvmeConn {
                         let n = (st.io_queues.max(1) - 1) as u32;
                         n | n << 16
                     }
-                    // Volatile write cache: always on (FLUSH makes writes durable).
-                    (0x06, _) => 1,
+                    // Volatile write cache: always on (FLUSH makes writes durable);
+                    // it cannot be turned off (the host would stop flushing).
+                    (0x06, false) => 1,
+                    (0x06, true) => {
+                        drop(st);
+                        return Some(self.local(cid, (status::COMMAND_SPECIFIC, 0x0e), true));
+                    }
                     (0x0b, true) => {
                         st.async_config = sqe.cdw11;
                         sqe.cdw11
@@ -641,27 +669,27 @@ impl NvmeConn {
                     (0x0f, false) => st.kato_ms,
                     _ => {
                         drop(st);
-                        return Some(self.invalid(cid, sqhd));
+                        return Some(self.invalid(cid));
                     }
                 };
                 drop(st);
-                self.done(cid, sqhd, dw0, 0, None)
+                self.done(cid, dw0, 0, None)
             }
             // Keep Alive: every command restarts the timer (decode touched it).
-            (0x18, _) => self.done(cid, sqhd, 0, 0, None),
+            (0x18, _) => self.done(cid, 0, 0, None),
             // Asynchronous Event Request: held; this target raises no events yet.
             (0x0c, _) => {
                 let mut st = ctrl.state.lock();
                 if st.aers >= admin::AER_LIMIT {
                     drop(st);
-                    return Some(self.local(cid, sqhd, (status::COMMAND_SPECIFIC, 0x05), true));
+                    return Some(self.local(cid, (status::COMMAND_SPECIFIC, 0x05), true));
                 }
                 st.aers += 1;
                 return None;
             }
             // Abort: commands run to completion here; "not aborted".
-            (0x08, _) => self.done(cid, sqhd, 1, 0, None),
-            _ => self.local(cid, sqhd, status::INVALID_OPCODE, true),
+            (0x08, _) => self.done(cid, 1, 0, None),
+            _ => self.local(cid, status::INVALID_OPCODE, true),
         })
     }
 
@@ -696,14 +724,20 @@ impl NvmeConn {
             let ctrl = self.ctrl.clone();
             let sub = self.sub.clone();
             tokio::task::spawn_blocking(move || {
+                let mut failed = false;
                 for n in sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()) {
                     if let Err(e) = n.volume.flush() {
                         warn!(volume = n.volume.name(), "flush at the host's shutdown failed: {e}");
+                        failed = true;
                     }
                 }
                 let mut st = ctrl.state.lock();
                 if st.cc & CC_SHN != 0 {
                     st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_DONE;
+                    // Writes may be lost: the controller reports a fatal status, not a clean shutdown.
+                    if failed {
+                        st.csts |= CSTS_CFS;
+                    }
                 }
             });
         } else if cc & CC_SHN == 0 {
@@ -712,18 +746,28 @@ impl NvmeConn {
     }
 
     /// An I/O command: a request on its namespace's volume, or its R2T.
-    fn io(&mut self, sqe: &Sqe, data: Bytes, digest_ok: bool) -> Result<Decoded<NvmeMeta>, WireError> {
-        let (cid, sqhd) = (sqe.cid, self.take());
+    fn io(
+        &mut self,
+        sqe: &Sqe,
+        data: Bytes,
+        digest_ok: bool,
+    ) -> Result<Option<Decoded<NvmeMeta>>, WireError> {
+        self.take();
+        let cid = sqe.cid;
+        // Fused operations are not supported (FUSES 0): never run half of one.
+        if sqe.flags & 0x3 != 0 {
+            return Ok(Some(self.invalid(cid)));
+        }
         if sqe.opcode == OPC_FABRICS {
             let st = if sqe.fctype() == Some(fctype::CONNECT) {
                 status::COMMAND_SEQUENCE_ERROR
             } else {
                 status::INVALID_OPCODE
             };
-            return Ok(self.local(cid, sqhd, st, true));
+            return Ok(Some(self.local(cid, st, true)));
         }
         let Some(mode) = self.ctrl.namespace(sqe.nsid) else {
-            return Ok(self.local(cid, sqhd, status::INVALID_NAMESPACE, true));
+            return Ok(Some(self.local(cid, status::INVALID_NAMESPACE, true)));
         };
         let ns = &self.sub.namespaces[sqe.nsid as usize - 1];
         let volume = ns.volume.clone();
@@ -745,17 +789,17 @@ impl NvmeConn {
                 Ok(IoRequest { kind, offset, length, fua, payload })
             };
             // A failed flush is a write fault too: writes it covered may be lost.
-            let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write: write || kind == IoKind::Flush } };
+            let meta = NvmeMeta { cid, answer: Answer::Io { write: write || kind == IoKind::Flush } };
             Decoded::On { volume: volume.clone(), tag: cid as u64, meta, req }
         };
-        Ok(match sqe.opcode {
+        Ok(Some(match sqe.opcode {
             // Flush: nothing to do on a volume with nothing volatile.
-            0x00 if !volume.caps().flush => self.done(cid, sqhd, 0, 0, None),
+            0x00 if !volume.caps().flush => self.done(cid, 0, 0, None),
             0x00 => on(IoKind::Flush, 0, 0, false, Bytes::new(), false),
             0x02 => {
                 let (offset, length) = range();
                 if d.id != sgl::TRANSPORT_DATA_BLOCK || d.length as u64 != length {
-                    return Ok(self.local(cid, sqhd, status::SGL_INVALID_DATA_LENGTH, true));
+                    return Ok(Some(self.local(cid, status::SGL_INVALID_DATA_LENGTH, true)));
                 }
                 on(IoKind::Read, offset, length, false, Bytes::new(), false)
             }
@@ -769,25 +813,28 @@ impl NvmeConn {
                     true => (0, ranges),
                     false => range(),
                 };
+                if dsm && sqe.cdw11 & (1 << 2) == 0 {
+                    // Access hints only (no Deallocate): nothing to change.
+                    return Ok(Some(self.done(cid, 0, 0, None)));
+                }
                 if dsm && sqe.cdw10 & 0xff != 0 {
                     // One range per command (DMRL 1 in the NVM Identify page).
-                    return Ok(self.invalid(cid, sqhd));
+                    return Ok(Some(self.invalid(cid)));
                 }
                 if d.length as u64 != length || length > 4096u64 << self.sub.mdts {
-                    return Ok(self.local(cid, sqhd, status::SGL_INVALID_DATA_LENGTH, true));
+                    return Ok(Some(self.local(cid, status::SGL_INVALID_DATA_LENGTH, true)));
                 }
                 let write = (!dsm).then_some((offset, fua));
                 match d.id {
                     sgl::DATA_BLOCK_OFFSET if d.addr == 0 && data.len() as u64 == length => {
                         if !digest_ok {
-                            return Ok(self.local(cid, sqhd, status::TRANSIENT_TRANSPORT_ERROR, false));
+                            return Ok(Some(self.local(cid, status::TRANSIENT_TRANSPORT_ERROR, false)));
                         }
-                        self.written(cid, sqhd, sqe.nsid, write, data)
+                        self.written(cid, sqe.nsid, write, data)
                     }
                     sgl::TRANSPORT_DATA_BLOCK if data.is_empty() => {
                         return self.solicit(Solicited {
                             cid,
-                            sqhd,
                             nsid: sqe.nsid,
                             write,
                             length: length as u32,
@@ -797,7 +844,7 @@ impl NvmeConn {
                             asked: false,
                         })
                     }
-                    _ => self.local(cid, sqhd, status::SGL_INVALID_TYPE, true),
+                    _ => self.local(cid, status::SGL_INVALID_TYPE, true),
                 }
             }
             0x08 => {
@@ -806,25 +853,18 @@ impl NvmeConn {
                 let kind = IoKind::WriteZeroes { no_hole: !deallocate, fast_only: false };
                 on(kind, offset, length, fua, Bytes::new(), true)
             }
-            _ => self.local(cid, sqhd, status::INVALID_OPCODE, true),
-        })
+            _ => self.local(cid, status::INVALID_OPCODE, true),
+        }))
     }
 
     /// A write's (or a deallocate's) data is all here: its request.
-    fn written(
-        &self,
-        cid: u16,
-        sqhd: u16,
-        nsid: u32,
-        write: Option<(u64, bool)>,
-        data: Bytes,
-    ) -> Decoded<NvmeMeta> {
+    fn written(&self, cid: u16, nsid: u32, write: Option<(u64, bool)>, data: Bytes) -> Decoded<NvmeMeta> {
         let Some(mode) = self.ctrl.namespace(nsid) else {
-            return self.local(cid, sqhd, status::INVALID_NAMESPACE, true);
+            return self.local(cid, status::INVALID_NAMESPACE, true);
         };
         let volume = self.sub.namespaces[nsid as usize - 1].volume.clone();
         let shift = self.sub.namespaces[nsid as usize - 1].lba_shift;
-        let meta = NvmeMeta { cid, sqhd, answer: Answer::Io { write: true } };
+        let meta = NvmeMeta { cid, answer: Answer::Io { write: true } };
         let req = if mode == Mode::ReadOnly {
             Err(Refusal::ReadOnly)
         } else if let Some((offset, fua)) = write {
@@ -835,7 +875,7 @@ impl NvmeConn {
             let slba = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
             // Deallocation is a hint: on a volume that cannot trim, or of nothing, it does nothing.
             if blocks == 0 || !volume.caps().trim {
-                return self.done(cid, sqhd, 0, 0, None);
+                return self.done(cid, 0, 0, None);
             }
             let offset = slba.saturating_mul(1 << shift);
             Ok(IoRequest {
@@ -851,7 +891,7 @@ impl NvmeConn {
 
     /// Registers a write whose data comes by R2T; asks for it when the
     /// bytes already asked for leave room.
-    fn solicit(&mut self, w: Solicited) -> Result<Decoded<NvmeMeta>, WireError> {
+    fn solicit(&mut self, w: Solicited) -> Result<Option<Decoded<NvmeMeta>>, WireError> {
         // Transfer tags are the command's slot; a host never has more commands
         // outstanding than its queue has entries.
         if self.writes.len() >= self.entries as usize {
@@ -865,7 +905,8 @@ impl NvmeConn {
         self.writes.insert(ttag, w);
         self.waiting.push_back(ttag);
         self.ask();
-        Ok(self.ready.pop_front().unwrap_or(Decoded::Incomplete { need: 0 }))
+        // Its R2T, unless it waits for room: then decoding goes on.
+        Ok(self.ready.pop_front())
     }
 
     /// Sends the R2Ts waiting, while the data asked for stays within [`R2T_BYTES`].
@@ -879,7 +920,7 @@ impl NvmeConn {
             w.asked = true;
             self.solicited += w.length as u64;
             let r2t = R2t { cccid: w.cid, ttag, r2to: 0, r2tl: w.length };
-            let meta = NvmeMeta { cid: w.cid, sqhd: w.sqhd, answer: Answer::R2t(r2t) };
+            let meta = NvmeMeta { cid: w.cid, answer: Answer::R2t(r2t) };
             self.ready.push_back(Decoded::Local { tag: w.cid as u64, meta, result: Ok(Outcome::Done) });
         }
     }
@@ -910,7 +951,7 @@ impl NvmeConn {
         let w = self.writes.remove(&h.ttag).expect("present");
         self.solicited -= w.length as u64;
         let item = if !w.digest_ok {
-            self.local(w.cid, w.sqhd, status::TRANSIENT_TRANSPORT_ERROR, false)
+            self.local(w.cid, status::TRANSIENT_TRANSPORT_ERROR, false)
         } else {
             let data = match <[Bytes; 1]>::try_from(w.parts) {
                 Ok([one]) => one,
@@ -922,7 +963,7 @@ impl NvmeConn {
                     b.freeze()
                 }
             };
-            self.written(w.cid, w.sqhd, w.nsid, w.write, data)
+            self.written(w.cid, w.nsid, w.write, data)
         };
         self.ready.push_back(item);
         self.ask();
@@ -942,7 +983,12 @@ impl Transmission for NvmeConn {
     }
 
     fn encoder(&self) -> NvmeEncoder {
-        NvmeEncoder { digests: self.digests, sqid: self.qid, sqflow_off: self.sqflow_off }
+        NvmeEncoder {
+            digests: self.digests,
+            sqid: self.qid,
+            sqflow_off: self.sqflow_off,
+            head: self.head.clone(),
+        }
     }
 
     fn describe(&self) -> String {
@@ -1016,7 +1062,11 @@ impl Transmission for NvmeConn {
                         return Ok(d);
                     }
                 }
-                Header::CapsuleCmd(sqe) => return self.io(&sqe, data, p.data_digest_ok),
+                Header::CapsuleCmd(sqe) => {
+                    if let Some(d) = self.io(&sqe, data, p.data_digest_ok)? {
+                        return Ok(d);
+                    }
+                }
                 Header::H2cData(h) => self.h2c(h, data, p.data_digest_ok)?,
                 Header::H2cTermReq(t) => {
                     info!(
@@ -1066,6 +1116,7 @@ pub struct NvmeEncoder {
     digests: Digests,
     sqid: u16,
     sqflow_off: bool,
+    head: Arc<AtomicU16>,
 }
 
 impl Encoder for NvmeEncoder {
@@ -1102,7 +1153,8 @@ impl Encoder for NvmeEncoder {
             resp = !success;
         }
         if resp {
-            let cqe = Cqe { dw0, dw1, sqhd: m.sqhd, sqid: self.sqid, cid: m.cid, status, phase: false };
+            let sqhd = self.head.load(Relaxed);
+            let cqe = Cqe { dw0, dw1, sqhd, sqid: self.sqid, cid: m.cid, status, phase: false };
             pdu::encode_head(&Header::CapsuleResp(cqe), 0, 0, self.digests, 0, scratch);
         }
         let end = scratch.len();
