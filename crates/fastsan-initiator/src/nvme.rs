@@ -513,9 +513,12 @@ impl Queue {
     ) -> Result<u16, Error> {
         let mut sqe = blank(OPC_FABRICS);
         sqe.nsid = fctype::CONNECT as u32;
-        // RECFMT 0 in bits 15:0; CATTR 0; KATO 0 (no keep-alive timer).
+        // RECFMT 0 in bits 15:0; KATO 0 (no keep-alive timer). CATTR bit 2 on
+        // I/O queues: SQ flow control off (identifiers bound what is in
+        // flight here), so a read's data may carry SUCCESS and save its
+        // completion PDU (as SPDK's hosts and Linux's --disable-sqflow do).
         sqe.cdw10 = (qid as u32) << 16;
-        sqe.cdw11 = sqsize as u32;
+        sqe.cdw11 = sqsize as u32 | if qid > 0 { 1 << 18 } else { 0 };
         let mut d = vec![0u8; CONNECT_DATA_LEN];
         d[..16].copy_from_slice(&host.id);
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
@@ -975,6 +978,9 @@ async fn write_frames(
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
 
+/// Bytes the receive buffer offers each read, at least.
+const RECEIVE_ROOM: usize = 1 << 20;
+
 /// Reads PDUs until the connection ends or the controller breaks the
 /// protocol, completing commands; then fails every command still waiting.
 /// Holds the frame sender weakly: dropping the volume ends the writer,
@@ -1048,7 +1054,10 @@ async fn receive(
             Some(p) => u32::from_le_bytes(p.try_into().expect("4 bytes")) as usize,
             None => 0,
         };
-        buf.reserve(need.saturating_sub(buf.len()).max(64 << 10));
+        // Room for many PDUs per read, in a buffer big enough that the
+        // allocator hands out and takes back whole chunks (small ones made
+        // glibc trim its heap, a TLB shootdown each time).
+        buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
         match rd.read_buf(&mut buf).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}
@@ -1431,7 +1440,8 @@ mod tests {
                     let (subnqn, hostnqn) = (cstr(&icd[256..512]), cstr(&icd[512..768]));
                     self.log(format!(
                         "connect qid={q} sqsize={} cntlid={cntlid:#x} kato={} host={hostnqn}",
-                        sqe.cdw11, sqe.cdw12
+                        sqe.cdw11 & 0xffff,
+                        sqe.cdw12
                     ));
                     if subnqn != NQN {
                         w.resp(cid, (1, 0x82), 0x1_0100, 0).await;

@@ -104,6 +104,9 @@ pub struct Subsystem {
     departed: Mutex<Vec<(String, Arc<Activity>)>>,
     next_cntlid: Mutex<u16>,
     epoch: Instant,
+    /// Milliseconds since `epoch`, as of the reaper's last tick: what a
+    /// command stamps on its controller (no clock read per command).
+    tick: AtomicU64,
 }
 
 /// The fields of a Connect command the subsystem checks.
@@ -198,6 +201,7 @@ impl Subsystem {
             departed: Mutex::new(Vec::new()),
             next_cntlid: Mutex::new(1),
             epoch: Instant::now(),
+            tick: AtomicU64::new(0),
         }
     }
 
@@ -353,6 +357,7 @@ impl Subsystem {
     /// keep-alive timeout; run every half second by [`Subsystem::reaper`].
     pub fn reap(&self) {
         let now = self.now_ms();
+        self.tick.store(now, Relaxed);
         let expired: Vec<Arc<Controller>> = self
             .controllers
             .lock()
@@ -417,7 +422,7 @@ impl Controller {
     }
 
     fn touch(&self, now: u64) {
-        self.last_seen.store(now, Relaxed);
+        self.last_seen.fetch_max(now, Relaxed);
     }
 }
 
@@ -1055,7 +1060,7 @@ impl Transmission for NvmeConn {
             };
             let frame = buf.split_to(used).freeze();
             let data = frame.slice(p.data.clone());
-            self.ctrl.touch(self.sub.now_ms());
+            self.ctrl.touch(self.sub.tick.load(Relaxed));
             match p.header {
                 Header::CapsuleCmd(sqe) if self.qid == 0 => {
                     if let Some(d) = self.admin(&sqe) {
