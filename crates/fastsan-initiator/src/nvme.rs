@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify};
 
 /// The port IANA assigned to NVMe over Fabrics.
 pub const DEFAULT_PORT: u16 = 4420;
@@ -264,6 +264,8 @@ enum Data {
 struct Cmd {
     /// Bytes the controller sends back (C2HData), and what came so far.
     want: u32,
+    /// The data's first piece (usually all of it), then the others.
+    first: Option<Bytes>,
     got: Vec<Bytes>,
     got_len: u32,
     /// Bytes the controller asks for (R2T), and up to where it asked.
@@ -274,16 +276,23 @@ struct Cmd {
 
 impl Cmd {
     fn data(&mut self) -> Bytes {
-        match self.got.len() {
-            0 => Bytes::new(),
-            1 => self.got.pop().expect("one piece"),
-            _ => {
-                let mut all = BytesMut::with_capacity(self.got_len as usize);
-                for p in self.got.drain(..) {
-                    all.extend_from_slice(&p);
-                }
-                all.freeze()
-            }
+        let first = self.first.take().unwrap_or_default();
+        if self.got.is_empty() {
+            return first;
+        }
+        let mut all = BytesMut::with_capacity(self.got_len as usize);
+        all.extend_from_slice(&first);
+        for p in self.got.drain(..) {
+            all.extend_from_slice(&p);
+        }
+        all.freeze()
+    }
+
+    fn push(&mut self, piece: Bytes) {
+        self.got_len += piece.len() as u32;
+        match self.first {
+            None => self.first = Some(piece),
+            Some(_) => self.got.push(piece),
         }
     }
 }
@@ -300,9 +309,10 @@ struct QueueState {
     /// `HOST:PORT queue N`, for messages.
     name: String,
     slots: Mutex<Slots>,
-    /// One permit per free command identifier: the reader adds one back
-    /// when it frees an identifier; closed when the connection ends.
-    permits: Semaphore,
+    /// Woken when an identifier is freed, and (all waiters) when the
+    /// connection ends. A plain list under `slots` and this, rather than a
+    /// semaphore: freeing is then one atomic, not the semaphore's lock.
+    freed: Notify,
     /// False once the connection ended.
     up: AtomicBool,
     digests: Digests,
@@ -408,7 +418,7 @@ impl Queue {
         let state = Arc::new(QueueState {
             name,
             slots: Mutex::new(Slots { free: (0..depth).rev().collect(), pending: HashMap::new() }),
-            permits: Semaphore::new(depth as usize),
+            freed: Notify::new(),
             up: AtomicBool::new(true),
             digests,
             maxh2cdata: r.maxh2cdata,
@@ -427,10 +437,6 @@ impl Queue {
     /// status (Connect's failures say more in DW0, so the caller decides).
     async fn call(&self, mut sqe: Sqe, data: Data, timeout: Duration) -> Result<(Cqe, Bytes), Error> {
         let st = &self.state;
-        // A permit per free identifier: taken here, given back by the reader
-        // when the completion frees the identifier (forgotten now, so a
-        // caller that gives up does not return an identifier still in use).
-        st.permits.acquire().await.map_err(|_| Error::ConnectionLost)?.forget();
         let (tx, rx) = oneshot::channel();
         let (icd, desc, want, out) = match data {
             Data::None => {
@@ -448,16 +454,23 @@ impl Queue {
                 (Bytes::new(), SglDesc { addr: 0, length: n, id: sgl::TRANSPORT_DATA_BLOCK }, n, Bytes::new())
             }
         };
-        let cid = {
-            let mut s = st.slots.lock();
-            let Some(cid) = s.free.pop() else {
-                // Only when the permits and the list disagree, which the
-                // reader never lets happen while the connection is up.
+        // A free identifier, waiting for one when all are in flight. Freed
+        // only by the reader when its completion arrives, so a caller that
+        // gives up never returns an identifier still in use.
+        let mut cmd = Some(Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx });
+        let cid = loop {
+            let freed = st.freed.notified();
+            {
+                let mut s = st.slots.lock();
+                if let Some(cid) = s.free.pop() {
+                    s.pending.insert(cid, cmd.take().expect("inserted once"));
+                    break cid;
+                }
+            }
+            if !st.up.load(Relaxed) {
                 return Err(Error::ConnectionLost);
-            };
-            let cmd = Cmd { want, got: Vec::new(), got_len: 0, out, asked: 0, tx };
-            s.pending.insert(cid, cmd);
-            cid
+            }
+            freed.await;
         };
         // After the insert: a reader that ended drained the map after it
         // cleared `up`, so a command it did not fail sees `up` false here.
@@ -996,7 +1009,7 @@ async fn read_pdus(
     // The writer clears `up` first when this side closed (dropped, or cut
     // for a command without a completion, which was reported then).
     let ours = !state.up.swap(false, Relaxed);
-    state.permits.close();
+    state.freed.notify_waiters();
     let err = |why: &str| Error::NvmeTcp(format!("{}: {why}", state.name));
     let why = match ended {
         Ended::Io(e) if ours => {
@@ -1074,7 +1087,7 @@ fn finish(state: &QueueState, cid: u16) -> Option<Cmd> {
         s.free.push(cid);
         cmd
     };
-    state.permits.add_permits(1);
+    state.freed.notify_one();
     Some(cmd)
 }
 
@@ -1132,8 +1145,7 @@ fn handle(
                 return Err(fatal(why, fes::DATA_OUT_OF_RANGE, 12, &raw));
             }
             if d.datal > 0 {
-                cmd.got.push(raw.slice(p.data.clone()));
-                cmd.got_len += d.datal;
+                cmd.push(raw.slice(p.data.clone()));
             }
             if p.flags & flag::SUCCESS != 0 {
                 // The command succeeded; no CapsuleResp follows.
