@@ -21,7 +21,7 @@
 //! in pieces reports its outcome only once every piece is answered, so no
 //! piece of a write reported failed lands after the report.
 
-use crate::session::{all, chunks};
+use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nbd::consts::*;
@@ -258,11 +258,7 @@ impl NbdVolume {
         if len <= self.max as u64 {
             return self.call(CMD_READ, 0, offset, len as u32, &[]).await;
         }
-        let mut out = BytesMut::with_capacity(len as usize);
-        for p in all(chunks(offset, len, self.max as u64).map(|(o, n)| self.read(o, n))).await? {
-            out.extend_from_slice(&p);
-        }
-        Ok(out.freeze())
+        read_pieces(offset, len, self.max as u64, |o, n| self.read(o, n)).await
     }
 
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {

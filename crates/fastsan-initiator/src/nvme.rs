@@ -33,7 +33,7 @@
 //! reader task answers R2Ts itself, from the data the command keeps, so a
 //! write whose caller went away still finishes as the controller expects.
 
-use crate::session::{all, chunks};
+use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, Cqe, SglDesc, Sqe, Status as NvmeStatus, OPC_FABRICS};
@@ -914,11 +914,7 @@ impl NvmeVolume {
         if len <= self.max_transfer as u64 {
             return one(offset, len).await;
         }
-        let mut out = BytesMut::with_capacity(len as usize);
-        for p in all(chunks(offset, len, self.max_transfer as u64).map(|(o, n)| one(o, n))).await? {
-            out.extend_from_slice(&p);
-        }
-        Ok(out.freeze())
+        read_pieces(offset, len, self.max_transfer as u64, one).await
     }
 
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {

@@ -170,12 +170,7 @@ impl Volume {
             }
             return Ok(data);
         }
-        let parts = all(chunks(offset, len, max).map(|(o, n)| self.read(o, n))).await?;
-        let mut out = BytesMut::with_capacity(len as usize);
-        for p in parts {
-            out.extend_from_slice(&p);
-        }
-        Ok(out.freeze())
+        read_pieces(offset, len, max, |o, n| self.read(o, n)).await
     }
 
     /// Reads exactly `buf.len()` bytes at `offset` into `buf`.
@@ -421,8 +416,6 @@ fn ended_error(sh: &Shared, e: &Ended) -> Error {
 /// Runs every future to its end (none is abandoned while in flight: a
 /// chunk left running could race the caller's next write), then gives their
 /// results in order, or the first error.
-/// Every future's outcome, once all are done: the first error, if any (no
-/// piece is abandoned while others still run).
 pub(crate) async fn all<T>(
     futs: impl Iterator<Item = impl std::future::Future<Output = Result<T, Error>>>,
 ) -> Result<Vec<T>, Error> {
@@ -431,6 +424,21 @@ pub(crate) async fn all<T>(
 
 fn to_u32(n: u64) -> Result<u32, Error> {
     u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("length {n} too large")))
+}
+
+/// Reads `[offset, offset + len)` as pieces of at most `max` bytes, all in
+/// flight at once ([`all`]), joined in order.
+pub(crate) async fn read_pieces<F, Fut>(offset: u64, len: u64, max: u64, read: F) -> Result<Bytes, Error>
+where
+    F: Fn(u64, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Bytes, Error>>,
+{
+    let parts = all(chunks(offset, len, max).map(|(o, n)| read(o, n))).await?;
+    let mut out = BytesMut::with_capacity(len as usize);
+    for p in parts {
+        out.extend_from_slice(&p);
+    }
+    Ok(out.freeze())
 }
 
 /// Cuts `[offset, offset + len)` into pieces of at most `max` bytes.

@@ -243,24 +243,18 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
+/// A target serving NVMe/TCP (subsystem [`NQN`]) on a free port, with `args`.
+fn nvme_target(args: &[&str]) -> Served {
+    let mut all = vec!["--brp", "127.0.0.1:0", "--nvme", "127.0.0.1:0", "--nvme-nqn", NQN];
+    all.extend_from_slice(args);
+    Served::start(&all)
+}
+
 fn serve(dir: &std::path::Path) -> Served {
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
     let file = format!("f=file:{}", img.display());
-    Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--nvme",
-        "127.0.0.1:0",
-        "--nvme-nqn",
-        NQN,
-        "--volume",
-        "v=memory:8M",
-        "--volume",
-        &file,
-        "--volume",
-        "r=memory:1M,ro",
-    ])
+    nvme_target(&["--volume", "v=memory:8M", "--volume", &file, "--volume", "r=memory:1M,ro"])
 }
 
 const BOTH: Digests = Digests { header: true, data: true };
@@ -552,13 +546,7 @@ fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
 
 #[test]
 fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
-    let t = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--nvme",
-        "127.0.0.1:0",
-        "--nvme-nqn",
-        NQN,
+    let t = nvme_target(&[
         "--volume",
         "e=memory:4M,faults=write:eio@1M-2M",
         "--volume",
@@ -620,18 +608,7 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
     let spec = format!("v=file:{},delay=100ms", img.display());
-    let t = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--nvme",
-        "127.0.0.1:0",
-        "--nvme-nqn",
-        NQN,
-        "--io-threads",
-        "1",
-        "--volume",
-        &spec,
-    ]);
+    let t = nvme_target(&["--io-threads", "1", "--volume", &spec]);
     let host = || {
         let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
         assert!(cqe.status.is_success());
