@@ -307,6 +307,7 @@ def main():
                "repetitions_matrix_scaling": wide_reps}
     systems = start_systems(have)
     results = {"machine": machine}
+    wire = Wire(have)
     try:
         fs, ser = systems["fastsan"], systems["fastsan-serial"]
         nbd_peers = [n for n in ("nbdkit", "qemu-nbd", "nbd-server") if n in systems]
@@ -383,6 +384,10 @@ def main():
                 blocks = 8
                 fns["tgt (iscsi-perf)"] = lambda b=blocks: run.iscsi_perf(systems["tgt"].url, 16, b)
             fns["local tmpfs"] = local(rw, bs, 16)
+            # The 1 MiB verdicts compare with iperf3 measured between these
+            # systems' runs, not once at the end (the machine drifts).
+            if bs == "1m" and rw in ("read", "write") and wire.iperf3_port:
+                fns["iperf3 (alternating)"] = lambda: wire.iperf3(run)
             matrix[f"{bs} {rw}"] = run_point(run, wide_reps, "matrix", {"rw": rw, "bs": bs, "jobs": 16}, fns)
         results["matrix"] = matrix
 
@@ -424,6 +429,9 @@ def main():
                 fns[n] = fio_nbd(n, rw, "4k", 32, 1)
             fns["fastsan (BRP, 128 requesters, 2 conns)"] = with_cpu(
                 lambda rw=rw: run.fastsan_bench(fs.brp_url, rw, "4k", 128, 1), fs.pid)
+            # The floor for that point, measured between its runs.
+            if rw == "randread" and wire.wirefloor_port:
+                fns["wirefloor QD128, 2 conns (alternating)"] = lambda: wire.wirefloor(run, 128, 2)
             qd[rw] = run_point(run, reps, "qd32", {"rw": rw, "bs": "4k"}, fns)
         results["qd32"] = qd
 
@@ -445,6 +453,7 @@ def main():
     except StopIteration:
         pass
     finally:
+        wire.stop()
         for s in systems.values():
             s.stop()
     results["elapsed_s"] = time.time() - t0
@@ -682,6 +691,52 @@ def attach_experiment(run, reps, systems, have):
                 subprocess.run(["fusermount3", "-u", d], capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
     return res
+
+
+class Wire:
+    """iperf3's and wirefloor's servers, kept running for the whole suite so that their points can
+    alternate with the points they normalize (inside the same run_point)."""
+
+    def __init__(self, have):
+        self.procs, self.iperf3_port, self.wirefloor_port, self.wirefloor_bin = [], None, None, None
+        if have("iperf3"):
+            self.iperf3_port = free_port()
+            self.procs.append(subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(self.iperf3_port)],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(0.5)  # no probe connection: iperf3 would take it for a test
+        src = os.path.join(os.path.dirname(ROOT), "shared", "tools", "wirefloor", "wirefloor.c")
+        if os.path.exists(src) and have("cc"):
+            self.wirefloor_bin = os.path.join(tempfile.mkdtemp(prefix="wirefloor-"), "wirefloor")
+            subprocess.run(["cc", "-O2", "-o", self.wirefloor_bin, src, "-lpthread"], check=True)
+            self.wirefloor_port = free_port()
+            self.procs.append(subprocess.Popen([self.wirefloor_bin, "server", str(self.wirefloor_port)]))
+            wait_port(self.wirefloor_port)
+
+    def iperf3(self, run):
+        """1 MiB writes over one loopback connection, as a point (MiB/s; `iops` = MiB/s for the median)."""
+        cmd = ["iperf3", "-c", "127.0.0.1", "-p", str(self.iperf3_port), "-t", str(max(1, round(run.secs))),
+               "-l", "1M", "-J"]
+        j = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout)
+        mib_s = j["end"]["sum_received"]["bits_per_second"] / 8 / 2**20
+        return cmd, {"mib_s": mib_s, "iops": mib_s, "ios_total": mib_s * run.secs}
+
+    def wirefloor(self, run, qd, conns):
+        """wirefloor's 4K reads at `qd` over `conns` connections, as a point."""
+        cmd = [self.wirefloor_bin, "client", str(self.wirefloor_port), str(qd), str(conns), str(max(1, round(run.secs)))]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+        m = re.search(r"iops=(\d+) mean_us=([\d.]+)", out)
+        if not m:
+            raise RuntimeError(f"wirefloor printed no result: {out[-300:]}")
+        iops = int(m.group(1))
+        return cmd, {"iops": iops, "lat_mean_us": float(m.group(2)), "ios_total": iops * run.secs}
+
+    def stop(self):
+        for p in self.procs:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def floor(run, have):
