@@ -235,8 +235,14 @@ impl Drop for Conn {
     }
 }
 
-/// Requests in flight on a connection from which the adaptive sender lingers to merge.
-const MERGE_LOAD: usize = 8;
+/// Requests in flight on a connection from which the adaptive sender lingers
+/// to merge: two, so that moderate loads merge too. With 8 (until
+/// 2026-11-24) adaptive merged nothing at 4 requesters over 2 connections
+/// and trailed merge-off at 16; with 2 it gains 15% at 4 and 8% at 16 and
+/// is unchanged from 64 up (`fastsan bench --rw randwrite --bs 4k
+/// --iodepth N --merge adaptive`, docs/benchmarks.md). One request in
+/// flight (QD1) still leaves at once.
+const MERGE_LOAD: usize = 2;
 
 fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
