@@ -327,14 +327,13 @@ impl Subsystem {
     fn disconnected(&self, ctrl: &Controller, qid: u16) {
         if qid == 0 {
             self.teardown(ctrl);
-        } else if let Some(a) = ctrl.state.lock().queues.remove(&qid) {
-            // Its device work may still run (its replies could not be written): the host's next Connect waits for it.
-            if !a.is_drained() {
-                let mut departed = self.departed.lock();
-                departed.retain(|(_, a)| !a.is_drained());
-                departed.push((ctrl.hostnqn.clone(), a));
-            }
+            return;
         }
+        // Its device work may still run (its replies could not be written):
+        // the host's next Connect waits for it. (The state lock is released
+        // before `departed` is taken: teardown takes them the other way.)
+        let gone = ctrl.state.lock().queues.remove(&qid);
+        self.depart(&ctrl.hostnqn, gone);
     }
 
     fn teardown(&self, ctrl: &Controller) {
@@ -343,14 +342,19 @@ impl Subsystem {
             ctrls.remove(&ctrl.cntlid);
             info!(cntlid = ctrl.cntlid, hostnqn = ctrl.hostnqn, "NVMe controller deleted");
         }
+        let queues: Vec<Arc<Activity>> = ctrl.state.lock().queues.values().cloned().collect();
+        for a in &queues {
+            a.stop();
+        }
+        self.depart(&ctrl.hostnqn, queues);
+    }
+
+    /// Keeps the stopped queues of `hostnqn` that still run device work, for
+    /// [`NvmeConn::fence`]; forgets those that drained.
+    fn depart(&self, hostnqn: &str, queues: impl IntoIterator<Item = Arc<Activity>>) {
         let mut departed = self.departed.lock();
         departed.retain(|(_, a)| !a.is_drained());
-        for a in ctrl.state.lock().queues.values() {
-            a.stop();
-            if !a.is_drained() {
-                departed.push((ctrl.hostnqn.clone(), a.clone()));
-            }
-        }
+        departed.extend(queues.into_iter().filter(|a| !a.is_drained()).map(|a| (hostnqn.to_owned(), a)));
     }
 
     /// Tears down every controller whose host sent nothing for its
@@ -421,8 +425,12 @@ impl Controller {
         *self.access.get(i)?
     }
 
+    /// Stamps the controller as heard from at `now` (the reaper's tick):
+    /// a plain load for every command but the first after each tick.
     fn touch(&self, now: u64) {
-        self.last_seen.fetch_max(now, Relaxed);
+        if self.last_seen.load(Relaxed) < now {
+            self.last_seen.fetch_max(now, Relaxed);
+        }
     }
 }
 
@@ -578,7 +586,7 @@ impl NvmeConn {
                 let ns = || {
                     self.ctrl.namespace(sqe.nsid).map(|m| (&self.sub.namespaces[sqe.nsid as usize - 1], m))
                 };
-                let page = match (cns, csi) {
+                let mut page = match (cns, csi) {
                     (0x01, _) => admin::identify_controller(&self.sub, &ctrl),
                     (0x00, _) => match ns() {
                         Some((n, mode)) => {
@@ -602,9 +610,7 @@ impl NvmeConn {
                     (0x06, 0) if !ctrl.discovery => admin::identify_controller_nvm(),
                     _ => return Some(self.invalid(cid)),
                 };
-                let Some(page) = admin::slice_of(&page, 0, len.min(admin::PAGE)) else {
-                    return Some(self.invalid(cid));
-                };
+                page.truncate(len);
                 self.done(cid, 0, 0, Some(page))
             }
             // Get Log Page
@@ -774,8 +780,9 @@ impl NvmeConn {
         let Some(mode) = self.ctrl.namespace(sqe.nsid) else {
             return Ok(Some(self.local(cid, status::INVALID_NAMESPACE, true)));
         };
-        let ns = &self.sub.namespaces[sqe.nsid as usize - 1];
-        let volume = ns.volume.clone();
+        let sub = &*self.sub;
+        let ns = &sub.namespaces[sqe.nsid as usize - 1];
+        let volume = &ns.volume;
         let shift = ns.lba_shift;
         let read_only = mode == Mode::ReadOnly;
         // SLBA and NLB (0's based) in bytes; past the end is the volume's refusal.
@@ -867,8 +874,8 @@ impl NvmeConn {
         let Some(mode) = self.ctrl.namespace(nsid) else {
             return self.local(cid, status::INVALID_NAMESPACE, true);
         };
-        let volume = self.sub.namespaces[nsid as usize - 1].volume.clone();
-        let shift = self.sub.namespaces[nsid as usize - 1].lba_shift;
+        let ns = &self.sub.namespaces[nsid as usize - 1];
+        let (volume, shift) = (ns.volume.clone(), ns.lba_shift);
         let meta = NvmeMeta { cid, answer: Answer::Io { write: true } };
         let req = if mode == Mode::ReadOnly {
             Err(Refusal::ReadOnly)
