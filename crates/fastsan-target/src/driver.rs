@@ -100,7 +100,8 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         let mut out = Vec::new();
         machine.start(&mut out);
         let (mut conn, last) = loop {
-            match handshake(&mut machine, &mut stream, &mut buf, std::mem::take(&mut out)).await? {
+            match handshake(&mut machine, &mut stream, &mut buf, std::mem::take(&mut out), &env.stats).await?
+            {
                 Ok(done) => break done,
                 Err(replay) => {
                     let tls = env
@@ -142,6 +143,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                                 });
                             let why = format!("TLS handshake failed: {e}");
                             if refused {
+                                Stats::add(&env.stats.auth_failures, 1);
                                 HandshakeEnd::AuthFailed(why)
                             } else {
                                 HandshakeEnd::Refused(why)
@@ -193,7 +195,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                     Stats::add(&env.stats.refused, 1);
                 }
                 HandshakeEnd::AuthFailed(why) => {
-                    Stats::add(&env.stats.auth_failures, 1);
+                    // Counted where it was found, before the refusal went out.
                     let blocked = who.ip.is_some_and(|ip| env.access.limiter.failed(ip));
                     warn!(%peer, "{name} authentication failed: {why}");
                     if blocked {
@@ -294,9 +296,15 @@ async fn handshake<H: Handshake<Conn = C>, C: Transmission, S: AsyncRead + Async
     stream: &mut S,
     buf: &mut BytesMut,
     mut out: Vec<u8>,
+    stats: &Stats,
 ) -> Result<Result<(C, Vec<u8>), bool>, HandshakeEnd> {
     loop {
         let step = hs.advance(buf, &mut out);
+        if let Ok(Step::AuthFailed(_)) = step {
+            // Counted before the refusal is sent: whoever reads the counter
+            // after seeing the refusal sees this failure in it.
+            Stats::add(&stats.auth_failures, 1);
+        }
         let wrote = !out.is_empty();
         if wrote && !matches!(step, Ok(Step::Done(_))) {
             stream.write_all(&out).await.map_err(HandshakeEnd::Io)?;
