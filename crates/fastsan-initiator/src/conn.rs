@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -242,7 +242,7 @@ impl Drop for Conn {
 /// is unchanged from 64 up (`fastsan bench --rw randwrite --bs 4k
 /// --iodepth N --merge adaptive`, docs/benchmarks.md). One request in
 /// flight (QD1) still leaves at once.
-const MERGE_LOAD: usize = 2;
+pub(crate) const MERGE_LOAD: usize = 2;
 
 fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
@@ -334,7 +334,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
             slices.push(IoSlice::new(&trailer));
         }
         stats.frames.fetch_add(1, Relaxed);
-        write_all_vectored(&mut wr, &mut slices).await?;
+        crate::writer::write_all_vectored(&mut wr, &mut slices).await?;
         drop(slices);
         group.clear();
     }
@@ -404,19 +404,4 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             Err(e) => return e.into(),
         }
     }
-}
-
-async fn write_all_vectored<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    mut bufs: &mut [IoSlice<'_>],
-) -> io::Result<()> {
-    while !bufs.is_empty() {
-        let n = w.write_vectored(bufs).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        IoSlice::advance_slices(&mut bufs, n);
-    }
-    // TLS may hold records it could not send yet (a no-op on a socket).
-    w.flush().await
 }

@@ -60,6 +60,7 @@ pub mod stats;
 pub mod tls;
 mod transport;
 pub mod url;
+mod writer;
 
 pub use blocking::BlockingVolume;
 pub use error::Error;

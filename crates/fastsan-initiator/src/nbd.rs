@@ -173,7 +173,7 @@ impl NbdVolume {
         let up = Arc::new(AtomicBool::new(true));
         let (frames, rx) = mpsc::unbounded_channel();
         tokio::spawn(read_replies(rd, pending.clone(), up.clone()));
-        tokio::spawn(write_frames(wr, rx, up.clone()));
+        tokio::spawn(write_frames(wr, rx, pending.clone(), up.clone()));
         Ok(NbdVolume {
             url: url.to_owned(),
             frames,
@@ -335,17 +335,15 @@ impl NbdVolume {
     }
 }
 
-/// Writes whole frames in order until the connection breaks or is cut.
+/// Writes whole frames in order ([`crate::writer`]) until the connection
+/// breaks or is cut.
 async fn write_frames(
     mut wr: OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
+    pending: Pending,
     up: Arc<AtomicBool>,
 ) {
-    while let Some(Some(frame)) = rx.recv().await {
-        if wr.write_all(&frame).await.is_err() {
-            break;
-        }
-    }
+    let _ = crate::writer::write_frames(&mut wr, &mut rx, || pending.lock().len()).await;
     // The reader then sees the end and fails whatever is waiting.
     up.store(false, Relaxed);
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);

@@ -39,7 +39,6 @@ use bytes::{Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, Cqe, SglDesc, Sqe, Status as NvmeStatus, OPC_FABRICS};
 use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Header, IcReq, Pdu, TermReq};
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -297,11 +296,43 @@ impl Cmd {
     }
 }
 
-#[derive(Default)]
+/// Commands in flight, indexed by their identifier (identifiers are
+/// `0..depth`, so a table, not a hash map), and the identifiers free.
 struct Slots {
-    /// Command identifiers not in flight.
     free: Vec<u16>,
-    pending: HashMap<u16, Cmd>,
+    pending: Vec<Option<Cmd>>,
+}
+
+impl Slots {
+    fn new(depth: u16) -> Slots {
+        Slots { free: (0..depth).rev().collect(), pending: (0..depth).map(|_| None).collect() }
+    }
+
+    /// A free identifier for `cmd`, if one is left (else `cmd` comes back).
+    fn take(&mut self, cmd: Cmd) -> Result<u16, Cmd> {
+        match self.free.pop() {
+            Some(cid) => {
+                self.pending[cid as usize] = Some(cmd);
+                Ok(cid)
+            }
+            None => Err(cmd),
+        }
+    }
+
+    fn get_mut(&mut self, cid: u16) -> Option<&mut Cmd> {
+        self.pending.get_mut(cid as usize)?.as_mut()
+    }
+
+    /// Command `cid` leaves the table and its identifier is free again.
+    fn finish(&mut self, cid: u16) -> Option<Cmd> {
+        let cmd = self.pending.get_mut(cid as usize)?.take()?;
+        self.free.push(cid);
+        Some(cmd)
+    }
+
+    fn drain(&mut self) -> impl Iterator<Item = Cmd> + '_ {
+        self.pending.iter_mut().filter_map(Option::take)
+    }
 }
 
 /// What a queue's caller side and its reader task share.
@@ -417,14 +448,18 @@ impl Queue {
         let (rd, wr) = s.into_split();
         let state = Arc::new(QueueState {
             name,
-            slots: Mutex::new(Slots { free: (0..depth).rev().collect(), pending: HashMap::new() }),
+            slots: Mutex::new(Slots::new(depth)),
             freed: Notify::new(),
             up: AtomicBool::new(true),
             digests,
             maxh2cdata: r.maxh2cdata,
         });
         let (frames, rx) = mpsc::unbounded_channel();
-        tokio::spawn(read_pdus(rd, buf, state.clone(), frames.downgrade(), max_data));
+        // A receive buffer of its own: what it is created with is what it
+        // grows by (see RECEIVE_ROOM).
+        let mut rbuf = BytesMut::with_capacity(RECEIVE_ROOM);
+        rbuf.extend_from_slice(&buf);
+        tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data));
         tokio::spawn(write_frames(wr, rx, state.clone()));
         Ok(Queue { frames, state })
     }
@@ -457,15 +492,12 @@ impl Queue {
         // A free identifier, waiting for one when all are in flight. Freed
         // only by the reader when its completion arrives, so a caller that
         // gives up never returns an identifier still in use.
-        let mut cmd = Some(Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx });
+        let mut cmd = Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx };
         let cid = loop {
             let freed = st.freed.notified();
-            {
-                let mut s = st.slots.lock();
-                if let Some(cid) = s.free.pop() {
-                    s.pending.insert(cid, cmd.take().expect("inserted once"));
-                    break cid;
-                }
+            match st.slots.lock().take(cmd) {
+                Ok(cid) => break cid,
+                Err(back) => cmd = back,
             }
             if !st.up.load(Relaxed) {
                 return Err(Error::ConnectionLost);
@@ -475,7 +507,7 @@ impl Queue {
         // After the insert: a reader that ended drained the map after it
         // cleared `up`, so a command it did not fail sees `up` false here.
         if !st.up.load(Relaxed) {
-            st.slots.lock().pending.remove(&cid);
+            st.slots.lock().finish(cid);
             return Err(Error::ConnectionLost);
         }
         sqe.cid = cid;
@@ -484,7 +516,7 @@ impl Queue {
         let mut frame = Vec::with_capacity(pdu::CH_LEN + 64 + 2 * pdu::DIGEST_LEN + icd.len());
         pdu::encode(&Header::CapsuleCmd(sqe), 0, &icd, st.digests, 0, &mut frame);
         if self.frames.send(Some(frame.into())).is_err() {
-            st.slots.lock().pending.remove(&cid);
+            st.slots.lock().finish(cid);
             return Err(Error::ConnectionLost);
         }
         match tokio::time::timeout(timeout, rx).await {
@@ -971,17 +1003,18 @@ impl NvmeVolume {
     }
 }
 
-/// Writes whole frames in order until the connection breaks or is cut.
+/// Writes whole frames in order ([`crate::writer`]) until the connection
+/// breaks or is cut.
 async fn write_frames(
     mut wr: OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
     state: Arc<QueueState>,
 ) {
-    while let Some(Some(frame)) = rx.recv().await {
-        if wr.write_all(&frame).await.is_err() {
-            break;
-        }
-    }
+    let in_flight = || {
+        let s = state.slots.lock();
+        s.pending.len() - s.free.len()
+    };
+    let _ = crate::writer::write_frames(&mut wr, &mut rx, in_flight).await;
     // The reader then sees the end and fails whatever is waiting.
     state.up.store(false, Relaxed);
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
@@ -1030,7 +1063,7 @@ async fn read_pdus(
             Some(v.why)
         }
     };
-    for (_, cmd) in state.slots.lock().pending.drain() {
+    for cmd in state.slots.lock().drain() {
         let _ = cmd.tx.send(Err(why.as_deref().map_or(Error::ConnectionLost, err)));
     }
 }
@@ -1066,7 +1099,7 @@ async fn receive(
         // Room for many PDUs per read, in a buffer big enough that the
         // allocator hands out and takes back whole chunks (small ones made
         // glibc trim its heap, a TLB shootdown each time).
-        buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
+        buf.reserve(need.saturating_sub(buf.len()).max(64 << 10));
         match rd.read_buf(&mut buf).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}
@@ -1077,12 +1110,7 @@ async fn receive(
 
 /// Removes command `cid` from the queue and frees its identifier.
 fn finish(state: &QueueState, cid: u16) -> Option<Cmd> {
-    let cmd = {
-        let mut s = state.slots.lock();
-        let cmd = s.pending.remove(&cid)?;
-        s.free.push(cid);
-        cmd
-    };
+    let cmd = state.slots.lock().finish(cid)?;
     state.freed.notify_one();
     Some(cmd)
 }
@@ -1129,8 +1157,7 @@ fn handle(
             }
             let mut s = state.slots.lock();
             let cmd = s
-                .pending
-                .get_mut(&cid)
+                .get_mut(cid)
                 .ok_or_else(|| seq(format!("C2HData for command {cid}, which is not in flight")))?;
             // In order, as Linux's host requires (it ignores DATAO).
             if d.datao != cmd.got_len || d.datal > cmd.want - cmd.got_len {
@@ -1149,8 +1176,9 @@ fn handle(
                     let why = format!("C2HData SUCCESS for command {cid} before its last byte");
                     return Err(fatal(why, fes::INVALID_HEADER_FIELD, 1, &raw));
                 }
+                let mut cmd = s.finish(cid).expect("in flight: checked under the lock");
                 drop(s);
-                let mut cmd = finish(state, cid).expect("in flight: checked under the lock");
+                state.freed.notify_one();
                 let cqe =
                     Cqe { dw0: 0, dw1: 0, sqhd: 0, sqid: 0, cid, status: NvmeStatus::SUCCESS, phase: false };
                 let data = cmd.data();
@@ -1161,8 +1189,7 @@ fn handle(
             let cid = r.cccid;
             let mut s = state.slots.lock();
             let cmd = s
-                .pending
-                .get_mut(&cid)
+                .get_mut(cid)
                 .ok_or_else(|| seq(format!("an R2T for command {cid}, which is not in flight")))?;
             let len = cmd.out.len() as u64;
             let end = r.r2to as u64 + r.r2tl as u64;
