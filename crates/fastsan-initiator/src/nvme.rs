@@ -513,8 +513,17 @@ impl Queue {
         sqe.cid = cid;
         sqe.flags |= PSDT_SGL;
         sqe.dptr = desc.encode();
-        let mut frame = Vec::with_capacity(pdu::CH_LEN + 64 + 2 * pdu::DIGEST_LEN + icd.len());
+        // Exactly the PDU's length: a Vec with spare room becomes a Bytes
+        // through a second allocation (and a shared drop), one per command.
+        let digest_len = |on: bool| if on { pdu::DIGEST_LEN } else { 0 };
+        let len = pdu::CH_LEN
+            + 64
+            + digest_len(st.digests.header)
+            + icd.len()
+            + digest_len(st.digests.data && !icd.is_empty());
+        let mut frame = Vec::with_capacity(len);
         pdu::encode(&Header::CapsuleCmd(sqe), 0, &icd, st.digests, 0, &mut frame);
+        debug_assert_eq!(frame.len(), len, "the capsule's length");
         if self.frames.send(Some(frame.into())).is_err() {
             st.slots.lock().finish(cid);
             return Err(Error::ConnectionLost);

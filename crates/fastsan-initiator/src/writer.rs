@@ -23,7 +23,7 @@ pub(crate) const LINGER_LOAD: usize = crate::conn::MERGE_LOAD;
 const MAX_GATHER: usize = 256;
 
 /// Most bytes gathered before writing (a large write goes on its own).
-const MAX_GATHER_BYTES: usize = 256 << 10;
+const MAX_GATHER_BYTES: usize = 64 << 10;
 
 /// Writes frames until the channel closes or a `None` asks to cut the
 /// connection (both `Ok`), or the connection breaks (`Err`). `in_flight`
