@@ -385,8 +385,14 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
         }
     }
     .await;
-    tracing::warn!("the NBD connection ended: {r:?}");
-    up.store(false, Relaxed);
+    // The writer clears `up` first when this side closed (the volume was
+    // dropped, or a request without a reply cut it, reported then).
+    let ours = !up.swap(false, Relaxed);
+    match r {
+        Err(e) if ours => tracing::debug!("the NBD connection closed: {e}"),
+        Err(e) => tracing::warn!("the NBD connection ended: {e}"),
+        Ok(()) => {}
+    }
     for (_, (_, tx)) in pending.lock().drain() {
         let _ = tx.send(Err(Error::ConnectionLost));
     }

@@ -343,15 +343,21 @@ impl Waits {
 fn list() -> anyhow::Result<()> {
     let entries = registry::list();
     if entries.is_empty() {
-        println!("nothing attached");
+        outln!("nothing attached")?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<24} {:<5} {:<13} {:>11} {:>10} {:>7} {:>8}  URL",
-        "DEVICE", "KIND", "STATE", "CONNECTIONS", "REQUESTS", "ERRORS", "PID"
-    );
+        "DEVICE",
+        "KIND",
+        "STATE",
+        "CONNECTIONS",
+        "REQUESTS",
+        "ERRORS",
+        "PID"
+    )?;
     for e in entries {
-        println!(
+        outln!(
             "{:<24} {:<5} {:<13} {:>11} {:>10} {:>7} {:>8}  {}",
             e.device,
             e.kind,
@@ -361,7 +367,7 @@ fn list() -> anyhow::Result<()> {
             e.errors,
             e.pid,
             e.url
-        );
+        )?;
     }
     Ok(())
 }
@@ -373,7 +379,7 @@ pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
             .with_context(|| format!("nothing attached by fastsan at {}", a.target.display()))?;
         anyhow::ensure!(kernel::is_connected(index), "{} is not attached", a.target.display());
         kernel::detach_other(&a.target).await?;
-        println!("fastsan: {} disconnected", a.target.display());
+        outln!("fastsan: {} disconnected", a.target.display())?;
         return Ok(());
     };
     if let Some(why) = e.state.strip_prefix("failed: ") {
@@ -387,7 +393,7 @@ pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
     loop {
         match registry::list().into_iter().find(|x| x.pid == e.pid && x.started == e.started) {
             None => {
-                println!("fastsan: {} detached", e.device);
+                outln!("fastsan: {} detached", e.device)?;
                 return Ok(());
             }
             Some(x) if x.state.starts_with("failed") => anyhow::bail!("detaching {} {}", e.device, x.state),

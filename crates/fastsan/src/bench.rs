@@ -86,9 +86,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     };
     let report = fastsan_bench::run(spec).await?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", report.human());
+        out!("{}", report.human())?;
     }
     anyhow::ensure!(report.verify_mismatches == 0, "{} blocks read back wrong", report.verify_mismatches);
     anyhow::ensure!(report.errors == 0, "{} requests failed", report.errors);

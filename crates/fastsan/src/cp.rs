@@ -163,12 +163,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     dst.finish(len).await?;
     pb.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",
         indicatif::HumanBytes(len),
         src.name(),
         dst.name(),
         len as f64 / (1 << 20) as f64 / secs.max(1e-9)
-    );
+    )?;
     Ok(())
 }

@@ -20,7 +20,7 @@ pub struct Args {
 pub async fn run(a: Args) -> anyhow::Result<()> {
     let volumes = fastsan_initiator::list(&a.url, &a.client.options()?).await?;
     let width = volumes.iter().map(|v| v.name.len()).max().unwrap_or(4).max(4);
-    println!("{:<width$}  {:>14}  {:>10}  {:>6}  FLAGS", "NAME", "BYTES", "SIZE", "BLOCK");
+    outln!("{:<width$}  {:>14}  {:>10}  {:>6}  FLAGS", "NAME", "BYTES", "SIZE", "BLOCK")?;
     for v in &volumes {
         let mut flags = Vec::new();
         if v.flags & fastsan_initiator::VOLUME_READ_ONLY != 0 {
@@ -29,14 +29,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         if v.flags & fastsan_initiator::VOLUME_VOLATILE != 0 {
             flags.push("volatile");
         }
-        println!(
+        outln!(
             "{:<width$}  {:>14}  {:>10}  {:>6}  {}",
             v.name,
             v.size,
             HumanBytes(v.size).to_string(),
             v.block_size,
             flags.join(",")
-        );
+        )?;
     }
     Ok(())
 }

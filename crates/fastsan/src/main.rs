@@ -14,6 +14,23 @@ macro_rules! say {
     }};
 }
 
+/// `print!` to standard output that returns an error, rather than panic,
+/// when the reader has gone (`fastsan ls | head`): `main` then ends quietly.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout(), $($t)*)
+    }};
+}
+
+/// [`out!`] with a newline.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($t)*)
+    }};
+}
+
 mod attach;
 mod bench;
 mod cp;
@@ -147,8 +164,15 @@ fn main() -> std::process::ExitCode {
             Cmd::Mirror(a) => mirror::run(a).await,
         }
     });
+    let stdout_gone = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+        })
+    };
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // Whoever read the output stopped reading (`| head`): nothing to report.
+        Err(e) if stdout_gone(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("fastsan: error: {e:#}");
             std::process::ExitCode::FAILURE

@@ -98,12 +98,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("cannot make {spec}"))?;
             let s = m.status();
-            println!(
+            outln!(
                 "fastsan: mirror of {} legs made: {} in regions of {}",
                 s.legs.len(),
                 HumanBytes(s.size),
                 HumanBytes(s.region)
-            );
+            )?;
             wait_in_sync(&m, Duration::from_secs(30)).await
         }
         Cmd::Replace { spec, leg, force, timeout, client } => {
@@ -125,15 +125,15 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             loop {
                 let s = status_of(&ms)?;
                 if json {
-                    println!("{}", serde_json::to_string_pretty(&s)?);
+                    outln!("{}", serde_json::to_string_pretty(&s)?)?;
                 } else {
-                    print!("{}", render(&s));
+                    out!("{}", render(&s))?;
                 }
                 if !watch || s.legs.iter().all(|l| l.state == LegState::InSync) {
                     return Ok(());
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                println!();
+                outln!()?;
             }
         }
     }
@@ -152,12 +152,12 @@ async fn wait_in_sync(m: &Mirror, timeout: Duration) -> anyhow::Result<()> {
         let s = m.status();
         if s.legs.iter().all(|l| l.state == LegState::InSync) {
             pb.finish_and_clear();
-            println!(
+            outln!(
                 "fastsan: every leg in sync; {} regions ({}) copied in {:.1} s",
                 s.resynced_regions,
                 HumanBytes(s.resynced_bytes),
                 started.elapsed().as_secs_f64()
-            );
+            )?;
             // Nothing left dirty that every leg holds.
             m.close().await?;
             return Ok(());

@@ -45,6 +45,28 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     assert!(text.lines().any(|l| l.starts_with("vol0 ") && l.contains("1.00 GiB")), "{text}");
 }
 
+/// `fastsan ls | head -0` and the like: output to a reader that has gone
+/// ends the command quietly, never with a panic.
+#[test]
+fn output_to_a_closed_pipe_ends_quietly() {
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "a=memory:64M"]);
+    let url = format!("brp://{}", s.addr);
+    let runs: [&[&str]; 2] = [&["ls", &url], &["bench", &format!("{url}/a"), "--runtime", "0.2", "--json"]];
+    for args in runs {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader leaves before anything is written
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn file_volume_data_survives_kill_9_and_restart() {
     let dir = temp_dir("kill9");
