@@ -301,7 +301,9 @@ def frontends_table(r):
     out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
     return out + ("\nOne fastsan target, one 1 GiB memory volume, served at once over BRP, NBD and NVMe/TCP; the client "
                   "is fastsan bench for all three (one connection or I/O queue per job; BRP with merging off, so each "
-                  "carries the same requests one per frame). Server CPU is the target process's, per I/O.\n")
+                  "carries the same requests one per frame). Server CPU is the target process's, per I/O. Points marked "
+                  "\"pinned apart\" ran with the target on CPU 1 and the client on CPU 0 (taskset), the others with both "
+                  "sharing every core.\n")
 
 
 def write(r, out):

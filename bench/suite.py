@@ -218,8 +218,9 @@ class Runner:
                "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
         return cmd, res
 
-    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN, extra=()):
-        cmd = [binary, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
+    def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN, extra=(),
+                      wrap=()):
+        cmd = [*wrap, binary, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
                f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
                f"--connections={connections}", "--json", *extra]
         p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)
@@ -548,7 +549,13 @@ def frontends_experiment(run, reps):
     """One target, one memory volume, served over BRP, NBD and NVMe/TCP, driven by the same client
     (fastsan bench) at 4K random read and write, QD32 on one connection (queue) and 4 x QD8 on four.
     BRP without merging here, so that the three carry the same requests, one per frame: the protocols
-    and their front ends are what is compared."""
+    and their front ends are what is compared.
+
+    Each point twice: with client and target sharing every core (as the other experiments run), and
+    pinned apart (the target on CPU 1, the client on CPU 0), the nearest this one machine comes to the
+    paper's separate initiator and target hosts. Sharing, the client's scheduling decides much of the
+    result (a client that costs a little more per I/O takes CPU from the target); pinned apart, each
+    side has its own core and the front ends are compared on what the target does."""
     log("front ends: BRP, NBD, NVMe/TCP")
     brp, nbd, nvme = free_port(), free_port(), free_port()
     nqn = "nqn.2026-11.io.fastsan:bench"
@@ -561,13 +568,22 @@ def frontends_experiment(run, reps):
         urls = {"BRP": f"brp://127.0.0.1:{brp}/vol0", "NBD": f"nbd://127.0.0.1:{nbd}/vol0",
                 "NVMe/TCP": f"nvme+tcp://127.0.0.1:{nvme}/{nqn}/1"}
         out = {}
-        for rw in ("randread", "randwrite"):
-            for conns, qd in ((1, 32), (4, 8)):
-                fns = {name: with_cpu(lambda url=url, rw=rw, conns=conns, qd=qd:
-                                      run.fastsan_bench(url, rw, "4k", qd, conns, merge="off", connections=conns), s.pid)
-                       for name, url in urls.items()}
-                out[f"4K {rw}, {conns} x QD{qd}"] = run_point(
-                    run, reps, "frontends", {"rw": rw, "bs": "4k", "connections": conns, "qd": qd}, fns)
+        placements = [("", ())]
+        if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
+            placements.append((", pinned apart", ("taskset", "-c", "0")))
+        for suffix, wrap in placements:
+            # Every thread of the target, and those it starts later (they inherit it).
+            subprocess.run(["taskset", "-a", "-p", "-c", "1" if wrap else f"0-{os.cpu_count() - 1}", str(s.pid)],
+                           check=bool(wrap), capture_output=True)
+            for rw in ("randread", "randwrite"):
+                for conns, qd in ((1, 32), (4, 8)):
+                    fns = {name: with_cpu(lambda url=url, rw=rw, conns=conns, qd=qd, wrap=wrap:
+                                          run.fastsan_bench(url, rw, "4k", qd, conns, merge="off", connections=conns,
+                                                            wrap=wrap), s.pid)
+                           for name, url in urls.items()}
+                    out[f"4K {rw}, {conns} x QD{qd}{suffix}"] = run_point(
+                        run, reps, "frontends",
+                        {"rw": rw, "bs": "4k", "connections": conns, "qd": qd, "pinned": bool(wrap)}, fns)
         return out
     finally:
         s.stop()
