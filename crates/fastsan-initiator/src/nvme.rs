@@ -330,6 +330,10 @@ impl Slots {
         Some(cmd)
     }
 
+    fn in_flight(&self) -> usize {
+        self.pending.len() - self.free.len()
+    }
+
     fn drain(&mut self) -> impl Iterator<Item = Cmd> + '_ {
         self.pending.iter_mut().filter_map(Option::take)
     }
@@ -455,9 +459,8 @@ impl Queue {
             maxh2cdata: r.maxh2cdata,
         });
         let (frames, rx) = mpsc::unbounded_channel();
-        // A receive buffer of its own: what it is created with is what it
-        // grows by (see RECEIVE_ROOM).
-        let mut rbuf = BytesMut::with_capacity(RECEIVE_ROOM);
+        // A receive buffer of its own (see RECEIVE_BUFFER).
+        let mut rbuf = BytesMut::with_capacity(RECEIVE_BUFFER);
         rbuf.extend_from_slice(&buf);
         tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data));
         tokio::spawn(write_frames(wr, rx, state.clone()));
@@ -515,15 +518,9 @@ impl Queue {
         sqe.dptr = desc.encode();
         // Exactly the PDU's length: a Vec with spare room becomes a Bytes
         // through a second allocation (and a shared drop), one per command.
-        let digest_len = |on: bool| if on { pdu::DIGEST_LEN } else { 0 };
-        let len = pdu::CH_LEN
-            + 64
-            + digest_len(st.digests.header)
-            + icd.len()
-            + digest_len(st.digests.data && !icd.is_empty());
-        let mut frame = Vec::with_capacity(len);
-        pdu::encode(&Header::CapsuleCmd(sqe), 0, &icd, st.digests, 0, &mut frame);
-        debug_assert_eq!(frame.len(), len, "the capsule's length");
+        let capsule = Header::CapsuleCmd(sqe);
+        let mut frame = Vec::with_capacity(pdu::encoded_len(&capsule, icd.len(), st.digests, 0));
+        pdu::encode(&capsule, 0, &icd, st.digests, 0, &mut frame);
         if self.frames.send(Some(frame.into())).is_err() {
             st.slots.lock().finish(cid);
             return Err(Error::ConnectionLost);
@@ -1019,18 +1016,21 @@ async fn write_frames(
     mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
     state: Arc<QueueState>,
 ) {
-    let in_flight = || {
-        let s = state.slots.lock();
-        s.pending.len() - s.free.len()
-    };
-    let _ = crate::writer::write_frames(&mut wr, &mut rx, in_flight).await;
+    let _ = crate::writer::write_frames(&mut wr, &mut rx, || state.slots.lock().in_flight()).await;
     // The reader then sees the end and fails whatever is waiting.
     state.up.store(false, Relaxed);
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
 
-/// Bytes the receive buffer offers each read, at least.
-const RECEIVE_ROOM: usize = 1 << 20;
+/// The receive buffer's capacity. `BytesMut` remembers what it was created
+/// with and grows by that when the data handed out still shares it: big
+/// enough chunks that the allocator hands them out and takes them back
+/// whole (the 1 KiB handshake buffer made every read allocate, and glibc
+/// trim its heap, a TLB shootdown each time).
+const RECEIVE_BUFFER: usize = 1 << 20;
+
+/// Room each read asks for, at least: many PDUs.
+const RECEIVE_ROOM: usize = 64 << 10;
 
 /// Reads PDUs until the connection ends or the controller breaks the
 /// protocol, completing commands; then fails every command still waiting.
@@ -1105,10 +1105,7 @@ async fn receive(
             Some(p) => u32::from_le_bytes(p.try_into().expect("4 bytes")) as usize,
             None => 0,
         };
-        // Room for many PDUs per read, in a buffer big enough that the
-        // allocator hands out and takes back whole chunks (small ones made
-        // glibc trim its heap, a TLB shootdown each time).
-        buf.reserve(need.saturating_sub(buf.len()).max(64 << 10));
+        buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
         match rd.read_buf(&mut buf).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}

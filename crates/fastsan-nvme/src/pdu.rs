@@ -332,6 +332,35 @@ pub fn encode(
 /// padding, for a PDU that will carry `data_len` bytes sent from elsewhere
 /// (a read's data goes out as it is, never copied). The data follows, then
 /// [`data_digest`] when there is one.
+/// Where a PDU's parts fall, as [`encode_head`] lays them out.
+struct Layout {
+    hlen: u8,
+    has_digests: bool,
+    /// Header and data digests present.
+    hd: bool,
+    dd: bool,
+    /// Data offset and whole length.
+    pdo: usize,
+    plen: usize,
+}
+
+fn layout(header: &Header, data_len: usize, digests: Digests, align: usize) -> Layout {
+    let (hlen, _, has_digests) = shape(header.kind()).expect("every Header has a shape");
+    let hd = has_digests && digests.header;
+    let dd = has_digests && digests.data && data_len > 0;
+    let header_end = hlen as usize + if hd { DIGEST_LEN } else { 0 };
+    let align = align.clamp(1, 128);
+    let pdo = if data_len == 0 || !has_digests { header_end } else { header_end.next_multiple_of(align) };
+    let plen = pdo + data_len + if dd { DIGEST_LEN } else { 0 };
+    Layout { hlen, has_digests, hd, dd, pdo, plen }
+}
+
+/// The bytes [`encode`] writes for `header` with `data_len` bytes of data:
+/// what to allocate for it.
+pub fn encoded_len(header: &Header, data_len: usize, digests: Digests, align: usize) -> usize {
+    layout(header, data_len, digests, align).plen
+}
+
 pub fn encode_head(
     header: &Header,
     extra_flags: u8,
@@ -341,13 +370,7 @@ pub fn encode_head(
     out: &mut Vec<u8>,
 ) {
     let kind = header.kind();
-    let (hlen, _, has_digests) = shape(kind).expect("every Header has a shape");
-    let hd = has_digests && digests.header;
-    let dd = has_digests && digests.data && data_len > 0;
-    let header_end = hlen as usize + if hd { DIGEST_LEN } else { 0 };
-    let align = align.clamp(1, 128);
-    let pdo = if data_len == 0 || !has_digests { header_end } else { header_end.next_multiple_of(align) };
-    let plen = pdo + data_len + if dd { DIGEST_LEN } else { 0 };
+    let Layout { hlen, has_digests, hd, dd, pdo, plen } = layout(header, data_len, digests, align);
     let flags = extra_flags | if hd { flag::HDGSTF } else { 0 } | if dd { flag::DDGSTF } else { 0 };
     let start = out.len();
     let pdo_field = if data_len == 0 || !has_digests { 0 } else { pdo as u8 };
