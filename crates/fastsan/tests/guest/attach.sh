@@ -20,8 +20,14 @@ fails_with() {
   elif grep -q "$want" /tmp/check.out; then say "PASS $* fails with '$want'"
   else say "FAIL $*: $(cat /tmp/check.out)"; fi
 }
-# Starts `fastsan attach` in the background and waits for its device.
+# Starts `fastsan attach` in the background and waits for its device. The
+# output files are emptied here, before the background job starts: its own
+# redirection truncates them only once it runs, and until then the previous
+# attach's "attached as" would pass for this one's (the mount that followed
+# then opened an unconfigured /dev/nbd0 and failed).
 attach() {
+  : >/tmp/attach.out
+  : >/tmp/attach.log
   fastsan attach "$URL" --reconnect-timeout 120 "$@" >/tmp/attach.out 2>/tmp/attach.log &
   pid=$!
   for i in $(seq 1 300); do
