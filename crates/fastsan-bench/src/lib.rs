@@ -141,6 +141,8 @@ pub struct Report {
     /// Client CPU (user + system) as a share of one core.
     pub client_cpu_pct: f64,
     pub client_cpu_us_per_io: f64,
+    /// The client's threads (the runtime's workers).
+    pub client_threads: usize,
     pub errors: u64,
     pub verify_mismatches: u64,
     /// BRP only: frames sent, BATCH frames among them, requests they carried.
@@ -412,6 +414,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         lat_max_us: us(hist.max()),
         client_cpu_pct: cpu / secs * 100.0,
         client_cpu_us_per_io: if ios > 0 { cpu * 1e6 / ios as f64 } else { 0.0 },
+        client_threads: tokio::runtime::Handle::current().metrics().num_workers(),
         errors: shared.errors.load(Relaxed),
         verify_mismatches: shared.mismatches.load(Relaxed),
         frames: after_stats.frames - before_stats.frames,
@@ -492,8 +495,11 @@ impl Report {
             self.lat_mean_us, self.lat_p50_us, self.lat_p99_us, self.lat_p999_us, self.lat_max_us
         );
         s += &format!(
-            "  client CPU {:.0}% of a core, {:.2} us per I/O\n",
-            self.client_cpu_pct, self.client_cpu_us_per_io
+            "  client CPU {:.0}% of a core, {:.2} us per I/O, {} thread{}\n",
+            self.client_cpu_pct,
+            self.client_cpu_us_per_io,
+            self.client_threads,
+            if self.client_threads == 1 { "" } else { "s" }
         );
         if self.frames > 0 {
             let avg = if self.batches > 0 { self.batched_requests as f64 / self.batches as f64 } else { 0.0 };

@@ -394,9 +394,7 @@ impl From<io::Error> for Ended {
 }
 
 fn blank(opcode: u8) -> Sqe {
-    let mut sqe = Sqe::decode(&[0; 64]);
-    sqe.opcode = opcode;
-    sqe
+    Sqe { opcode, ..Sqe::default() }
 }
 
 impl Queue {

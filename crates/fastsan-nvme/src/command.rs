@@ -51,7 +51,8 @@ impl SglDesc {
 }
 
 /// A submission queue entry, field by field; every byte round-trips.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `Default` is the all-zero entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Sqe {
     pub opcode: u8,
     /// FUSE (bits 0-1) and PSDT (bits 6-7: 0b01 or 0b10, SGLs, on fabrics).
@@ -262,9 +263,8 @@ mod tests {
         let raw = d.encode();
         assert_eq!((raw[8], raw[9], raw[15]), (0x00, 0x10, 0x01));
         assert_eq!(SglDesc::decode(&raw), d);
-        let mut sqe = Sqe::decode(&[0; 64]);
-        sqe.opcode = OPC_FABRICS;
-        sqe.nsid = fctype::CONNECT as u32;
+        assert_eq!(Sqe::default(), Sqe::decode(&[0; 64]), "the default entry is all zeroes");
+        let sqe = Sqe { opcode: OPC_FABRICS, nsid: fctype::CONNECT as u32, ..Sqe::default() };
         assert_eq!(sqe.fctype(), Some(fctype::CONNECT));
     }
 }

@@ -151,7 +151,11 @@ fn main() -> std::process::ExitCode {
         // Colour codes only for a terminal: not in log files and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Cmd::Bench(a) = &cli.cmd {
+        rt.worker_threads(a.threads());
+    }
+    let rt = rt.enable_all().build().expect("tokio runtime");
     let r = rt.block_on(async {
         match cli.cmd {
             Cmd::Serve(a) => serve::run(*a).await,

@@ -151,6 +151,7 @@ fn bad_command_lines_get_clear_errors() {
             &["bench", "brp://127.0.0.1:1/v", "--request-timeout", "0"],
             "--request-timeout must be more than 0",
         ),
+        (&["bench", "brp://127.0.0.1:1/v", "--threads", "0"], "0 is not in 1..=1024"),
     ];
     let dir = temp_dir("badconf");
     let zero = dir.join("zero.toml");
@@ -214,7 +215,13 @@ fn bench_measures_and_verifies_over_brp_and_nbd() {
         assert_eq!(get("errors"), 0.0);
         assert!(get("lat_p99_us") >= get("lat_p50_us") && get("lat_p50_us") > 0.0, "{text}");
         assert_eq!(get("requesters"), 16.0);
+        // A thread per job, as fio runs them, at most one per CPU.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(get("client_threads"), 2.min(cpus) as f64, "{text}");
     }
+    let out = fastsan(&["bench", &s.url("v"), "--threads", "3", "--runtime", "0.2", "--ramp", "0", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("\"client_threads\": 3,"), "{text}");
     // A bad URL or size is a clear error.
     let out = fastsan(&["bench", "http://x", "--runtime", "0.1"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("brp://"));
