@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -173,7 +173,8 @@ impl NbdVolume {
         let up = Arc::new(AtomicBool::new(true));
         let (frames, rx) = mpsc::unbounded_channel();
         tokio::spawn(read_replies(rd, pending.clone(), up.clone()));
-        tokio::spawn(write_frames(wr, rx, pending.clone(), up.clone()));
+        let (p, u) = (pending.clone(), up.clone());
+        tokio::spawn(async move { crate::writer::run(wr, rx, &u, || p.lock().len()).await });
         Ok(NbdVolume {
             url: url.to_owned(),
             frames,
@@ -337,18 +338,6 @@ impl NbdVolume {
 
 /// Writes whole frames in order ([`crate::writer`]) until the connection
 /// breaks or is cut.
-async fn write_frames(
-    mut wr: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
-    pending: Pending,
-    up: Arc<AtomicBool>,
-) {
-    let _ = crate::writer::write_frames(&mut wr, &mut rx, || pending.lock().len()).await;
-    // The reader then sees the end and fails whatever is waiting.
-    up.store(false, Relaxed);
-    let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
-}
-
 /// Reads replies until the connection ends, handing each to its waiter;
 /// then fails every request still waiting.
 async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBool>) {

@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Notify};
 
@@ -461,7 +461,8 @@ impl Queue {
         let mut rbuf = BytesMut::with_capacity(RECEIVE_BUFFER);
         rbuf.extend_from_slice(&buf);
         tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data));
-        tokio::spawn(write_frames(wr, rx, state.clone()));
+        let st = state.clone();
+        tokio::spawn(async move { crate::writer::run(wr, rx, &st.up, || st.slots.lock().in_flight()).await });
         Ok(Queue { frames, state })
     }
 
@@ -678,6 +679,17 @@ pub struct NvmeVolume {
     read_only: bool,
     volatile_cache: bool,
     request_timeout: Duration,
+}
+
+impl Drop for NvmeVolume {
+    /// This side closes every queue: their readers must not report the
+    /// end as a lost connection. The controller may end the I/O queues as
+    /// soon as it sees the admin queue go, before their own writers close.
+    fn drop(&mut self) {
+        for q in self.io.iter().chain([&self.admin]) {
+            q.state.up.store(false, Relaxed);
+        }
+    }
 }
 
 impl NvmeVolume {
@@ -1005,19 +1017,6 @@ impl NvmeVolume {
         sqe.nsid = self.nsid;
         self.queue(None).run("Flush", sqe, Data::None, self.request_timeout).await.map(drop)
     }
-}
-
-/// Writes whole frames in order ([`crate::writer`]) until the connection
-/// breaks or is cut.
-async fn write_frames(
-    mut wr: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
-    state: Arc<QueueState>,
-) {
-    let _ = crate::writer::write_frames(&mut wr, &mut rx, || state.slots.lock().in_flight()).await;
-    // The reader then sees the end and fails whatever is waiting.
-    state.up.store(false, Relaxed);
-    let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
 
 /// The receive buffer's capacity. `BytesMut` remembers what it was created

@@ -12,6 +12,7 @@
 
 use bytes::Bytes;
 use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -24,6 +25,32 @@ const MAX_GATHER: usize = 256;
 
 /// Most bytes gathered before writing (a large write goes on its own).
 const MAX_GATHER_BYTES: usize = 64 << 10;
+
+/// A connection's writer task, to its end however it comes: the channel
+/// closed (the volume was dropped), a `None` cut the connection, the
+/// connection broke, or the runtime dropped the task at exit. `up` is
+/// cleared before the socket closes, so the reader takes the end that
+/// follows for this side's own (a lost connection is only one `up` did not
+/// see coming); then the socket is shut both ways.
+pub(crate) async fn run(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
+    up: &AtomicBool,
+    in_flight: impl Fn() -> usize,
+) {
+    /// Clears `up` when dropped: declared after `wr`, it goes first, also
+    /// when the task is dropped mid-write (`wr` shuts the socket as it goes).
+    struct Ending<'a>(&'a AtomicBool);
+    impl Drop for Ending<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, Relaxed);
+        }
+    }
+    let ending = Ending(up);
+    let _ = write_frames(&mut wr, &mut rx, in_flight).await;
+    drop(ending);
+    let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
+}
 
 /// Writes frames until the channel closes or a `None` asks to cut the
 /// connection (both `Ok`), or the connection breaks (`Err`). `in_flight`
@@ -123,5 +150,46 @@ mod tests {
         assert!(write_frames(&mut a, &mut rx, || 0).await.is_err());
         drop(tx);
         assert!(write_frames(&mut a, &mut rx, || 0).await.is_ok(), "a closed channel is the end");
+    }
+
+    /// However the writer ends (its channel closed, or its task dropped by
+    /// a runtime shutting down), `up` is clear before the peer can see the
+    /// socket close, so the reader takes the end for this side's own.
+    #[test]
+    fn up_is_cleared_before_the_socket_closes_however_the_writer_ends() {
+        for dropped in [false, true] {
+            let rt =
+                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            let up = std::sync::Arc::new(AtomicBool::new(true));
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut peer = rt.block_on(async {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+                let (peer, _) = l.accept().await.unwrap();
+                let (rd, wr) = c.into_split();
+                let u = up.clone();
+                tokio::spawn(async move {
+                    let _rd = rd;
+                    run(wr, rx, &u, || 0).await
+                });
+                tx.send(Some(Bytes::from_static(b"one frame"))).unwrap();
+                let peer = peer.into_std().unwrap();
+                peer.set_nonblocking(false).unwrap();
+                peer
+            });
+            let mut got = [0u8; 9];
+            std::io::Read::read_exact(&mut peer, &mut got).unwrap();
+            assert_eq!(&got, b"one frame");
+            assert!(up.load(Relaxed), "up while the writer runs");
+            if dropped {
+                drop(rt);
+            } else {
+                drop(tx);
+            }
+            peer.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+            let n = std::io::Read::read(&mut peer, &mut got).unwrap();
+            assert_eq!(n, 0, "the socket closed");
+            assert!(!up.load(Relaxed), "up cleared by then (task dropped: {dropped})");
+        }
     }
 }

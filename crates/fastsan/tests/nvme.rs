@@ -649,3 +649,40 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     assert!(log.contains("waits for the host's lost queues to drain"), "{log}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `fastsan bench` over NVMe/TCP: one I/O queue per job, every read of a
+/// block written in the run checked, and the end of the run is this side's
+/// close, not a lost connection (no warning when the controller ends the
+/// I/O queues after seeing the admin queue go).
+#[test]
+fn bench_over_nvme_tcp_verifies_its_reads_and_closes_quietly() {
+    let t = nvme_target(&["--volume", "v=memory:16M"]);
+    let url = format!("nvme+tcp://{}/{NQN}", t.nvme);
+    for _ in 0..3 {
+        let out = fastsan(&[
+            "bench",
+            &url,
+            "--rw",
+            "randrw",
+            "--bs",
+            "4k",
+            "--iodepth",
+            "4",
+            "--jobs",
+            "4",
+            "--runtime",
+            "0.3",
+            "--ramp",
+            "0",
+            "--verify",
+            "--json",
+        ]);
+        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{text} {err}");
+        for want in ["\"connections\": 4,", "\"verify_mismatches\": 0,", "\"errors\": 0,"] {
+            assert!(text.contains(want), "{want} in {text}");
+        }
+        assert!(!text.contains("\"reads\": 0,") && !text.contains("\"writes\": 0,"), "{text}");
+        assert!(!err.contains("WARN") && !err.contains("ERROR"), "{err}");
+    }
+}
