@@ -301,11 +301,15 @@ impl Cmd {
 struct Slots {
     free: Vec<u16>,
     pending: Vec<Option<Cmd>>,
+    /// Callers waiting for an identifier: only then does a completion
+    /// notify (the `Notify` is otherwise one more cache line that the
+    /// reader and the callers would pass back and forth per command).
+    waiting: usize,
 }
 
 impl Slots {
     fn new(depth: u16) -> Slots {
-        Slots { free: (0..depth).rev().collect(), pending: (0..depth).map(|_| None).collect() }
+        Slots { free: (0..depth).rev().collect(), pending: (0..depth).map(|_| None).collect(), waiting: 0 }
     }
 
     /// A free identifier for `cmd`, if one is left (else `cmd` comes back).
@@ -323,7 +327,8 @@ impl Slots {
         self.pending.get_mut(cid as usize)?.as_mut()
     }
 
-    /// Command `cid` leaves the table and its identifier is free again.
+    /// Command `cid` leaves the table and its identifier is free again
+    /// (tell a waiting caller: [`Slots::waiting`]).
     fn finish(&mut self, cid: u16) -> Option<Cmd> {
         let cmd = self.pending.get_mut(cid as usize)?.take()?;
         self.free.push(cid);
@@ -344,9 +349,10 @@ struct QueueState {
     /// `HOST:PORT queue N`, for messages.
     name: String,
     slots: Mutex<Slots>,
-    /// Woken when an identifier is freed, and (all waiters) when the
-    /// connection ends. A plain list under `slots` and this, rather than a
-    /// semaphore: freeing is then one atomic, not the semaphore's lock.
+    /// Woken when an identifier is freed while callers wait for one
+    /// ([`Slots::waiting`]), and (all waiters) when the connection ends. A
+    /// plain list under `slots` and this, rather than a semaphore: freeing
+    /// costs nothing more when nobody waits.
     freed: Notify,
     /// False once the connection ended.
     up: AtomicBool,
@@ -496,11 +502,21 @@ impl Queue {
         // gives up never returns an identifier still in use.
         let mut cmd = Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx };
         let cid = loop {
-            let freed = st.freed.notified();
-            match st.slots.lock().take(cmd) {
-                Ok(cid) => break cid,
-                Err(back) => cmd = back,
+            {
+                let mut s = st.slots.lock();
+                match s.take(cmd) {
+                    Ok(cid) => break cid,
+                    Err(back) => cmd = back,
+                }
+                s.waiting += 1;
             }
+            // Counted under the lock that found no identifier, so the next
+            // completion notifies (a permit, if it comes before this waits);
+            // uncounted however this ends, also when the caller gives up.
+            let _waiting = Waiting(st);
+            // Made before `up` is read: the reader's end (`notify_waiters`,
+            // after it cleared `up`) wakes it even if it comes next.
+            let freed = st.freed.notified();
             if !st.up.load(Relaxed) {
                 return Err(Error::ConnectionLost);
             }
@@ -1113,9 +1129,28 @@ async fn receive(
 
 /// Removes command `cid` from the queue and frees its identifier.
 fn finish(state: &QueueState, cid: u16) -> Option<Cmd> {
-    let cmd = state.slots.lock().finish(cid)?;
-    state.freed.notify_one();
+    let mut s = state.slots.lock();
+    let cmd = s.finish(cid)?;
+    wake_waiter(state, s);
     Some(cmd)
+}
+
+/// An identifier was freed under `s`: wakes a caller waiting for one.
+fn wake_waiter(state: &QueueState, s: parking_lot::MutexGuard<'_, Slots>) {
+    let wake = s.waiting > 0;
+    drop(s);
+    if wake {
+        state.freed.notify_one();
+    }
+}
+
+/// A caller counted in [`Slots::waiting`] until dropped.
+struct Waiting<'a>(&'a QueueState);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.slots.lock().waiting -= 1;
+    }
 }
 
 /// One PDU from the controller.
@@ -1180,8 +1215,7 @@ fn handle(
                     return Err(fatal(why, fes::INVALID_HEADER_FIELD, 1, &raw));
                 }
                 let mut cmd = s.finish(cid).expect("in flight: checked under the lock");
-                drop(s);
-                state.freed.notify_one();
+                wake_waiter(state, s);
                 let cqe =
                     Cqe { dw0: 0, dw1: 0, sqhd: 0, sqid: 0, cid, status: NvmeStatus::SUCCESS, phase: false };
                 let data = cmd.data();
