@@ -244,6 +244,39 @@ impl Drop for Conn {
 /// flight (QD1) still leaves at once.
 pub(crate) const MERGE_LOAD: usize = 2;
 
+/// A connection whose window was this deep lately (requests in flight
+/// plus those in the frame being sent) is loaded even at an instant when
+/// a burst of replies has emptied it: the requesters behind the burst come
+/// back together, so the adaptive sender lingers for them as long as its
+/// last frame carried several. Below this depth, lingering on an empty
+/// window costs more than it merges (a convoy).
+const DEEP_LOAD: usize = 16;
+
+/// How the depth of a connection's window went lately: the deepest of the
+/// last frames sent (two windows of [`Depth::SPAN`] frames).
+#[derive(Default)]
+struct Depth {
+    now: usize,
+    before: usize,
+    frames: u32,
+}
+
+impl Depth {
+    const SPAN: u32 = 64;
+
+    fn saw(&mut self, depth: usize) {
+        self.now = self.now.max(depth);
+        self.frames += 1;
+        if self.frames == Self::SPAN {
+            (self.before, self.now, self.frames) = (self.now, 0, 0);
+        }
+    }
+
+    fn recent(&self) -> usize {
+        self.now.max(self.before)
+    }
+}
+
 fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
 }
@@ -260,6 +293,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
     let mut carry: Option<Submit> = None;
     let mut group: Vec<(RequestHeader, Bytes)> = Vec::new();
     let mut heads: Vec<u8> = Vec::new();
+    let (mut last_group, mut depth) = (0usize, Depth::default());
     loop {
         let first = match carry.take() {
             Some(s) => s,
@@ -275,7 +309,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         // or two before it gathers, and the batch holds what they queue
         // meanwhile. At light load it sends at once: no added latency.
         let in_flight = (l.queue_depth as usize).saturating_sub(credits.available_permits());
-        let busy = in_flight >= MERGE_LOAD;
+        let busy = in_flight >= MERGE_LOAD || last_group >= MERGE_LOAD && depth.recent() >= DEEP_LOAD;
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
         let mut bytes = first.payload.len();
         push(&mut group, inflight, first);
@@ -336,6 +370,8 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         stats.frames.fetch_add(1, Relaxed);
         crate::writer::write_all_vectored(&mut wr, &mut slices).await?;
         drop(slices);
+        last_group = group.len();
+        depth.saw(in_flight + last_group);
         group.clear();
     }
 }
@@ -403,5 +439,31 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             Ok(_) => {}
             Err(e) => return e.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The recent depth is the deepest window of the last one to two spans
+    /// of frames: a deep burst counts for a while, then is forgotten.
+    #[test]
+    fn the_recent_depth_remembers_a_deep_window_for_one_to_two_spans() {
+        let mut d = Depth::default();
+        assert_eq!(d.recent(), 0);
+        d.saw(32);
+        for _ in 1..Depth::SPAN {
+            d.saw(1);
+        }
+        assert_eq!(d.recent(), 32, "still within the span that saw it");
+        for _ in 0..Depth::SPAN - 1 {
+            d.saw(3);
+        }
+        assert_eq!(d.recent(), 32, "remembered through the next span");
+        d.saw(3);
+        assert_eq!(d.recent(), 3, "forgotten two spans on");
+        d.saw(DEEP_LOAD);
+        assert!(d.recent() >= DEEP_LOAD);
     }
 }
