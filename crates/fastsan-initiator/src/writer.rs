@@ -28,10 +28,11 @@ const MAX_GATHER_BYTES: usize = 64 << 10;
 
 /// A connection's writer task, to its end however it comes: the channel
 /// closed (the volume was dropped), a `None` cut the connection, the
-/// connection broke, or the runtime dropped the task at exit. `up` is
-/// cleared before the socket closes, so the reader takes the end that
-/// follows for this side's own (a lost connection is only one `up` did not
-/// see coming); then the socket is shut both ways.
+/// connection broke, or the runtime dropped the task at exit. When this
+/// side ends it, `up` is cleared before the socket closes, so the reader
+/// takes the end that follows for this side's own; when a write found the
+/// connection broken, `up` stays for the reader to report the loss. Then
+/// the socket is shut both ways.
 pub(crate) async fn run(
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
@@ -47,8 +48,14 @@ pub(crate) async fn run(
         }
     }
     let ending = Ending(up);
-    let _ = write_frames(&mut wr, &mut rx, in_flight).await;
-    drop(ending);
+    match write_frames(&mut wr, &mut rx, in_flight).await {
+        // This side ended it: the reader is to take the close for its own.
+        Ok(()) => drop(ending),
+        // The connection broke under a write (and the kernel cleared the
+        // socket's error as it reported it): the reader must still see a
+        // lost connection, not this side's close.
+        Err(_) => std::mem::forget(ending),
+    }
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
 
