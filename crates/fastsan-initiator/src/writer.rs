@@ -199,4 +199,29 @@ mod tests {
             assert!(!up.load(Relaxed), "up cleared by then (task dropped: {dropped})");
         }
     }
+
+    /// A write that finds the connection broken leaves `up` set: the loss is
+    /// the reader's to report, not to be taken for this side's close.
+    #[tokio::test]
+    async fn a_broken_connection_leaves_up_set() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (peer, _) = l.accept().await.unwrap();
+        // Closed with unread data in it: the peer answers with a reset.
+        socket2::SockRef::from(&peer).set_linger(Some(std::time::Duration::ZERO)).unwrap();
+        drop(peer);
+        let up = std::sync::Arc::new(AtomicBool::new(true));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (rd, wr) = c.into_split();
+        let u = up.clone();
+        let writer = tokio::spawn(async move { run(wr, rx, &u, || 0).await });
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !writer.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "the writer never saw the broken connection");
+            let _ = tx.send(Some(Bytes::from(vec![7u8; 64 << 10])));
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        drop(rd);
+        assert!(up.load(Relaxed), "a broken connection is not this side's close");
+    }
 }
