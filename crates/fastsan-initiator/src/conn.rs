@@ -284,6 +284,11 @@ impl Depth {
     }
 }
 
+/// Requests with a credit taken and no reply yet: the connection's window.
+fn window(l: &Limits, credits: &Semaphore) -> usize {
+    (l.queue_depth as usize).saturating_sub(credits.available_permits())
+}
+
 fn mergeable(s: &Submit, l: &Limits) -> bool {
     s.header.length <= l.merge_max_request || s.header.command == Command::Flush
 }
@@ -316,7 +321,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         // send again. Then the adaptive sender lets them run a scheduler turn
         // or two before it gathers, and the batch holds what they queue
         // meanwhile. At light load it sends at once: no added latency.
-        let in_flight = (l.queue_depth as usize).saturating_sub(credits.available_permits());
+        let in_flight = window(&l, credits);
         let after_burst = last_sent.elapsed() < BURST_GAP && last_group >= MERGE_LOAD;
         let busy = in_flight >= MERGE_LOAD || after_burst && depth.recent() >= DEEP_LOAD;
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
@@ -380,9 +385,8 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         crate::writer::write_all_vectored(&mut wr, &mut slices).await?;
         drop(slices);
         last_group = group.len();
-        // The window as this frame leaves: every request with a credit
-        // taken and no reply yet (this frame's included).
-        depth.saw((l.queue_depth as usize).saturating_sub(credits.available_permits()));
+        // The window as this frame leaves (this frame's requests included).
+        depth.saw(window(&l, credits));
         last_sent = std::time::Instant::now();
         group.clear();
     }

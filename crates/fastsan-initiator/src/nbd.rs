@@ -336,8 +336,6 @@ impl NbdVolume {
     }
 }
 
-/// Writes whole frames in order ([`crate::writer`]) until the connection
-/// breaks or is cut.
 /// Reads replies until the connection ends, handing each to its waiter;
 /// then fails every request still waiting.
 async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBool>) {

@@ -328,10 +328,6 @@ pub fn encode(
     debug_assert_eq!(out.len() - start, le32(&out[start..], 4) as usize);
 }
 
-/// The part of [`encode`] before the data: the header, its digest and the
-/// padding, for a PDU that will carry `data_len` bytes sent from elsewhere
-/// (a read's data goes out as it is, never copied). The data follows, then
-/// [`data_digest`] when there is one.
 /// Where a PDU's parts fall, as [`encode_head`] lays them out.
 struct Layout {
     hlen: u8,
@@ -361,6 +357,10 @@ pub fn encoded_len(header: &Header, data_len: usize, digests: Digests, align: us
     layout(header, data_len, digests, align).plen
 }
 
+/// The part of [`encode`] before the data: the header, its digest and the
+/// padding, for a PDU that will carry `data_len` bytes sent from elsewhere
+/// (a read's data goes out as it is, never copied). The data follows, then
+/// [`data_digest`] when there is one.
 pub fn encode_head(
     header: &Header,
     extra_flags: u8,
