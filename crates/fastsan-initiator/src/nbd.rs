@@ -272,12 +272,19 @@ impl NbdVolume {
     pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
         let native = fua && self.flags & TFLAG_SEND_FUA != 0;
         let flags = if native { CMD_FLAG_FUA } else { 0 };
-        all(chunks(offset, data.len() as u64, self.max as u64).map(|(o, n)| {
-            let at = (o - offset) as usize;
-            let piece = data.slice(at..at + n as usize);
-            async move { self.call(CMD_WRITE, flags, o, n as u32, &piece).await }
-        }))
-        .await?;
+        if data.is_empty() {
+            // Nothing to send (as the join of no pieces below).
+        } else if data.len() <= self.max as usize {
+            // One request: no join of one (an allocation and a future's move per write).
+            self.call(CMD_WRITE, flags, offset, data.len() as u32, &data).await?;
+        } else {
+            all(chunks(offset, data.len() as u64, self.max as u64).map(|(o, n)| {
+                let at = (o - offset) as usize;
+                let piece = data.slice(at..at + n as usize);
+                async move { self.call(CMD_WRITE, flags, o, n as u32, &piece).await }
+            }))
+            .await?;
+        }
         if fua && !native {
             self.flush().await?;
         }
