@@ -18,8 +18,10 @@ use crate::server::HandshakeTicket;
 use crate::stats::Stats;
 use crate::tls::{cert_identity, MaybeTls, Prefixed};
 use bytes::{Bytes, BytesMut};
+use futures::FutureExt;
 use std::io;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, info, warn};
 
@@ -347,14 +349,22 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let shutdown = env.shutdown.cancelled();
     tokio::pin!(stopped, shutdown);
     let own = conn.volume().cloned();
+    let mut poll = BusyPoll::new(env.poll_window);
     loop {
+        let mut requests = 0u32;
         let need = loop {
             let r = match conn.decode(&mut buf) {
                 Ok(Decoded::Request { tag, meta, req }) => match &own {
-                    Some(v) => d.dispatch(v, tag, meta, req).await,
+                    Some(v) => {
+                        requests += 1;
+                        d.dispatch(v, tag, meta, req).await
+                    }
                     None => return End::Protocol("a request on a connection without a volume".into()),
                 },
-                Ok(Decoded::On { volume, tag, meta, req }) => d.dispatch(&volume, tag, meta, req).await,
+                Ok(Decoded::On { volume, tag, meta, req }) => {
+                    requests += 1;
+                    d.dispatch(&volume, tag, meta, req).await
+                }
                 Ok(Decoded::Local { tag, meta, result }) => {
                     d.reply_local(tag, meta, result);
                     Ok(())
@@ -378,16 +388,104 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
             return End::Shutdown;
         }
         buf.reserve(read_room(buf.len(), need));
-        let n = tokio::select! {
-            r = rd.read_buf(&mut buf) => r,
-            _ = &mut shutdown => return End::Shutdown,
-            _ = &mut stopped => return End::Stopped,
+        // What the peer sent meanwhile, without waiting; else spin for it a
+        // while if the connection goes request by request (BusyPoll), else
+        // sleep until it comes.
+        let mut got = rd.read_buf(&mut buf).now_or_never();
+        let wait = poll.served(requests, got.is_none());
+        if wait.spin {
+            let until = Instant::now() + poll.window;
+            while got.is_none() && Instant::now() < until && !activity.is_stopped() {
+                // Lets the runtime look at its sockets (and run other tasks) in between.
+                tokio::task::yield_now().await;
+                got = rd.read_buf(&mut buf).now_or_never();
+            }
+            if got.is_some() {
+                Stats::add(&env.stats.polled, 1);
+            }
+        }
+        let n = match got {
+            Some(r) => r,
+            None => tokio::select! {
+                r = rd.read_buf(&mut buf) => r,
+                _ = &mut shutdown => return End::Shutdown,
+                _ = &mut stopped => return End::Stopped,
+            },
         };
+        poll.arrived(wait);
         match n {
             Ok(0) if conn.mid_frame(&buf) => return End::Truncated,
             Ok(0) => return End::Eof,
             Ok(_) => {}
             Err(e) => return End::Io(e),
+        }
+    }
+}
+
+/// Busy polling for a connection that goes request by request.
+///
+/// A client at queue depth 1 sends its next request only after it has read
+/// the reply to the last, so between two requests the connection has nothing
+/// to do; sleeping there costs a wake-up (the runtime parks its thread, the
+/// next request's arrival wakes it: tens of microseconds on a virtual
+/// machine) on every request. Spinning for the next request instead halves
+/// the latency at QD1 (docs/benchmarks.md, "Busy polling at QD1").
+///
+/// Spinning is not free: it holds a core. Under load it takes that core from
+/// whatever else runs (on a small machine, the client), so it pays only when
+/// both sides would otherwise wait for each other. The rule: spin (for at
+/// most `window`) only after [`STREAK`] reads in a row each brought exactly
+/// one request, after a wait of at least [`MIN_GAP`] and within the window.
+/// A loaded connection breaks the streak at once: a read brings several
+/// requests, or the next request is there already, or it comes sooner than
+/// [`MIN_GAP`] (the client is busy, not waiting). An idle one breaks it too:
+/// the wait outlasts the window, once, and the connection sleeps as before.
+pub struct BusyPoll {
+    window: Duration,
+    /// Reads in a row that fit the rule.
+    streak: u32,
+}
+
+/// Reads in a row that must look like a client at queue depth 1.
+pub const STREAK: u32 = 8;
+/// The shortest wait for a request that counts as the client waiting for its
+/// reply (shorter: the client is busy, with more requests in flight).
+pub const MIN_GAP: Duration = Duration::from_micros(12);
+
+/// What [`BusyPoll::served`] decided about the coming wait.
+#[derive(Debug, Clone, Copy)]
+pub struct Wait {
+    /// Spin for the next request (up to the window).
+    pub spin: bool,
+    /// When the wait began; `None`: the data was there already.
+    since: Option<Instant>,
+}
+
+impl BusyPoll {
+    pub fn new(window: Duration) -> BusyPoll {
+        BusyPoll { window, streak: 0 }
+    }
+
+    /// The last read brought `requests`; the next request is not here yet
+    /// (`waiting`) or is. Whether to spin for it.
+    pub fn served(&mut self, requests: u32, waiting: bool) -> Wait {
+        if requests != 1 || !waiting {
+            self.streak = 0;
+        }
+        let spin = waiting && !self.window.is_zero() && self.streak >= STREAK;
+        Wait { spin, since: waiting.then(Instant::now) }
+    }
+
+    /// The wait begun at [`BusyPoll::served`] ended: data arrived.
+    pub fn arrived(&mut self, w: Wait) {
+        self.arrived_after(w.since.map(|t| t.elapsed()));
+    }
+
+    /// [`BusyPoll::arrived`], after `waited` (`None`: no wait at all).
+    fn arrived_after(&mut self, waited: Option<Duration>) {
+        match waited {
+            Some(gap) if gap >= MIN_GAP && gap <= self.window => self.streak = self.streak.saturating_add(1),
+            _ => self.streak = 0,
         }
     }
 }
@@ -401,6 +499,43 @@ mod tests {
     use fastsan_nbd::consts::*;
     use tokio_util::sync::CancellationToken;
 
+    /// One exchange as `BusyPoll` sees it: a read brought `requests`, the next
+    /// was (not) there yet, and came after `gap`. Whether it spun for it.
+    fn exchange(p: &mut BusyPoll, requests: u32, gap: Option<Duration>) -> bool {
+        let w = p.served(requests, gap.is_some());
+        p.arrived_after(gap);
+        w.spin
+    }
+
+    #[test]
+    fn busy_polling_starts_after_a_streak_at_queue_depth_1_and_stops_under_load_or_idle() {
+        let us = Duration::from_micros;
+        let mut p = BusyPoll::new(us(50));
+        // A client at QD1: one request per read, each after a wait of ~25 us.
+        let spins: Vec<bool> = (0..STREAK + 2).map(|_| exchange(&mut p, 1, Some(us(25)))).collect();
+        assert!(spins[..=STREAK as usize - 1].iter().all(|s| !s), "{spins:?}");
+        assert!(spins[STREAK as usize..].iter().all(|s| *s), "{spins:?}");
+        // Each of these breaks the streak, and the next exchange does not spin.
+        let breakers: [(&str, u32, Option<Duration>); 5] = [
+            ("two requests in a read", 2, Some(us(25))),
+            ("the next request there already", 1, None),
+            ("a wait shorter than MIN_GAP", 1, Some(us(3))),
+            ("a wait longer than the window (idle)", 1, Some(us(400))),
+            ("no request in a read", 0, Some(us(25))),
+        ];
+        for (why, requests, gap) in breakers {
+            for _ in 0..STREAK {
+                exchange(&mut p, 1, Some(us(25)));
+            }
+            assert!(exchange(&mut p, 1, Some(us(25))), "streak rebuilt before: {why}");
+            exchange(&mut p, requests, gap);
+            assert!(!exchange(&mut p, 1, Some(us(25))), "spun right after {why}");
+        }
+        // A zero window never spins.
+        let mut off = BusyPoll::new(Duration::ZERO);
+        assert!((0..3 * STREAK).all(|_| !exchange(&mut off, 1, Some(us(25)))));
+    }
+
     /// The whole NBD path, handshake to disconnect, over an in-memory stream.
     #[tokio::test]
     async fn serves_a_connection_over_an_in_memory_stream() {
@@ -413,6 +548,7 @@ mod tests {
             queue_depth: 8,
             serial: false,
             handshake_timeout: std::time::Duration::from_secs(5),
+            poll_window: crate::config::DEFAULT_POLL_WINDOW,
             stall_timeout: std::time::Duration::from_secs(5),
             slots: Arc::new(tokio::sync::Semaphore::new(4)),
             budget: crate::pipeline::Budget::new(64 << 20),

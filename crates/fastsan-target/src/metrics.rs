@@ -93,7 +93,7 @@ impl Collector for TargetCollector {
         let per = |f: fn(&StatsSnapshot) -> u64| {
             protos.iter().map(move |(p, s)| (vec![("protocol", p.to_string())], f(s))).collect::<Vec<_>>()
         };
-        let counters: [Series; 8] = [
+        let counters: [Series; 9] = [
             ("fastsan_requests", "Requests received (a BATCH's sub-requests each count)", |s| s.requests),
             ("fastsan_read_bytes", "Bytes read from volumes for clients", |s| s.bytes_read),
             ("fastsan_written_bytes", "Bytes written to volumes by clients", |s| s.bytes_written),
@@ -106,6 +106,11 @@ impl Collector for TargetCollector {
             ("fastsan_auth_failures", "Failed authentications (wrong secret, refused certificate)", |s| {
                 s.auth_failures
             }),
+            (
+                "fastsan_polled_requests",
+                "Requests caught by busy polling (a connection at QD1 spinning)",
+                |s| s.polled,
+            ),
         ];
         for (name, help, f) in counters {
             let samples = per(f).into_iter().map(|(l, v)| (l, counter(v)));

@@ -57,6 +57,9 @@ pub struct ConnEnv {
     /// Process requests one at a time, end to end (the paper's BRP-1).
     pub serial: bool,
     pub handshake_timeout: Duration,
+    /// How long a connection serving one request at a time spins for the
+    /// next ([`crate::driver::BusyPoll`]; zero: never).
+    pub poll_window: Duration,
     /// How long a reply write may make no progress before the connection is dropped.
     pub stall_timeout: Duration,
     /// Connection slots: a connection takes one when its handshake succeeds.

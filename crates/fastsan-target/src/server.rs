@@ -161,6 +161,7 @@ impl Server {
             queue_depth,
             serial: config.serial,
             handshake_timeout: config.handshake_timeout,
+            poll_window: config.poll_window,
             stall_timeout: config.stall_timeout,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             budget: Budget::new(config.memory_budget),

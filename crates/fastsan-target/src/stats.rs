@@ -32,6 +32,9 @@ pub struct Stats {
     pub refused: AtomicU64,
     /// Connections in the transmission phase now.
     pub open_connections: AtomicU64,
+    /// Requests that arrived while their connection spun for them
+    /// ([`crate::driver::BusyPoll`]) instead of sleeping.
+    pub polled: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -52,6 +55,7 @@ pub struct StatsSnapshot {
     pub auth_failures: u64,
     pub refused: u64,
     pub open_connections: u64,
+    pub polled: u64,
 }
 
 impl Default for StatsSnapshot {
@@ -78,6 +82,7 @@ impl StatsSnapshot {
             auth_failures: a.auth_failures + b.auth_failures,
             refused: a.refused + b.refused,
             open_connections: a.open_connections + b.open_connections,
+            polled: a.polled + b.polled,
         })
     }
 }
@@ -109,6 +114,7 @@ impl Stats {
             auth_failures: self.auth_failures.load(Relaxed),
             refused: self.refused.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),
+            polled: self.polled.load(Relaxed),
         }
     }
 }

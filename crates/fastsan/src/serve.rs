@@ -119,6 +119,11 @@ pub struct Args {
     /// Largest single transfer, e.g. 8M [default: 8M].
     #[arg(long, value_name = "SIZE")]
     max_transfer: Option<String>,
+    /// Microseconds a connection serving one request at a time (a client at
+    /// queue depth 1) spins for the next request instead of sleeping; 0 never
+    /// spins [default: 50, at most 1000].
+    #[arg(long, value_name = "US")]
+    poll_window: Option<u64>,
     /// Threads running blocking device I/O, for each file volume [default: 16].
     #[arg(long, value_name = "N")]
     io_threads: Option<usize>,
@@ -210,6 +215,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(m) = a.max_transfer.as_ref().or(file.max_transfer.as_ref()) {
         c.max_transfer = u32::try_from(parse_size(m)?).context("max transfer too large")?;
+    }
+    if let Some(us) = a.poll_window.or(file.poll_window_us) {
+        c.poll_window = std::time::Duration::from_micros(us);
     }
     if let Some(n) = a.io_threads.or(file.io_threads) {
         c.io_threads = n;
