@@ -74,6 +74,20 @@ def make_file(path, size):
             f.write(chunk)
 
 
+def write_whole(urls):
+    """Writes every volume in `urls` whole once, before anything is measured. A memory volume
+    (fastsan's, nbdkit's) answers a read of a block never written with zeroes it does not copy,
+    while qemu-nbd, nbd-server and tgt serve allocated tmpfs files: reads measured on a fresh
+    memory volume ran up to 1.7x faster than on a written one (docs/benchmarks.md, section 11)."""
+    fill = os.path.join(SHM, "fastsan-bench-fill.img")
+    subprocess.run(f"yes fastsan | head -c {VOLUME_SIZE} > {fill}", shell=True, check=True)
+    try:
+        for url in urls:
+            subprocess.run([FASTSAN, "cp", fill, url], check=True, capture_output=True)
+    finally:
+        os.unlink(fill)
+
+
 class System:
     """A server under test: how to start it, its pid for CPU accounting, its URL."""
 
@@ -307,6 +321,10 @@ def main():
                "seconds_per_point": run.secs, "ramp_seconds": run.ramp, "repetitions": reps,
                "repetitions_matrix_scaling": wide_reps}
     systems = start_systems(have)
+    # Since 2026-11-25 (the runs before measured fastsan's and nbdkit's reads on fresh volumes).
+    log("writing every volume whole once")
+    write_whole([s.brp_url if s.kind == "fastsan" else s.url
+                 for s in systems.values() if s.kind in ("fastsan", "nbd")])
     results = {"machine": machine}
     wire = Wire(have)
     try:
@@ -570,13 +588,8 @@ def frontends_experiment(run, reps):
         # Every block written once before anything is measured: a memory volume answers a read of a
         # block never written with zeroes it does not copy, so reads measured first on a fresh volume
         # (as until 2026-11-24) ran up to 1.7x faster than the same reads after the write points.
-        fill = os.path.join(SHM, "fastsan-bench-fill.img")
         log("front ends: writing the whole volume once")
-        subprocess.run(f"yes fastsan | head -c {1 << 30} > {fill}", shell=True, check=True)
-        try:
-            subprocess.run([FASTSAN, "cp", fill, urls["BRP"]], check=True, capture_output=True)
-        finally:
-            os.unlink(fill)
+        write_whole([urls["BRP"]])
         out = {}
         placements = [("", ())]
         if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
