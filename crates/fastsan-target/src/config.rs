@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The default [`Config::poll_window`]: a little more than a client's turnaround
+/// The default [`ServerConfig::poll_window`]: a little more than a client's turnaround
 /// between a reply and its next request on loopback (25-30 us measured here).
 pub const DEFAULT_POLL_WINDOW: Duration = Duration::from_micros(50);
 /// The longest poll window allowed: a connection notices a stop or a shutdown
