@@ -472,8 +472,9 @@ impl BusyPoll {
         if requests != 1 || !waiting {
             self.streak = 0;
         }
-        let spin = waiting && !self.window.is_zero() && self.streak >= STREAK;
-        Wait { spin, since: waiting.then(Instant::now) }
+        let polling = waiting && !self.window.is_zero();
+        // The clock is read only where the wait's length can matter.
+        Wait { spin: polling && self.streak >= STREAK, since: polling.then(Instant::now) }
     }
 
     /// The wait begun at [`BusyPoll::served`] ended: data arrived.
