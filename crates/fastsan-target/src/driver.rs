@@ -220,7 +220,10 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     let tls = stream.is_tls();
     let (rd, wr) = stream.split();
     drop(ticket);
-    let volume = conn.volume().map_or("-", |v| v.name());
+    let volume = match conn.volumes() {
+        [one] => one.name(),
+        _ => "-",
+    };
     info!(%peer, volume, tls, "{name} connection open: {}", conn.describe());
 
     let activity = conn.activity();
@@ -348,23 +351,23 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let stopped = activity.stopped();
     let shutdown = env.shutdown.cancelled();
     tokio::pin!(stopped, shutdown);
-    let own = conn.volume().cloned();
+    let volumes = conn.volumes().to_vec();
     let mut poll = BusyPoll::new(env.poll_window);
     loop {
         let mut requests = 0u32;
         let need = loop {
             let r = match conn.decode(&mut buf) {
-                Ok(Decoded::Request { tag, meta, req }) => match &own {
+                Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
                     Some(v) => {
                         requests += 1;
                         d.dispatch(v, tag, meta, req).await
                     }
-                    None => return End::Protocol("a request on a connection without a volume".into()),
+                    None => {
+                        return End::Protocol(
+                            format!("a request on volume {volume} of {}", volumes.len()).into(),
+                        )
+                    }
                 },
-                Ok(Decoded::On { volume, tag, meta, req }) => {
-                    requests += 1;
-                    d.dispatch(&volume, tag, meta, req).await
-                }
                 Ok(Decoded::Local { tag, meta, result }) => {
                     d.reply_local(tag, meta, result);
                     Ok(())

@@ -83,12 +83,9 @@ pub trait Handshake: Send {
 /// What [`Transmission::decode`] found at the front of the buffer.
 #[derive(Debug)]
 pub enum Decoded<M> {
-    /// A request on the connection's volume (refused already when its wire
-    /// form is wrong).
-    Request { tag: u64, meta: M, req: Result<IoRequest, Refusal> },
-    /// A request on a volume the request itself names (an NVMe namespace:
-    /// one connection, an I/O queue, reaches every namespace).
-    On { volume: Arc<Volume>, tag: u64, meta: M, req: Result<IoRequest, Refusal> },
+    /// A request on the connection's volume number `volume` (an index into
+    /// [`Transmission::volumes`]), refused already when its wire form is wrong.
+    Request { volume: u32, tag: u64, meta: M, req: Result<IoRequest, Refusal> },
     /// Answered by the front end itself, without a volume (NVMe's admin
     /// commands, an R2T asking for a write's data): the reply is queued with
     /// the others, holds no credit and is not counted as a request.
@@ -102,9 +99,12 @@ pub enum Decoded<M> {
 /// A connection in its transmission phase, as a front end sees it.
 pub trait Transmission: Send + 'static {
     type Encoder: Encoder;
-    /// The volume its [`Decoded::Request`]s go to (none: an NVMe admin
-    /// queue, or an I/O queue whose requests each name their namespace).
-    fn volume(&self) -> Option<&Arc<Volume>>;
+    /// The volumes its [`Decoded::Request`]s may name, by index: BRP's and
+    /// NBD's one (the export), or an NVMe subsystem's namespaces (NSID - 1:
+    /// one I/O queue reaches every namespace). Fixed for the connection's
+    /// life, so the driver takes them once and a request names its volume
+    /// without touching a reference count.
+    fn volumes(&self) -> &[Arc<Volume>];
     /// The front end's limits on top of the volume's.
     fn limits(&self) -> Limits;
     fn encoder(&self) -> Self::Encoder;

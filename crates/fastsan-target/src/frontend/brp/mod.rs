@@ -143,15 +143,15 @@ impl BrpConn {
         let payload = b.body.slice(b.data_at..b.data_at + h.payload_len as usize);
         b.next += 1;
         b.data_at += h.payload_len as usize;
-        Some(Ok(Decoded::Request { tag: h.tag, meta: (), req: decode(&h, payload, true) }))
+        Some(Ok(Decoded::Request { volume: 0, tag: h.tag, meta: (), req: decode(&h, payload, true) }))
     }
 }
 
 impl Transmission for BrpConn {
     type Encoder = BrpEncoder;
 
-    fn volume(&self) -> Option<&Arc<Volume>> {
-        Some(&self.volume)
+    fn volumes(&self) -> &[Arc<Volume>] {
+        std::slice::from_ref(&self.volume)
     }
 
     fn limits(&self) -> Limits {
@@ -185,7 +185,12 @@ impl Transmission for BrpConn {
         let h = frame.header;
         let payload = bytes.slice(frame.payload_at..frame.payload_at + h.payload_len as usize);
         if h.command != Command::Batch {
-            return Ok(Decoded::Request { tag: h.tag, meta: (), req: decode(&h, payload, frame.payload_ok) });
+            return Ok(Decoded::Request {
+                volume: 0,
+                tag: h.tag,
+                meta: (),
+                req: decode(&h, payload, frame.payload_ok),
+            });
         }
         if !frame.payload_ok {
             return Err(ProtocolError::BatchDigest.into());

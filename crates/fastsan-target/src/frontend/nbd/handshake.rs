@@ -356,7 +356,7 @@ mod tests {
         };
         assert_eq!(out.len(), 10);
         assert_eq!(u64::from_be_bytes(out[..8].try_into().unwrap()), 1 << 20);
-        assert_eq!(conn.volume().unwrap().name(), "v");
+        assert_eq!(conn.volumes()[0].name(), "v");
         // ABORT: acknowledged, then a polite close.
         let (mut h, mut out) = start();
         assert!(matches!(h.advance(&mut client(&[(OPT_ABORT, vec![])]), &mut out).unwrap(), Step::Abort));

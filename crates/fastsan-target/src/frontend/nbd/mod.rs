@@ -116,8 +116,8 @@ pub struct NbdMeta {
 impl Transmission for NbdConn {
     type Encoder = NbdEncoder;
 
-    fn volume(&self) -> Option<&Arc<Volume>> {
-        Some(&self.volume)
+    fn volumes(&self) -> &[Arc<Volume>] {
+        std::slice::from_ref(&self.volume)
     }
 
     fn limits(&self) -> Limits {
@@ -162,7 +162,7 @@ impl Transmission for NbdConn {
             Payload::None => self.decode_request(&r, Bytes::new()),
         };
         let meta = NbdMeta { command: r.command, flags: r.flags, offset: r.offset };
-        Ok(Decoded::Request { tag: r.cookie, meta, req })
+        Ok(Decoded::Request { volume: 0, tag: r.cookie, meta, req })
     }
 
     fn mid_frame(&self, buf: &BytesMut) -> bool {

@@ -95,6 +95,8 @@ pub struct Subsystem {
     pub nqn: String,
     pub serial: String,
     pub namespaces: Vec<Namespace>,
+    /// Each namespace's volume, by NSID - 1 ([`Transmission::volumes`]).
+    volumes: Vec<Arc<Volume>>,
     pub access: Arc<Access>,
     /// MDTS: the largest transfer is 4 KiB << mdts.
     pub mdts: u8,
@@ -194,6 +196,7 @@ impl Subsystem {
         Subsystem {
             nqn,
             serial,
+            volumes: namespaces.iter().map(|n| n.volume.clone()).collect(),
             namespaces,
             access,
             mdts,
@@ -802,7 +805,7 @@ impl NvmeConn {
             };
             // A failed flush is a write fault too: writes it covered may be lost.
             let meta = NvmeMeta { cid, answer: Answer::Io { write: write || kind == IoKind::Flush } };
-            Decoded::On { volume: volume.clone(), tag: cid as u64, meta, req }
+            Decoded::Request { volume: sqe.nsid - 1, tag: cid as u64, meta, req }
         };
         Ok(Some(match sqe.opcode {
             // Flush: nothing to do on a volume with nothing volatile.
@@ -875,7 +878,7 @@ impl NvmeConn {
             return self.local(cid, status::INVALID_NAMESPACE, true);
         };
         let ns = &self.sub.namespaces[nsid as usize - 1];
-        let (volume, shift) = (ns.volume.clone(), ns.lba_shift);
+        let (volume, shift) = (&ns.volume, ns.lba_shift);
         let meta = NvmeMeta { cid, answer: Answer::Io { write: true } };
         let req = if mode == Mode::ReadOnly {
             Err(Refusal::ReadOnly)
@@ -898,7 +901,7 @@ impl NvmeConn {
                 payload: Bytes::new(),
             })
         };
-        Decoded::On { volume, tag: cid as u64, meta, req }
+        Decoded::Request { volume: nsid - 1, tag: cid as u64, meta, req }
     }
 
     /// Registers a write whose data comes by R2T; asks for it when the
@@ -986,8 +989,8 @@ impl NvmeConn {
 impl Transmission for NvmeConn {
     type Encoder = NvmeEncoder;
 
-    fn volume(&self) -> Option<&Arc<Volume>> {
-        None
+    fn volumes(&self) -> &[Arc<Volume>] {
+        &self.sub.volumes
     }
 
     fn limits(&self) -> Limits {
