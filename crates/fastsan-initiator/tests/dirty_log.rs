@@ -8,11 +8,11 @@ use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 
-fn path(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastsan-dirty-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d.join("log")
+/// A log's path in a directory of its own, removed when the returned guard drops.
+fn path(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::Builder::new().prefix(&format!("fastsan-dirty-{name}-")).tempdir().expect("a temp dir");
+    let p = d.path().join("log");
+    (d, p)
 }
 
 /// The dirty regions as a fresh open of the file sees them: what a crash
@@ -28,7 +28,7 @@ fn gens(legs: usize) -> Generations {
 
 #[tokio::test]
 async fn a_region_is_durably_dirty_before_its_write_may_leave() {
-    let p = path("durable");
+    let (_dir, p) = path("durable");
     let log = DirtyLog::create(&p, 64 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
     assert!(log.dirty().is_empty());
     // 3 MiB from 1.5 MiB: regions 1, 2, 3 and 4.
@@ -42,7 +42,7 @@ async fn a_region_is_durably_dirty_before_its_write_may_leave() {
 
 #[tokio::test]
 async fn concurrent_writes_share_updates_and_hot_regions_cost_none() {
-    let p = path("batch");
+    let (_dir, p) = path("batch");
     let log = DirtyLog::create(&p, 64 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
     // 64 writes to 64 regions at once: the first update carries one, the
     // next carries the 63 that arrived while it was written.
@@ -62,7 +62,7 @@ async fn concurrent_writes_share_updates_and_hot_regions_cost_none() {
 
 #[tokio::test]
 async fn idle_regions_are_cleared_lazily_in_one_update() {
-    let p = path("clear");
+    let (_dir, p) = path("clear");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::from_millis(100)).unwrap();
     let a = log.begin(0, 2 * MIB).await.unwrap();
     let b = log.begin(5 * MIB, 4096).await.unwrap();
@@ -86,7 +86,7 @@ async fn idle_regions_are_cleared_lazily_in_one_update() {
 
 #[tokio::test]
 async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
-    let p = path("degraded");
+    let (_dir, p) = path("degraded");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     log.begin(3 * MIB, 4096).await.unwrap().done(false);
     // A later write that reaches every leg does not make it clean.
@@ -114,7 +114,7 @@ async fn a_region_a_leg_missed_stays_dirty_until_a_resync_clears_it() {
 
 #[tokio::test]
 async fn a_log_of_another_volume_or_no_log_is_refused() {
-    let p = path("mismatch");
+    let (_dir, p) = path("mismatch");
     // No log: an error, never a clean log (the regions it marked would be forgotten).
     assert!(matches!(DirtyLog::open(&p, Duration::ZERO), Err(DirtyLogError::Io { .. })));
     let held = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
@@ -142,7 +142,6 @@ async fn a_log_of_another_volume_or_no_log_is_refused() {
         DirtyLog::create(&p, 16 * MIB, MIB, &gens(0), false, Duration::ZERO),
         Err(DirtyLogError::Legs(0))
     ));
-    let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
 
 /// The generation record is durable when set_generations returns, and a
@@ -150,7 +149,7 @@ async fn a_log_of_another_volume_or_no_log_is_refused() {
 #[tokio::test]
 async fn generations_survive_a_torn_update() {
     use std::os::unix::fs::FileExt;
-    let p = path("gens");
+    let (_dir, p) = path("gens");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(3), true, Duration::ZERO).unwrap();
     assert_eq!(log.generations(), gens(3));
     assert_eq!(log.dirty().len(), 16, "a log made for a full sync starts all dirty");
@@ -166,7 +165,6 @@ async fn generations_survive_a_torn_update() {
     f.write_all_at(&[0xff; 100], 1024 + 20).unwrap();
     drop(f);
     assert_eq!(DirtyLog::open(&p, Duration::ZERO).unwrap().generations(), g2);
-    let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
 
 /// After a crash every region dirty in the log needs a resync: a write that
@@ -174,7 +172,7 @@ async fn generations_survive_a_torn_update() {
 /// may still differ between the legs); only a resync's clear does.
 #[tokio::test]
 async fn regions_dirty_at_open_wait_for_the_resync() {
-    let p = path("reopen");
+    let (_dir, p) = path("reopen");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     let crashed = log.begin(2 * MIB, 4096).await.unwrap();
     // The process dies with the write in flight: the bit stays set on disk.
@@ -190,14 +188,13 @@ async fn regions_dirty_at_open_wait_for_the_resync() {
     // Past the end: refused, for writes and for clears.
     assert!(matches!(log.begin(16 * MIB, 4096).await, Err(DirtyLogError::OutOfRange { .. })));
     assert!(matches!(log.clear(&[16]).await, Err(DirtyLogError::OutOfRange { .. })));
-    let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
 
 /// A caller that gives up while its update is being written (a dropped
 /// future) does not leave the log stuck: the update finishes on its own.
 #[tokio::test]
 async fn a_caller_giving_up_mid_update_leaves_the_log_working() {
-    let p = path("cancel");
+    let (_dir, p) = path("cancel");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
     {
         let mut f = Box::pin(log.begin(0, 4096));
@@ -208,7 +205,6 @@ async fn a_caller_giving_up_mid_update_leaves_the_log_working() {
         tokio::time::timeout(Duration::from_secs(5), log.begin(MIB, 4096)).await.expect("no hang").unwrap();
     w.done(true);
     assert_eq!(on_disk(&p, 16 * MIB), vec![0, 1]);
-    let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }
 
 /// With the optimizations off (what the benchmark compares against), every
@@ -216,7 +212,7 @@ async fn a_caller_giving_up_mid_update_leaves_the_log_working() {
 /// as it is done.
 #[tokio::test]
 async fn naive_tracking_pays_an_update_per_write_and_clears_at_once() {
-    let p = path("naive");
+    let (_dir, p) = path("naive");
     let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::from_secs(60)).unwrap();
     log.set_naive(true);
     let (a, b) = futures::join!(log.begin(0, 4096), log.begin(4096, 4096));
@@ -234,5 +230,4 @@ async fn naive_tracking_pays_an_update_per_write_and_clears_at_once() {
     log.begin(0, 4096).await.unwrap().done(false);
     assert_eq!(log.stats().updates, before + 1);
     assert_eq!(on_disk(&p, 16 * MIB), vec![0], "a region a leg missed stays dirty");
-    let _ = std::fs::remove_dir_all(p.parent().unwrap());
 }

@@ -76,10 +76,8 @@ async fn fake_target(mut s: UnixStream) {
 
 #[tokio::test]
 async fn a_volume_works_over_a_unix_socket() {
-    let dir = std::env::temp_dir().join(format!("fastsan-unix-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("target.sock");
-    let _ = std::fs::remove_file(&path);
+    let dir = tempfile::Builder::new().prefix("fastsan-unix-").tempdir().unwrap();
+    let path = dir.path().join("target.sock");
     let listener = UnixListener::bind(&path).unwrap();
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
@@ -101,5 +99,4 @@ async fn a_volume_works_over_a_unix_socket() {
     assert_eq!(&vol.read(1024, data.len() as u64).await.unwrap()[..], &data[..]);
     assert_eq!(vol.stats().requests, 7);
     drop(vol);
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -34,19 +34,21 @@ fn established(s: &tokio::net::TcpStream) -> bool {
     r == 0 && info.tcpi_state == 1 // TCP_ESTABLISHED
 }
 
-fn temp_file(name: &str, len: u64) -> std::path::PathBuf {
-    common::temp_file(&format!("faults-{name}"), len).1
+fn temp_file(name: &str, len: u64) -> (tempfile::TempDir, std::path::PathBuf) {
+    common::temp_file(&format!("faults-{name}"), len)
 }
 
 /// A target serving `v`, a 1 MiB file volume under a faults layer with
-/// `rule` (`none`: steered at run time through the handle).
+/// `rule` (`none`: steered at run time through the handle); the file's
+/// directory goes when the returned guard drops.
 async fn file_volume_with_faults(
     name: &str,
     rule: &str,
     tweak: impl FnOnce(&mut ServerConfig),
-) -> TestServer {
-    let spec = format!("v=file:{},faults={rule}", temp_file(name, 1 << 20).display());
-    TestServer::start(&[spec.as_str()], tweak).await
+) -> (TestServer, tempfile::TempDir) {
+    let (dir, path) = temp_file(name, 1 << 20);
+    let spec = format!("v=file:{},faults={rule}", path.display());
+    (TestServer::start(&[spec.as_str()], tweak).await, dir)
 }
 
 /// HELLO, then OPEN of `volume` as `slot` of `session`, without waiting for the answer.
@@ -63,7 +65,7 @@ async fn open_in(raw: &mut Raw, volume: &str, session: u64, slot: u16) {
 /// and a newer write acknowledged after that is the one that stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_connections_writes_never_land_after_the_retry() {
-    let srv = file_volume_with_faults("fence", "none", |c| c.queue_depth = 1).await;
+    let (srv, _dir) = file_volume_with_faults("fence", "none", |c| c.queue_depth = 1).await;
     let faults = srv.handle.faults("v").unwrap();
     let mut c1 = Raw::connect(srv.addr).await;
     open_in(&mut c1, "v", 0, 0).await;
@@ -138,7 +140,7 @@ async fn a_stalled_reply_stream_is_closed_never_continued() {
 /// client, on every protocol, until reopened; plain reads and writes go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_flush_fails_every_later_flush_for_every_client() {
-    let srv = file_volume_with_faults("writeback", "none", |_| {}).await;
+    let (srv, _dir) = file_volume_with_faults("writeback", "none", |_| {}).await;
     let (mut a, _) = Raw::open(srv.addr, "v").await;
     let (mut b, _) = Raw::open(srv.addr, "v").await;
     b.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &pattern(1, 0, 4096)).await;
@@ -174,7 +176,7 @@ async fn a_failed_flush_fails_every_later_flush_for_every_client() {
 /// behind it runs (and its failure is reported).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nbd_trim_with_fua_flushes_before_replying() {
-    let srv = file_volume_with_faults("trimfua", "flush:eio", |_| {}).await;
+    let (srv, _dir) = file_volume_with_faults("trimfua", "flush:eio", |_| {}).await;
     let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
     n.go("v", false, false).await;
     n.request(CMD_TRIM, 0, 1, 0, 4096, &[]).await;
@@ -232,7 +234,7 @@ async fn clients_that_never_read_replies_pin_no_more_than_the_budget() {
 /// request by more than a turn; a huge TRIM runs in pieces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_io_is_fair_between_volumes_and_clients() {
-    let (a, b) = (temp_file("pool-a", 1 << 30), temp_file("pool-b", 64 << 20));
+    let ((_a, a), (_b, b)) = (temp_file("pool-a", 1 << 30), temp_file("pool-b", 64 << 20));
     let slow = format!("slow=file:{},faults=none", a.display());
     let fast = format!("fast=file:{},delay=5ms", b.display());
     let srv = TestServer::start(&[slow.as_str(), fast.as_str()], |c| c.io_threads = 2).await;
@@ -278,7 +280,7 @@ async fn device_io_is_fair_between_volumes_and_clients() {
 /// cannot resume a session under a write of the old one still running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_target_keeps_its_address_until_its_writes_land() {
-    let srv = file_volume_with_faults("drain", "none", |_| {}).await;
+    let (srv, _dir) = file_volume_with_faults("drain", "none", |_| {}).await;
     let (addr, handle) = (srv.addr, srv.handle.clone());
     let faults = handle.faults("v").unwrap();
     faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall));

@@ -15,7 +15,7 @@ const MIB: u64 = 1 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_serves_the_remote_volume_through_a_remote_restart() {
-    let (dir, img) = temp_file("gateway", 16 * MIB);
+    let (_dir, img) = temp_file("gateway", 16 * MIB);
     let spec = format!("v=file:{}", img.display());
     let remote = TestServer::start(&[&spec], |_| {}).await;
     let remote_addr = remote.addr;
@@ -56,7 +56,6 @@ async fn a_gateway_serves_the_remote_volume_through_a_remote_restart() {
     assert!(direct.read(3 * MIB, 65536).await.unwrap()[..] == pattern(2, 3 * MIB, 65536)[..]);
     gw.stop().await;
     remote.stop().await;
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

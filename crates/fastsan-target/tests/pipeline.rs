@@ -165,10 +165,7 @@ async fn trim_and_write_zeroes_read_back_zeros() {
 /// parallelism off (serial) gives the same bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_volume_pool_and_serial_mode() {
-    let dir = std::env::temp_dir().join(format!("fastsan-pipeline-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let img = dir.join("v.img");
-    std::fs::File::create(&img).unwrap().set_len(32 << 20).unwrap();
+    let (_dir, img) = common::temp_file("pipeline", 32 << 20);
     for serial in [false, true] {
         let spec = format!("v=file:{}", img.display());
         let srv = TestServer::start(&[spec.as_str()], |c| c.serial = serial).await;
@@ -192,7 +189,6 @@ async fn file_volume_pool_and_serial_mode() {
         drop(vol);
         srv.stop().await;
     }
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// A memory volume does not survive its target: when the target restarts,
@@ -229,7 +225,7 @@ async fn a_restarted_target_with_an_empty_memory_volume_is_refused() {
 /// on the restarted target with the data intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_it() {
-    let (dir, path) = common::temp_file("restart", 4 << 20);
+    let (_dir, path) = common::temp_file("restart", 4 << 20);
     let spec = format!("v=file:{}", path.display());
     let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
     let addr = srv.addr;
@@ -254,7 +250,6 @@ async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_
     assert!(vol.stats().reconnects >= 1);
     drop(vol);
     srv2.stop().await;
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Writes acknowledged and never flushed survive a target process restart
@@ -263,7 +258,7 @@ async fn a_restarted_target_with_a_file_volume_is_resumed_and_requests_wait_for_
 /// FLUSH says so instead of promising them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_reboot_with_unflushed_writes_fails_the_next_flush() {
-    let (dir, path) = common::temp_file("unflushed", 4 << 20);
+    let (_dir, path) = common::temp_file("unflushed", 4 << 20);
     let spec = format!("v=file:{}", path.display());
     let srv = TestServer::start(&[spec.as_str()], |c| c.boot_id = Some(1)).await;
     let addr = srv.addr;
@@ -289,5 +284,4 @@ async fn a_host_reboot_with_unflushed_writes_fails_the_next_flush() {
     assert_eq!(unflushed.read(0, 4096).await.unwrap()[..], [1; 4096][..], "reads go on");
     drop((flushed, unflushed));
     srv.stop().await;
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -174,7 +174,6 @@ fn ext4_on_an_attached_volume_survives_remount_fsck_and_a_target_restart() {
     let (status, log) = a.stop();
     assert!(status.success(), "{log}");
     drop(s);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// The file as a program uses it: unaligned writes, O_DIRECT, fsync,
@@ -259,7 +258,6 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     assert!(std::fs::read(a.file(&ro)).unwrap().iter().all(|&b| b == 0));
     drop(a);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -322,7 +320,6 @@ fn attach_errors_are_clear() {
     let out = fastsan(&["detach", d]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("nothing attached by fastsan"), "{err}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// `attach --list` shows the attached file; `detach` refuses while a loop
@@ -408,7 +405,6 @@ fn attach_list_and_detach() {
     let mut b = [0u8; 512];
     vol.read_at(&mut b, 0).unwrap();
     assert_eq!(&b[..10], b"still here");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// Any NBD server's export attaches too (here fastsan's own NBD front end):
@@ -449,5 +445,4 @@ fn an_nbd_export_attaches_as_a_file() {
     let e = std::fs::OpenOptions::new().write(true).open(a.file(&ro)).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     drop(a);
-    std::fs::remove_dir_all(dir).unwrap();
 }

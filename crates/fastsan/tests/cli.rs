@@ -25,7 +25,6 @@ fn cp_128_mib_into_a_volume_and_back_is_identical() {
     let out = fastsan(&["cp", huge.to_str().unwrap(), &s.url("big")]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds only"));
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -97,7 +96,6 @@ fn file_volume_data_survives_kill_9_and_restart() {
     }
     drop(vol);
     drop(s);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -119,7 +117,6 @@ fn sigterm_drains_flushes_and_exits_cleanly() {
     let (status, log) = s.signal("TERM");
     assert!(!status.success(), "{log}");
     assert!(log.contains("flush at shutdown failed") && log.contains("could not flush volume(s) v"), "{log}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -165,7 +162,6 @@ fn bad_command_lines_get_clear_errors() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -335,7 +331,6 @@ fn kill_9_during_a_write_load_loses_no_flushed_write() {
     }
     eprintln!("kill -9: {rounds} rounds, {checked} block checks, {lost} flushed writes lost");
     assert_eq!(lost, 0, "acknowledged and flushed writes lost");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// `fastsan bench` over BRP behaves as a block device: the target killed
@@ -412,5 +407,4 @@ fn bench_rides_out_a_target_restart_and_fails_only_past_the_reconnect_timeout() 
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("requests failed"), "{err}");
     assert!(t.elapsed() >= std::time::Duration::from_millis(900), "not before the reconnect timeout");
-    std::fs::remove_dir_all(dir).unwrap();
 }

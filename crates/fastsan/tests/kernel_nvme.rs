@@ -113,7 +113,6 @@ fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target
     // What the guest wrote is in the file, as a clean file system.
     let fsck = ok("fsck.ext4", &["-fn", &img.display().to_string()]);
     assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// What a stopped target wrote to stderr (its log).

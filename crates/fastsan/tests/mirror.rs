@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 const LEG: u64 = 256 << 20;
 
 struct Legs {
-    dir: PathBuf,
+    dir: common::Scratch,
     files: [PathBuf; 2],
     targets: [Option<Served>; 2],
     addrs: [String; 2],
@@ -65,8 +65,8 @@ impl Legs {
 
 impl Drop for Legs {
     fn drop(&mut self) {
+        // The targets first: the directory goes after them (with `dir`).
         self.targets = [None, None];
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -240,7 +240,6 @@ fn a_leg_with_io_errors_is_degraded_and_the_caller_sees_none() {
     let back = dir.join("back.img");
     ok(&["cp", &spec, back.to_str().unwrap()]);
     assert_eq!(&std::fs::read(&back).unwrap()[..data.len()], &data[..]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `create` without --assume-clean copies leg 0 whole to the others, here
@@ -270,7 +269,6 @@ fn a_first_full_sync_makes_three_legs_identical() {
     ok(&["cp", &spec, back.to_str().unwrap()]);
     assert_eq!(&std::fs::read(&back).unwrap()[..data.len()], &data[..]);
     drop(targets);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A mirror attached as a file (FUSE): writes through it while one target

@@ -36,7 +36,6 @@ fn qemu_img_info_convert_compare() {
     ok("qemu-io", &["-f", "raw", "-c", "write -P 0x5a 4096 4096", &url]);
     let (same, _) = tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &url]);
     assert!(!same, "compare notices the difference");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -138,7 +137,6 @@ fn capabilities_pass_through_the_stack() {
     ok("qemu-io", &["-f", "raw", "-c", "read -P 0x5a 1M 64k", &url]);
     drop(s);
     drop(dev);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -152,7 +150,6 @@ fn nbdcopy_round_trip() {
     ok("nbdcopy", &[src.to_str().unwrap(), &url]);
     ok("nbdcopy", &[&url, back.to_str().unwrap()]);
     assert!(std::fs::read(&back).unwrap() == data);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -247,7 +244,6 @@ fn nbdfuse_loop_ext4_files_survive_remount_and_fsck() {
         assert!(std::fs::read(mnt.join(name)).unwrap() == *d, "{name} differs after remount");
     }
     drop(stack);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -327,5 +323,4 @@ fn a_secret_is_not_bypassed_over_nbd() {
     ok("qemu-io", &["-f", "raw", "-c", "write -P 0xaa 0 4k", &open.nbd_url("v")]);
     let (_, log) = open.signal("TERM");
     assert!(log.contains("NBD clients without a certificate are not authenticated"), "{log}");
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -398,7 +398,6 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         assert!(io2.try_recv().is_none());
     }
     drop(t);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -491,7 +490,6 @@ fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
     check(&mut good);
     let log = t.signal("TERM").1;
     assert!(log.contains("NVMe/TCP"), "{log}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -541,7 +539,6 @@ fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
     assert!(waited >= Duration::from_millis(900) && waited < Duration::from_secs(5), "{waited:?}");
     let log = t.signal("TERM").1;
     assert!(log.contains("keep-alive timeout"), "{log}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -647,7 +644,6 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     assert!(waited >= Duration::from_millis(200), "the Connect did not wait for the lost queue: {waited:?}");
     let log = t.signal("TERM").1;
     assert!(log.contains("waits for the host's lost queues to drain"), "{log}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// `fastsan bench` over NVMe/TCP: one I/O queue per job, every read of a

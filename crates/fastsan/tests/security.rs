@@ -194,7 +194,6 @@ fn nbd_over_tls_with_nbdinfo_nbdcopy_qemu_and_refusals() {
     assert!(status.success(), "{log}");
     assert!(log.contains("TLS handshake failed"), "the refused certificate is logged: {log}");
     assert!(log.contains("requires authentication"), "the anonymous client's refusal is logged: {log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Raw NBD: reads one option reply header (20 bytes) and its data.
@@ -258,7 +257,6 @@ fn options_before_starttls_are_refused_and_injected_plaintext_closes() {
     assert!(info.contains("with TLS"), "{info}");
     let (_, log) = s.signal("TERM");
     assert!(log.contains("plaintext after STARTTLS"), "{log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -340,7 +338,6 @@ fn brp_over_tls_copies_and_benches_and_refuses_what_it_should() {
     assert!(!ok6 && err.contains("authentication failed"), "{err}");
     let (status, log) = s.signal("TERM");
     assert!(status.success(), "{log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -377,7 +374,6 @@ fn failed_authentications_are_limited_per_address_and_others_go_on() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (_, log) = s.signal("TERM");
     assert!(log.contains("refusing its secrets for a minute"), "{log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What a client may do with a volume.
@@ -471,5 +467,4 @@ fn grants_are_enforced_identically_on_brp_and_nbd() {
     let (status, log) = s.signal("TERM");
     assert!(status.success(), "{log}");
     assert!(log.contains("carol has no grant for volume \"v\""), "{log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -167,11 +167,11 @@ impl Raw {
 }
 
 /// A sparse file of `len` bytes in a directory of its own under the
-/// system's temp dir (never the source tree): `(dir, file)`.
-pub fn temp_file(name: &str, len: u64) -> (std::path::PathBuf, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("fastsan-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("v.img");
+/// system's temp dir (never the source tree): `(dir, file)`. The directory
+/// goes, with the file, when `dir` is dropped, whether the test passed or not.
+pub fn temp_file(name: &str, len: u64) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new().prefix(&format!("fastsan-{name}-")).tempdir().expect("a temp dir");
+    let path = dir.path().join("v.img");
     std::fs::File::create(&path).unwrap().set_len(len).unwrap();
     (dir, path)
 }

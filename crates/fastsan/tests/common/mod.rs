@@ -4,7 +4,7 @@
 pub mod guest;
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -113,11 +113,34 @@ pub fn fastsan(args: &[&str]) -> std::process::Output {
     Command::new(BIN).args(args).output().expect("fastsan runs")
 }
 
-pub fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fastsan-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A directory of the test's own under the system's temp dir (never the
+/// source tree), removed with everything in it when dropped, whether the
+/// test passed or not: a suite run leaves nothing behind (volume images of
+/// up to 256 MiB did, before).
+pub struct Scratch(tempfile::TempDir);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.path().as_os_str()
+    }
+}
+
+pub fn temp_dir(name: &str) -> Scratch {
+    let prefix = format!("fastsan-cli-{name}-");
+    Scratch(tempfile::Builder::new().prefix(&prefix).tempdir().expect("a temp dir"))
 }
 
 pub fn random_file(path: &Path, len: usize) -> Vec<u8> {
