@@ -336,13 +336,17 @@ fn attach_list_and_detach() {
         |args: &[&str]| Command::new(BIN).args(args).env("FASTSAN_RUN_DIR", &run).output().unwrap();
     let out = with_run(&["attach", "--list"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "nothing attached");
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .args(["attach", &url, "--fuse", fuse.to_str().unwrap(), "--metrics", "127.0.0.1:0"])
         .env("FASTSAN_RUN_DIR", &run)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Held so that a failed assertion still detaches the loop device, kills
+    // attach and unmounts (a stale FUSE mount outlived the test otherwise).
+    let mut a = Attached { child: Some(child), fuse: fuse.clone(), mnt: dir.join("mnt"), loopdev: None };
+    let child = a.child.as_mut().unwrap();
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
         .unwrap();
@@ -361,6 +365,8 @@ fn attach_list_and_detach() {
         assert!(row.contains(want), "{want:?} missing in {row:?}");
     }
     let dev = ok("losetup", &["-f", "--show", file.to_str().unwrap()]).trim().to_owned();
+    a.loopdev = Some(dev.clone());
+    let child = a.child.as_mut().unwrap();
     let out = with_run(&["detach", fuse.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("in use"), "{err}");
@@ -385,6 +391,7 @@ fn attach_list_and_detach() {
     assert_eq!(value("fastsan_initiator_connections_up"), 2.0, "{text}");
     assert!(value("fastsan_initiator_requests_total") > 0.0, "{text}");
     ok("losetup", &["-d", &dev]);
+    a.loopdev = None;
     // The loop device may hold the file a moment after losetup -d.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -396,7 +403,8 @@ fn attach_list_and_detach() {
         assert!(Instant::now() < deadline, "{}", String::from_utf8_lossy(&out.stderr));
         std::thread::sleep(Duration::from_millis(200));
     }
-    let status = wait_exit(&mut child, Duration::from_secs(10)).expect("attach exits after detach");
+    let status =
+        wait_exit(a.child.as_mut().unwrap(), Duration::from_secs(10)).expect("attach exits after detach");
     assert!(status.success());
     let out = with_run(&["attach", "--list"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "nothing attached");
