@@ -13,6 +13,7 @@
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
 use crate::order::{Ticket, WriteOrder};
+use crate::linger::Linger;
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
@@ -35,6 +36,9 @@ struct Shared {
     epochs: Vec<AtomicU64>,
     next_tag: AtomicU64,
     stats: Arc<Stats>,
+    /// How long the senders linger to merge, measured over the whole
+    /// session (one connection's rate alone moves with the balancing).
+    linger: Arc<parking_lot::Mutex<Linger>>,
     /// Woken when a connection comes back (or the session learns it cannot).
     changed: Notify,
     /// Set when a reconnect cannot resume the session (another volume
@@ -99,7 +103,8 @@ impl Volume {
         let (hs, info) = open_handshake(&url, &opts, 0, 0).await?;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
-            let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
+            let linger = Arc::new(parking_lot::Mutex::new(Linger::new(std::time::Instant::now())));
+            let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats, &linger);
             let mut slots = vec![RwLock::new(Some(Arc::new(first)))];
             slots.extend((1..opts.connections).map(|_| RwLock::new(None)));
             Shared {
@@ -108,6 +113,7 @@ impl Volume {
                 slots,
                 epochs: (0..opts.connections).map(|_| AtomicU64::new(0)).collect(),
                 opts,
+                linger,
                 next_tag: AtomicU64::new(1),
                 stats,
                 changed: Notify::new(),
@@ -458,6 +464,7 @@ fn start_conn(
     info: &OpenInfo,
     opts: &Options,
     stats: &Arc<Stats>,
+    linger: &Arc<parking_lot::Mutex<Linger>>,
 ) -> Conn {
     let limits = Limits {
         mode: opts.merge,
@@ -465,6 +472,7 @@ fn start_conn(
         merge_max_request: opts.merge_max_request,
         queue_depth: info.queue_depth,
         merge_max_bytes: opts.merge_max_bytes.min(fastsan_brp::limits::MAX_PAYLOAD / 2),
+        linger: linger.clone(),
     };
     let weak = shared.clone();
     let on_dead = Box::new(move || {
@@ -516,7 +524,7 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
         }
     }
     drop(target);
-    Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats))
+    Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats, &sh.linger))
 }
 
 /// Connects and opens the URL's volume as connection `slot` of `session`,
