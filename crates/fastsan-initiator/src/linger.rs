@@ -201,11 +201,7 @@ mod tests {
     /// (times a noise factor), one request per frame, for `secs`; returns
     /// the controller and the share of requests sent at each choice in the
     /// second half.
-    fn drive(
-        secs: f64,
-        rate: impl FnMut(u8, f64) -> f64,
-        noise: impl FnMut() -> f64,
-    ) -> (Linger, [f64; 4]) {
+    fn drive(secs: f64, rate: impl FnMut(u8, f64) -> f64, noise: impl FnMut() -> f64) -> (Linger, [f64; 4]) {
         drive_with(secs, rate, noise, 1.0)
     }
 

@@ -12,8 +12,8 @@
 
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
-use crate::order::{Ticket, WriteOrder};
 use crate::linger::Linger;
+use crate::order::{Ticket, WriteOrder};
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
@@ -456,6 +456,8 @@ pub(crate) fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u
     })
 }
 
+// What a connection needs from its session, each for a reason of its own.
+#[allow(clippy::too_many_arguments)]
 fn start_conn(
     shared: &Weak<Shared>,
     slot: usize,
