@@ -292,7 +292,7 @@ def frontends_table(r):
     for label, p in t.items():
         for n, e in p.items():
             rows.append([label, n, fmt(e.get("iops")), f"{e.get('lat_mean_us', 0):.0f}",
-                         f"{e.get('server_cpu_us_per_io', 0):.1f}"])
+                         f"{e.get('server_cpu_us_per_io', 0):.2f}"])
         nv, nb = p.get("NVMe/TCP", {}), p.get("NBD", {})
         check(checks, f"{label}: NVMe/TCP vs NBD, IOPS", nv.get("iops"), nb.get("iops"), 1.0)
         check(checks, f"{label}: NVMe/TCP vs NBD, server CPU per I/O", nv.get("server_cpu_us_per_io"),
@@ -300,8 +300,10 @@ def frontends_table(r):
     out = table(["point", "front end", "IOPS", "mean us", "server CPU us/IO"], rows)
     out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
     return out + ("\nOne fastsan target, one 1 GiB memory volume, served at once over BRP, NBD and NVMe/TCP; the client "
-                  "is fastsan bench for all three (one connection or I/O queue per job; BRP with merging off, so each "
-                  "carries the same requests one per frame). Server CPU is the target process's, per I/O. Points marked "
+                  "is fastsan bench for all three (one connection or I/O queue per job). BRP twice: with merging off (one "
+                  "request per frame, as NBD and NVMe/TCP carry them, but also one writev per frame, where the NBD and "
+                  "NVMe/TCP clients gather the frames queued together into one writev), and with its default adaptive "
+                  "merge (BATCH frames). Server CPU is the target process's, per I/O. Points marked "
                   "\"pinned apart\" ran with the target on CPU 1 and the client on CPU 0 (taskset), the others with both "
                   "sharing every core.\n")
 

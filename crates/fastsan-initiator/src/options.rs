@@ -9,13 +9,15 @@ pub enum MergeMode {
     /// Every request is its own frame and its own write (the paper's BRP-2).
     #[cfg_attr(feature = "clap", value(help = "every request is its own frame (BRP-2)"))]
     Off,
-    /// A request leaves at once when the connection's sender is idle; while a
-    /// send is in flight, small requests queue and leave together as one
-    /// BATCH. No timer: merging never adds latency (BRP-3).
+    /// A request leaves at once at light load (one in flight: no added
+    /// latency at QD1); under load, small requests queued together leave as
+    /// one BATCH, and the sender may linger a few scheduler turns to gather
+    /// more, as many as the session measured to pay (0-3,
+    /// `crates/fastsan-initiator/src/linger.rs`). No timer (BRP-3).
     #[default]
     #[cfg_attr(
         feature = "clap",
-        value(help = "merge small requests queued during a send; never waits (BRP-3)")
+        value(help = "merge small requests under load, lingering as long as measured to pay (BRP-3)")
     )]
     Adaptive,
     /// Every send is a BATCH, and the sender lingers a few scheduler turns to
