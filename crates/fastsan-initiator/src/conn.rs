@@ -322,8 +322,8 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         // Heavy load (the paper's condition for merging): many requests are in
         // flight, so replies keep arriving and their requesters are about to
         // send again. Then the adaptive sender may let them run a scheduler
-        // turn or more before it gathers (as many as [`Linger`] measured to
-        // pay on this connection), and the batch holds what they queue
+        // turn or more before it gathers (as many as the session's [`Linger`]
+        // measured to pay), and the batch holds what they queue
         // meanwhile. At light load it sends at once: no added latency.
         let in_flight = window(&l, credits);
         let after_burst = last_sent.elapsed() < BURST_GAP && last_group >= MERGE_LOAD;
