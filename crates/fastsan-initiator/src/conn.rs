@@ -8,7 +8,6 @@
 //! leaves at once. The receiver matches replies to requests by tag.
 
 use crate::handshake::Handshake;
-use crate::linger::Linger;
 use crate::options::MergeMode;
 use crate::stats::Stats;
 use crate::transport::Stream;
@@ -97,8 +96,6 @@ pub(crate) struct Limits {
     /// Credits granted by the target, to tell how loaded the connection is.
     pub queue_depth: u32,
     pub merge_max_bytes: u32,
-    /// The session's linger controller (adaptive mode), shared by its connections.
-    pub linger: Arc<Mutex<Linger>>,
 }
 
 pub(crate) struct Conn {
@@ -321,9 +318,8 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         };
         // Heavy load (the paper's condition for merging): many requests are in
         // flight, so replies keep arriving and their requesters are about to
-        // send again. Then the adaptive sender may let them run a scheduler
-        // turn or more before it gathers (as many as the session's [`Linger`]
-        // measured to pay), and the batch holds what they queue
+        // send again. Then the adaptive sender lets them run a scheduler turn
+        // or two before it gathers, and the batch holds what they queue
         // meanwhile. At light load it sends at once: no added latency.
         let in_flight = window(&l, credits);
         let after_burst = last_sent.elapsed() < BURST_GAP && last_group >= MERGE_LOAD;
@@ -334,7 +330,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         if merge {
             let mut rounds = match l.mode {
                 MergeMode::Always => 3,
-                MergeMode::Adaptive if busy => l.linger.lock().turns(),
+                MergeMode::Adaptive if busy => 2,
                 _ => 0,
             };
             loop {
@@ -392,9 +388,6 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         // The window as this frame leaves (this frame's requests included).
         depth.saw(window(&l, credits));
         last_sent = std::time::Instant::now();
-        if l.mode == MergeMode::Adaptive {
-            l.linger.lock().sent(group.len(), last_sent);
-        }
         group.clear();
     }
 }

@@ -48,7 +48,6 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz_checks;
 pub mod handshake;
-mod linger;
 pub mod metrics;
 pub mod mirror;
 pub mod nbd;

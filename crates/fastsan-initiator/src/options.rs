@@ -11,13 +11,12 @@ pub enum MergeMode {
     Off,
     /// A request leaves at once at light load (one in flight: no added
     /// latency at QD1); under load, small requests queued together leave as
-    /// one BATCH, and the sender may linger a few scheduler turns to gather
-    /// more, as many as the session measured to pay (0-3,
-    /// `crates/fastsan-initiator/src/linger.rs`). No timer (BRP-3).
+    /// one BATCH, and once `conn::MERGE_LOAD` requests are in flight the
+    /// sender lingers two scheduler turns to gather more. No timer (BRP-3).
     #[default]
     #[cfg_attr(
         feature = "clap",
-        value(help = "merge small requests under load, lingering as long as measured to pay (BRP-3)")
+        value(help = "merge small requests under load, lingering two scheduler turns (BRP-3)")
     )]
     Adaptive,
     /// Every send is a BATCH, and the sender lingers a few scheduler turns to

@@ -12,7 +12,6 @@
 
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
-use crate::linger::Linger;
 use crate::order::{Ticket, WriteOrder};
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
@@ -36,9 +35,6 @@ struct Shared {
     epochs: Vec<AtomicU64>,
     next_tag: AtomicU64,
     stats: Arc<Stats>,
-    /// How long the senders linger to merge, measured over the whole
-    /// session (one connection's rate alone moves with the balancing).
-    linger: Arc<parking_lot::Mutex<Linger>>,
     /// Woken when a connection comes back (or the session learns it cannot).
     changed: Notify,
     /// Set when a reconnect cannot resume the session (another volume
@@ -103,8 +99,7 @@ impl Volume {
         let (hs, info) = open_handshake(&url, &opts, 0, 0).await?;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
-            let linger = Arc::new(parking_lot::Mutex::new(Linger::new(std::time::Instant::now())));
-            let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats, &linger);
+            let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
             let mut slots = vec![RwLock::new(Some(Arc::new(first)))];
             slots.extend((1..opts.connections).map(|_| RwLock::new(None)));
             Shared {
@@ -113,7 +108,6 @@ impl Volume {
                 slots,
                 epochs: (0..opts.connections).map(|_| AtomicU64::new(0)).collect(),
                 opts,
-                linger,
                 next_tag: AtomicU64::new(1),
                 stats,
                 changed: Notify::new(),
@@ -456,8 +450,6 @@ pub(crate) fn chunks(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u
     })
 }
 
-// What a connection needs from its session, each for a reason of its own.
-#[allow(clippy::too_many_arguments)]
 fn start_conn(
     shared: &Weak<Shared>,
     slot: usize,
@@ -466,7 +458,6 @@ fn start_conn(
     info: &OpenInfo,
     opts: &Options,
     stats: &Arc<Stats>,
-    linger: &Arc<parking_lot::Mutex<Linger>>,
 ) -> Conn {
     let limits = Limits {
         mode: opts.merge,
@@ -474,7 +465,6 @@ fn start_conn(
         merge_max_request: opts.merge_max_request,
         queue_depth: info.queue_depth,
         merge_max_bytes: opts.merge_max_bytes.min(fastsan_brp::limits::MAX_PAYLOAD / 2),
-        linger: linger.clone(),
     };
     let weak = shared.clone();
     let on_dead = Box::new(move || {
@@ -526,7 +516,7 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
         }
     }
     drop(target);
-    Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats, &sh.linger))
+    Ok(start_conn(&Arc::downgrade(sh), slot, epoch, hs, &info, &sh.opts, &sh.stats))
 }
 
 /// Connects and opens the URL's volume as connection `slot` of `session`,
