@@ -523,6 +523,13 @@ impl NvmeConn {
         Box::new(Violation(why))
     }
 
+    /// Bytes that are no PDU: a C2HTermReq with the error's status, then close.
+    fn refuse(&mut self, e: fastsan_nvme::ProtocolError) -> WireError {
+        let (fes, fei) = e.fes();
+        self.farewell = Some(term_req(fes, fei));
+        Box::new(e)
+    }
+
     /// Takes one command off the submission queue (its completions report
     /// the head as it is when they are sent).
     fn take(&mut self) {
@@ -1055,34 +1062,32 @@ impl Transmission for NvmeConn {
                 return Ok(d);
             }
             let max_data = if self.qid == 0 { ADMIN_IN_CAPSULE } else { MAX_H2C_DATA.max(IN_CAPSULE) };
-            let (p, used) = match pdu::parse(buf, self.digests, max_data) {
-                Ok(Some(x)) => x,
+            let f = match pdu::frame(buf, self.digests, max_data) {
+                Ok(Some(f)) => f,
                 Ok(None) => {
                     let need =
                         buf.get(4..8).map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4")) as usize);
                     return Ok(Decoded::Incomplete { need });
                 }
-                Err(e) => {
-                    let (fes, fei) = e.fes();
-                    self.farewell = Some(term_req(fes, fei));
-                    return Err(Box::new(e));
-                }
+                Err(e) => return Err(self.refuse(e)),
             };
-            let frame = buf.split_to(used).freeze();
-            let data = frame.slice(p.data.clone());
+            let frame = buf.split_to(f.len).freeze();
+            let data = frame.slice(f.data.clone());
             self.ctrl.touch(self.sub.tick.load(Relaxed));
-            match p.header {
-                Header::CapsuleCmd(sqe) if self.qid == 0 => {
-                    if let Some(d) = self.admin(&sqe) {
-                        return Ok(d);
-                    }
+            // The hot path: a command, its entry read in place (no Header built).
+            if let Some(sqe) = f.sqe(&frame) {
+                let d = if self.qid == 0 { self.admin(&sqe) } else { self.io(&sqe, data, f.data_digest_ok)? };
+                match d {
+                    Some(d) => return Ok(d),
+                    None => continue,
                 }
-                Header::CapsuleCmd(sqe) => {
-                    if let Some(d) = self.io(&sqe, data, p.data_digest_ok)? {
-                        return Ok(d);
-                    }
-                }
-                Header::H2cData(h) => self.h2c(h, data, p.data_digest_ok)?,
+            }
+            let header = match f.header(&frame) {
+                Ok(h) => h,
+                Err(e) => return Err(self.refuse(e)),
+            };
+            match header {
+                Header::H2cData(h) => self.h2c(h, data, f.data_digest_ok)?,
                 Header::H2cTermReq(t) => {
                     info!(
                         cntlid = self.ctrl.cntlid,
