@@ -37,7 +37,7 @@ use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, Cqe, SglDesc, Sqe, Status as NvmeStatus, OPC_FABRICS};
-use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Header, IcReq, Pdu, TermReq};
+use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Frame, Header, IcReq, TermReq};
 use parking_lot::Mutex;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -1107,10 +1107,13 @@ async fn receive(
 ) -> Ended {
     loop {
         loop {
-            match pdu::parse(&buf, state.digests, max_data) {
-                Ok(Some((p, used))) => {
-                    let raw = buf.split_to(used).freeze();
-                    if let Err(v) = handle(state, p, raw, frames) {
+            // Framed, then only the header decoded (no Pdu built and moved).
+            let framed = pdu::frame(&buf, state.digests, max_data)
+                .and_then(|f| f.map(|f| f.header(&buf).map(|h| (f, h))).transpose());
+            match framed {
+                Ok(Some((f, header))) => {
+                    let raw = buf.split_to(f.len).freeze();
+                    if let Err(v) = handle(state, header, &f, raw, frames) {
                         return Ended::Violation(v);
                     }
                 }
@@ -1164,12 +1167,13 @@ impl Drop for Waiting<'_> {
 /// One PDU from the controller.
 fn handle(
     state: &QueueState,
-    p: Pdu,
+    header: Header,
+    p: &Frame,
     raw: Bytes,
     frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
 ) -> Result<(), Violation> {
     let seq = |why: String| fatal(why, fes::PDU_SEQUENCE_ERROR, 0, &raw);
-    match p.header {
+    match header {
         Header::CapsuleResp(cqe) => {
             let cid = cqe.cid;
             let mut cmd = finish(state, cid)
