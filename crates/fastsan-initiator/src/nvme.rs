@@ -1283,7 +1283,7 @@ fn handle(
 mod tests {
     use super::*;
     use fastsan_nvme::command::sgl::{DATA_BLOCK_OFFSET, TRANSPORT_DATA_BLOCK};
-    use fastsan_nvme::pdu::{IcResp, R2t};
+    use fastsan_nvme::pdu::{IcResp, Pdu, R2t};
     use std::collections::VecDeque;
     use tokio::net::TcpListener;
 
