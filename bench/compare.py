@@ -66,6 +66,9 @@ def main():
     run = suite.Runner(args.quick, raw)
     binaries = {"old": args.old, "new": args.new}
     systems = {label: start(label, b) for label, b in binaries.items()}
+    # As the suite does: reads measured on a fresh memory volume would read holes.
+    suite.log("writing both volumes whole once")
+    suite.write_whole([s.brp_url for s in systems.values()])
     rows = []
     try:
         for (name, proto, rw, bs, qd, jobs) in POINTS:

@@ -263,10 +263,15 @@ def median_entry(entries):
 
 
 def run_point(run, reps, exp, params, systems_fns):
-    """Runs each system's function `reps` times, alternating systems; keeps all, returns medians."""
+    """Runs each system's function `reps` times, alternating systems; keeps all, returns medians.
+    The order turns around every repetition (A B C, C B A, ...): with a fixed order the system run
+    first gained a few percent (2026-11-26, `bench/compare.py`, BRP 4K randwrite at 128 requesters,
+    two binaries that differ nowhere on that path: new/old 0.973 in one order, 1.005 swapped), so a
+    fixed order would favour one side of every comparison."""
     got = {name: [] for name in systems_fns}
     for rep in range(reps):
-        for name, fn in systems_fns.items():
+        order = list(systems_fns.items())
+        for name, fn in (order if rep % 2 == 0 else order[::-1]):
             try:
                 cmd, res = fn()
             except Exception as e:  # a peer that fails one point is reported, not fatal
