@@ -464,8 +464,22 @@ pub fn encode_head(
 /// The data digest that follows `data` in a PDU of type `header`, when
 /// the connection agreed on data digests.
 pub fn data_digest(header: &Header, data: &[u8], digests: Digests) -> Option<[u8; 4]> {
+    data_digest_parts(header, [data], digests)
+}
+
+/// [`data_digest`] of data sent as several pieces, as if they were one.
+pub fn data_digest_parts<'a>(
+    header: &Header,
+    parts: impl IntoIterator<Item = &'a [u8]>,
+    digests: Digests,
+) -> Option<[u8; 4]> {
     let (_, _, has_digests) = shape(header.kind()).expect("every Header has a shape");
-    (has_digests && digests.data && !data.is_empty()).then(|| crc32c::crc32c(data).to_le_bytes())
+    if !(has_digests && digests.data) {
+        return None;
+    }
+    let (crc, len) =
+        parts.into_iter().fold((0, 0), |(crc, len), p| (crc32c::crc32c_append(crc, p), len + p.len()));
+    (len > 0).then(|| crc.to_le_bytes())
 }
 
 #[cfg(test)]

@@ -15,10 +15,9 @@
 use crate::backend::LATENCY_SAMPLE;
 use crate::fence::Activity;
 use crate::pool::Job;
-use crate::request::{IoKind, IoRequest, Limits, Refusal};
+use crate::request::{IoKind, IoRequest, Limits, ReadData, Refusal};
 use crate::stats::Stats;
 use crate::volume::{Op, Outcome, Volume};
-use bytes::Bytes;
 use std::io::{self, IoSlice};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -157,7 +156,7 @@ impl Drop for InFlight {
 /// writer's scratch buffer, `data` (a READ's bytes) in between.
 pub struct Encoded {
     pub head: Range<usize>,
-    pub data: Option<Bytes>,
+    pub data: Option<ReadData>,
     pub tail: Range<usize>,
 }
 
@@ -219,7 +218,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(self.parts.len() * 3);
             for p in &self.parts {
                 slices.push(IoSlice::new(&self.scratch[p.head.clone()]));
-                if let Some(d) = p.data.as_deref().filter(|d| !d.is_empty()) {
+                for d in p.data.iter().flat_map(ReadData::pieces).filter(|d| !d.is_empty()) {
                     slices.push(IoSlice::new(d));
                 }
                 if !p.tail.is_empty() {

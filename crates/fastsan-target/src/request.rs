@@ -138,3 +138,65 @@ pub struct Extent {
     /// Reads as zeros and holds no storage.
     pub hole: bool,
 }
+
+/// A READ's bytes: one piece (a buffer the backend filled), or several that
+/// are shared rather than copied (a memory volume's chunks, sent as they are:
+/// a later write to such a chunk copies it first, so the bytes a reply holds
+/// never change under it). The reply writer sends every piece in one `writev`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadData {
+    first: Bytes,
+    /// Behind one thin pointer: an outcome crosses a channel per request and
+    /// stays within 48 bytes (`the_hot_path_result_stays_small`); a `Vec`
+    /// or a boxed slice would take two or three words here.
+    #[allow(clippy::box_collection)]
+    rest: Option<Box<Vec<Bytes>>>,
+}
+
+impl ReadData {
+    pub fn len(&self) -> usize {
+        self.first.len() + self.rest().iter().map(Bytes::len).sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn rest(&self) -> &[Bytes] {
+        self.rest.as_deref().map_or(&[], |v| &v[..])
+    }
+
+    /// The pieces, in order.
+    pub fn pieces(&self) -> impl Iterator<Item = &[u8]> + Clone {
+        std::iter::once(&self.first[..]).chain(self.rest().iter().map(|b| &b[..]))
+    }
+
+    /// The bytes in one piece (copied only when there are several).
+    pub fn to_bytes(&self) -> Bytes {
+        if self.rest().is_empty() {
+            return self.first.clone();
+        }
+        let mut v = Vec::with_capacity(self.len());
+        self.pieces().for_each(|p| v.extend_from_slice(p));
+        v.into()
+    }
+}
+
+impl From<Bytes> for ReadData {
+    fn from(first: Bytes) -> ReadData {
+        ReadData { first, rest: None }
+    }
+}
+
+impl From<Vec<Bytes>> for ReadData {
+    fn from(mut pieces: Vec<Bytes>) -> ReadData {
+        match pieces.len() {
+            0 => ReadData::default(),
+            1 => pieces.pop().expect("one piece").into(),
+            _ => {
+                let first = pieces.remove(0);
+                ReadData { first, rest: Some(Box::new(pieces)) }
+            }
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! The backend stack seen from the wire: a fault injected in a volume's
 //! stack reaches BRP and NBD clients as each protocol's own error, the
 //! connection goes on, and other clients (of the same volume, outside the
-//! fault, and of other volumes) are not affected. Also: BRP on a unix socket.
+//! fault, and of other volumes) are not affected. Also: BRP on a unix socket,
+//! and large reads lent from a memory volume (no copy) over BRP and NBD.
 
 mod common;
 
@@ -171,4 +172,83 @@ async fn brp_over_a_unix_socket() {
     drop(vol);
     srv.stop().await;
     assert!(!path.exists(), "the socket file is removed at shutdown");
+}
+
+/// Large reads of a memory volume are sent from its chunks without a copy.
+/// Each protocol gets, in one write: a 1 MiB read across five chunks, a write
+/// over its start, and the same read again. The first reply must hold the
+/// old bytes (the write runs while that reply still holds the chunks, so it
+/// must copy them), the second the new; a large read of a hole is zeros.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_reads_are_lent_and_a_write_after_them_never_reaches_their_reply() {
+    let srv = TestServer::start(&["v=memory:64M"], |_| {}).await;
+    let at = 100 << 10;
+    let len = MIB as usize;
+    let mut round = 0u64;
+    let mut fresh = |vol: &str| {
+        round += 1;
+        let url = srv.url(vol);
+        async move {
+            let vol = Volume::connect(&url, Options { connections: 1, ..Default::default() }).await.unwrap();
+            let old = pattern(round, at, len);
+            vol.write_at(&old, at, false).await.unwrap();
+            old
+        }
+    };
+    let new = pattern(99, at, 128 << 10);
+    let expect_after = |old: &[u8]| [&new[..], &old[new.len()..]].concat();
+
+    // BRP, with digests (the reply's data digest covers every lent piece).
+    for features in [0, fastsan_brp::FEATURE_DIGEST] {
+        let old = fresh("v").await;
+        let (mut b, _) = Raw::open_with(srv.addr, "v", features).await;
+        let mut wire = b.frame(RequestHeader::new(Command::Read, 0, 1, at, len as u32), &[]);
+        wire.extend(b.frame(RequestHeader::new(Command::Write, 0, 2, at, new.len() as u32), &new));
+        wire.extend(b.frame(RequestHeader::new(Command::Read, 0, 3, at, len as u32), &[]));
+        wire.extend(b.frame(RequestHeader::new(Command::Read, 0, 4, 32 * MIB, len as u32), &[]));
+        b.send(&wire).await;
+        let mut got = std::collections::BTreeMap::new();
+        for _ in 0..4 {
+            let (h, data) = b.reply().await;
+            assert_eq!(h.status, Status::OK, "tag {}", h.tag);
+            got.insert(h.tag, data);
+        }
+        assert!(got[&1] == old, "BRP (features {features}): the first read saw the later write");
+        assert!(got[&3] == expect_after(&old), "BRP (features {features}): the second read missed the write");
+        assert!(got[&4].len() == len && got[&4].iter().all(|&x| x == 0), "a hole reads as zeros");
+    }
+
+    // NBD, simple and structured replies (in order: memory runs inline).
+    for structured in [false, true] {
+        let old = fresh("v").await;
+        let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
+        n.go("v", structured, false).await;
+        let mut wire = NbdRaw::frame(CMD_READ, 0, 1, at, len as u32, &[]);
+        wire.extend(NbdRaw::frame(CMD_WRITE, 0, 2, at, new.len() as u32, &new));
+        wire.extend(NbdRaw::frame(CMD_READ, 0, 3, at, len as u32, &[]));
+        n.send(&wire).await;
+        // Replies come in order here (memory runs inline); a write's is a
+        // simple reply whether or not structured replies are on.
+        let mut got = std::collections::BTreeMap::new();
+        for i in 0..3 {
+            if i == 1 {
+                assert_eq!(n.simple(0).await, (0, 2, vec![]));
+            } else if structured {
+                let (flags, kind, cookie, p) = n.chunk().await;
+                assert_eq!((flags, kind), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA));
+                assert_eq!(p[..8], at.to_be_bytes(), "the chunk's offset");
+                got.insert(cookie, p[8..].to_vec());
+            } else {
+                let (err, cookie, d) = n.simple(len).await;
+                assert_eq!(err, 0);
+                got.insert(cookie, d);
+            }
+        }
+        assert!(got[&1] == old, "NBD (structured {structured}): the first read saw the later write");
+        assert!(
+            got[&3] == expect_after(&old),
+            "NBD (structured {structured}): the second read missed the write"
+        );
+    }
+    srv.stop().await;
 }

@@ -3,7 +3,7 @@
 //! O_DIRECT (then through a 4 KiB-aligned bounce buffer, with a 4 KiB block size).
 
 use super::{Backend, BackendError, BlockSizes, Result, ZeroFlags};
-use crate::request::Extent;
+use crate::request::{Extent, ReadData};
 use std::alloc::{self, Layout};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -142,6 +142,12 @@ impl Backend for FileBackend {
     }
     fn can_cache(&self) -> bool {
         true
+    }
+    fn can_share_reads(&self) -> bool {
+        false
+    }
+    fn read_shared(&self, _offset: u64, _len: u64) -> Result<ReadData> {
+        Err(BackendError::Unsupported)
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.direct {

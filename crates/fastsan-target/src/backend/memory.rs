@@ -2,16 +2,47 @@
 //! chunks, each behind its own read-write lock and allocated on first write,
 //! so a large volume costs nothing until used, readers of different chunks
 //! never contend, and trimmed or zeroed whole chunks are freed again.
+//!
+//! A chunk is reference-counted so that a large read can be sent straight
+//! from it ([`Backend::read_shared`]) instead of being copied into a reply
+//! buffer first. Lent bytes never change: a write to a chunk that a reply
+//! still holds copies the chunk first and writes the copy (copy on write), so
+//! a reply carries exactly what the volume held when the read ran.
 
-use super::{Backend, BlockSizes, Result, ZeroFlags};
-use crate::request::Extent;
+use super::{push_zeros, Backend, BlockSizes, Result, ZeroFlags};
+use crate::request::{Extent, ReadData};
+use bytes::Bytes;
 use parking_lot::RwLock;
+use std::sync::Arc;
 
 const CHUNK: u64 = 256 * 1024;
 
+type Chunk = Arc<[u8]>;
+
+/// A piece of a chunk, lent to a reply.
+struct Lent {
+    chunk: Chunk,
+    at: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.chunk[self.at..self.at + self.len]
+    }
+}
+
+/// The chunk's bytes to change in place: allocated (zeroed) when missing,
+/// copied first when a reply still holds them.
+fn writable(slot: &mut Option<Chunk>) -> &mut [u8] {
+    // SAFETY: all-zero bytes are valid `u8`s.
+    let c = slot.get_or_insert_with(|| unsafe { Arc::new_zeroed_slice(CHUNK as usize).assume_init() });
+    Arc::make_mut(c)
+}
+
 pub struct MemoryBackend {
     size: u64,
-    chunks: Vec<RwLock<Option<Box<[u8]>>>>,
+    chunks: Vec<RwLock<Option<Chunk>>>,
     /// Drawn at creation: this memory's data exists nowhere else.
     generation: u64,
 }
@@ -47,8 +78,8 @@ impl MemoryBackend {
             let mut chunk = self.chunks[i].write();
             if r.len() as u64 == CHUNK && !keep {
                 *chunk = None;
-            } else if let Some(c) = chunk.as_mut() {
-                c[at..at + r.len()].fill(0);
+            } else if chunk.is_some() {
+                writable(&mut chunk)[at..at + r.len()].fill(0);
             }
         });
     }
@@ -96,12 +127,22 @@ impl Backend for MemoryBackend {
         });
         Ok(())
     }
+    fn can_share_reads(&self) -> bool {
+        true
+    }
+    fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
+        let mut out = Vec::with_capacity((len / CHUNK) as usize + 2);
+        Self::pieces(offset, len, |i, at, r| match self.chunks[i].read().as_ref() {
+            Some(c) => out.push(Bytes::from_owner(Lent { chunk: c.clone(), at, len: r.len() })),
+            None => push_zeros(&mut out, r.len()),
+        });
+        Ok(out.into())
+    }
     fn write_at(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         Self::pieces(offset, buf.len() as u64, |i, at, r| {
             let n = r.len();
             let mut chunk = self.chunks[i].write();
-            let c = chunk.get_or_insert_with(|| vec![0u8; CHUNK as usize].into_boxed_slice());
-            c[at..at + n].copy_from_slice(&buf[r]);
+            writable(&mut chunk)[at..at + n].copy_from_slice(&buf[r]);
         });
         Ok(())
     }
@@ -172,5 +213,38 @@ mod tests {
         m.trim(off, 512).unwrap();
         m.read_at(&mut back[..512], off).unwrap();
         assert!(back[..512].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn lent_bytes_never_change_and_a_chunk_is_copied_only_while_lent() {
+        let m = MemoryBackend::new(4 * CHUNK);
+        let old: Vec<u8> = (0..2 * CHUNK as usize).map(|i| (i % 253) as u8).collect();
+        m.write_at(&old, CHUNK / 2, false).unwrap();
+        // Across three chunks, and a hole after them reads as zeros.
+        let lent = m.read_shared(CHUNK / 2, 3 * CHUNK).unwrap();
+        assert_eq!(lent.len(), 3 * CHUNK as usize);
+        let whole = lent.to_bytes();
+        assert_eq!(&whole[..old.len()], &old[..]);
+        assert!(whole[old.len()..].iter().all(|&b| b == 0));
+        let first_piece = lent.pieces().next().unwrap().as_ptr();
+        // Writes and a partial zeroing over what is lent: the reply keeps the old bytes...
+        m.write_at(&vec![0xee; CHUNK as usize], CHUNK / 2, false).unwrap();
+        m.write_zeroes(CHUNK + CHUNK / 2, 4096, ZeroFlags::default()).unwrap();
+        assert_eq!(lent.to_bytes(), whole, "lent bytes changed under the reply");
+        // ...and the volume has the new ones.
+        let mut now = vec![0u8; 2 * CHUNK as usize];
+        m.read_at(&mut now, CHUNK / 2).unwrap();
+        assert!(now[..CHUNK as usize].iter().all(|&b| b == 0xee));
+        assert!(now[CHUNK as usize..CHUNK as usize + 4096].iter().all(|&b| b == 0));
+        assert_eq!(&now[CHUNK as usize + 4096..], &old[CHUNK as usize + 4096..]);
+        // The write copied the lent chunk; with nothing lent, writes go in place.
+        let again = m.read_shared(CHUNK / 2, 4096).unwrap();
+        let copied = again.pieces().next().unwrap().as_ptr();
+        assert_ne!(copied, first_piece, "a write to a lent chunk must copy it");
+        drop((lent, again));
+        m.write_at(&[1; 4096], CHUNK / 2, false).unwrap();
+        let after = m.read_shared(CHUNK / 2, 4096).unwrap();
+        assert_eq!(after.pieces().next().unwrap().as_ptr(), copied, "an unlent chunk is written in place");
+        assert_eq!(after.to_bytes()[..], [1; 4096][..]);
     }
 }

@@ -33,7 +33,7 @@ pub use remote::RemoteBackend;
 pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot, LATENCY_SAMPLE};
 
 use crate::config::{BackendSpec, VolumeSpec};
-use crate::request::Extent;
+use crate::request::{Extent, ReadData};
 use std::io;
 use std::sync::Arc;
 
@@ -132,6 +132,14 @@ pub trait Backend: Send + Sync + 'static {
     fn describe(&self) -> String;
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Whether [`Backend::read_shared`] works here: the store keeps its bytes
+    /// in memory it can lend out, and every layer above passes reads through
+    /// unchanged.
+    fn can_share_reads(&self) -> bool;
+    /// A read without a copy: the bytes of the range as shared pieces of the
+    /// store's own memory, which never change once lent (a write to a lent
+    /// piece copies it first). Called only where [`Backend::can_share_reads`].
+    fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData>;
     /// With `fua`, the data is durable when this returns.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Makes every completed write durable.
@@ -144,6 +152,18 @@ pub trait Backend: Send + Sync + 'static {
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>>;
     /// Prefetches a range (a hint).
     fn cache(&self, offset: u64, len: u64) -> Result<()>;
+}
+
+/// Zeros to lend: what a shared read of a hole or of a null store sends.
+static ZEROS: [u8; 256 * 1024] = [0; 256 * 1024];
+
+/// `len` bytes of zeros as shared pieces, appended to `out`.
+fn push_zeros(out: &mut Vec<bytes::Bytes>, mut len: usize) {
+    while len > 0 {
+        let n = len.min(ZEROS.len());
+        out.push(bytes::Bytes::from_static(&ZEROS[..n]));
+        len -= n;
+    }
 }
 
 /// A layer of the stack: every method forwards to [`Layer::next`] unless
@@ -196,6 +216,16 @@ pub trait Layer: Send + Sync + 'static {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.next().read_at(buf, offset)
+    }
+    /// The one capability a layer does **not** pass through unless it says
+    /// so: a shared read skips the layers' `read_at`, so a layer that acts on
+    /// reads (faults, delay) would be bypassed. A layer that leaves reads
+    /// alone (stats, read-only) opts in.
+    fn can_share_reads(&self) -> bool {
+        false
+    }
+    fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
+        self.next().read_shared(offset, len)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.next().write_at(buf, offset, fua)
@@ -263,6 +293,12 @@ impl<L: Layer> Backend for L {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Layer::read_at(self, buf, offset)
+    }
+    fn can_share_reads(&self) -> bool {
+        Layer::can_share_reads(self)
+    }
+    fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
+        Layer::read_shared(self, offset, len)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         Layer::write_at(self, buf, offset, fua)
@@ -425,5 +461,25 @@ mod tests {
     fn huge_memory_volume_is_refused() {
         assert!(check_memory(1 << 60).is_err());
         assert!(check_memory(1 << 20).is_ok());
+    }
+
+    #[test]
+    fn only_stacks_that_leave_reads_alone_lend_them() {
+        let shares = |spec: &str| build(&VolumeSpec::parse(spec).unwrap()).unwrap().top.can_share_reads();
+        assert!(shares("v=memory:1M"));
+        assert!(shares("v=memory:1M,ro"));
+        assert!(shares("v=null:1M"));
+        // A layer that acts on reads is never bypassed.
+        assert!(!shares("v=memory:1M,faults=none"));
+        assert!(!shares("v=memory:1M,delay=1ms"));
+        assert!(!Backend::can_share_reads(&Nothing(Arc::new(MemoryBackend::new(1 << 20)))));
+        // Through the stats layer: lent reads are counted like copied ones.
+        let s = build(&VolumeSpec::parse("v=memory:4M").unwrap()).unwrap();
+        s.top.write_at(&[5; 8192], 1 << 20, false).unwrap();
+        let d = s.top.read_shared((1 << 20) - 4096, 3 << 20).unwrap().to_bytes();
+        assert!(d[..4096].iter().all(|&b| b == 0) && d[4096..12288].iter().all(|&b| b == 5));
+        assert!(d[12288..].iter().all(|&b| b == 0));
+        let st = s.stats.snapshot();
+        assert_eq!((st.reads, st.bytes_read), (1, 3 << 20));
     }
 }

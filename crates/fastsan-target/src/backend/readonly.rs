@@ -21,6 +21,9 @@ impl Layer for ReadOnlyLayer {
     fn can_write(&self) -> bool {
         false
     }
+    fn can_share_reads(&self) -> bool {
+        self.next.can_share_reads()
+    }
     fn can_trim(&self) -> bool {
         false
     }

@@ -11,7 +11,7 @@
 //! I/O threads (`io_threads`, 16 by default).
 
 use super::{Backend, BackendError, BlockSizes, Result, ZeroFlags};
-use crate::request::Extent;
+use crate::request::{Extent, ReadData};
 use fastsan_initiator::{Error, Options, Status, Volume, VOLUME_VOLATILE};
 use std::future::Future;
 use std::io;
@@ -125,6 +125,12 @@ impl Backend for RemoteBackend {
         format!("remote {}", self.url)
     }
 
+    fn can_share_reads(&self) -> bool {
+        false
+    }
+    fn read_shared(&self, _offset: u64, _len: u64) -> Result<ReadData> {
+        Err(BackendError::Unsupported)
+    }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.wait(self.vol.read_at(buf, offset))
     }

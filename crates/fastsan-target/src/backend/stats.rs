@@ -5,7 +5,7 @@
 //! 3.5% of the target's CPU on 4K reads from memory (perf, BRP randread).
 
 use super::{Backend, Layer, Result, ZeroFlags};
-use crate::request::Extent;
+use crate::request::{Extent, ReadData};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
@@ -178,6 +178,12 @@ impl Layer for StatsLayer {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let n = buf.len() as u64;
         self.count(|s| &s.reads, Some((|s| &s.bytes_read, n)), || self.next.read_at(buf, offset))
+    }
+    fn can_share_reads(&self) -> bool {
+        self.next.can_share_reads()
+    }
+    fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
+        self.count(|s| &s.reads, Some((|s| &s.bytes_read, len)), || self.next.read_shared(offset, len))
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let n = buf.len() as u64;

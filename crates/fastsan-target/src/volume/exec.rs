@@ -3,14 +3,22 @@
 
 use super::{Op, OpKind, Volume};
 use crate::pool::PooledBuf;
-use crate::request::{Extent, Refusal};
+use crate::request::{Extent, ReadData, Refusal};
 use bytes::Bytes;
+
+/// Reads at least this long are sent from the store's own memory where it
+/// can lend it ([`crate::backend::Backend::read_shared`]), not copied into a
+/// reply buffer. Shorter ones are copied: a copy of a few KiB costs less than
+/// sharing (a reference per piece, and a write to a lent chunk copies the
+/// whole chunk), and small random reads would lend chunks that small random
+/// writes then copy.
+pub const SHARE_READS_FROM: u32 = 64 * 1024;
 
 /// What a successful operation gives back.
 #[derive(Debug)]
 pub enum Outcome {
     Done,
-    Data(Bytes),
+    Data(ReadData),
     Extents(Vec<Extent>),
 }
 
@@ -22,10 +30,13 @@ impl Volume {
         let b = &*self.backend;
         let done = Outcome::Done;
         Ok(match op.kind {
+            OpKind::Read { offset, len } if len >= SHARE_READS_FROM && self.caps.share_reads => {
+                Outcome::Data(b.read_shared(offset, len.into())?)
+            }
             OpKind::Read { offset, len } => {
                 let mut buf = PooledBuf::take(len as usize);
                 b.read_at(buf.as_mut(), offset)?;
-                Outcome::Data(Bytes::from_owner(buf))
+                Outcome::Data(Bytes::from_owner(buf).into())
             }
             OpKind::Write { offset, data, fua: false } => {
                 b.write_at(&data, offset, false)?;

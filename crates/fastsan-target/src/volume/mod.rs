@@ -28,6 +28,8 @@ pub struct Caps {
     pub fast_zero: bool,
     pub extents: bool,
     pub cache: bool,
+    /// Large reads are lent from the store's memory, not copied.
+    pub share_reads: bool,
 }
 
 pub struct Volume {
@@ -165,6 +167,7 @@ impl Volume {
             fast_zero: b.can_write() && b.can_zero() && b.can_fast_zero(),
             extents: b.can_extents(),
             cache: b.can_cache(),
+            share_reads: b.can_share_reads(),
         };
         Volume {
             pool: b.may_block().then(|| IoPool::new(io_threads, &name)),
@@ -511,10 +514,35 @@ mod tests {
         };
         assert!(matches!(v.execute(v.validate(w, &BRP).unwrap()), Ok(Outcome::Done)));
         let Ok(Outcome::Data(d)) = v.execute(check(&v, IoKind::Read, 0, 1024).unwrap()) else { panic!() };
+        let d = d.to_bytes();
         assert_eq!(&d[..512], &[0u8; 512][..]);
         assert_eq!(&d[512..], &[3u8; 512][..]);
         let s = v.stats();
         assert_eq!((s.reads, s.writes, s.bytes_written), (1, 1, 512));
+    }
+
+    #[test]
+    fn a_large_read_is_what_the_volume_held_when_it_ran() {
+        let v = vol(false);
+        let write = |byte: u8| IoRequest {
+            kind: IoKind::Write,
+            offset: 0,
+            length: 65536,
+            fua: false,
+            payload: Bytes::from(vec![byte; 65536]),
+        };
+        v.execute(v.validate(write(1), &BRP).unwrap()).unwrap();
+        let Ok(Outcome::Data(held)) = v.execute(check(&v, IoKind::Read, 0, 65536).unwrap()) else { panic!() };
+        // The reply is not sent yet when a write to the same range runs.
+        v.execute(v.validate(write(2), &BRP).unwrap()).unwrap();
+        assert!(held.to_bytes().iter().all(|&b| b == 1), "a write changed a read's reply");
+        let Ok(Outcome::Data(now)) = v.execute(check(&v, IoKind::Read, 0, 65536).unwrap()) else { panic!() };
+        assert!(now.to_bytes().iter().all(|&b| b == 2));
+        // Small reads are copied: the same, whichever way they go.
+        let Ok(Outcome::Data(small)) = v.execute(check(&v, IoKind::Read, 512, 4096).unwrap()) else {
+            panic!()
+        };
+        assert!(small.to_bytes().iter().all(|&b| b == 2));
     }
 
     #[test]

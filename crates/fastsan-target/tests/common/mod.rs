@@ -125,13 +125,19 @@ impl Raw {
     }
 
     pub async fn request(&mut self, h: RequestHeader, payload: &[u8]) {
+        let v = self.frame(h, payload);
+        self.send(&v).await;
+    }
+
+    /// A request's bytes on the wire (to send several in one write).
+    pub fn frame(&self, h: RequestHeader, payload: &[u8]) -> Vec<u8> {
         let mut v = Vec::new();
         encode_header(&h, self.digests, &mut v);
         v.extend_from_slice(payload);
         if self.digests && !payload.is_empty() {
             v.extend(fastsan_brp::request::encode_data_digest(payload));
         }
-        self.send(&v).await;
+        v
     }
 
     /// The next reply and its data.
@@ -282,10 +288,20 @@ impl NbdRaw {
         length: u32,
         payload: &[u8],
     ) {
+        let v = Self::frame(command, flags, cookie, offset, length, payload);
+        self.s.write_all(&v).await.unwrap();
+    }
+
+    /// A request's bytes on the wire (to send several in one write).
+    pub fn frame(command: u16, flags: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
         let r = fastsan_nbd::transmission::Request { flags, command, cookie, offset, length };
         let mut v = r.encode().to_vec();
         v.extend_from_slice(payload);
-        self.s.write_all(&v).await.unwrap();
+        v
+    }
+
+    pub async fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).await.unwrap();
     }
 
     /// A simple reply: (error, cookie); then `data` bytes when error is 0.

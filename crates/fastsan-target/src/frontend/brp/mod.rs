@@ -271,8 +271,8 @@ impl Encoder for BrpEncoder {
         let (h, n) = ReplyHeader { status: st, tag: r.tag, payload_len }.encode_wire(self.digests);
         scratch.extend_from_slice(&h[..n]);
         let head = start..scratch.len();
-        if self.digests && payload_len > 0 {
-            scratch.extend(fastsan_brp::request::encode_data_digest(data.as_deref().unwrap_or_default()));
+        if let Some(d) = data.as_ref().filter(|_| self.digests && payload_len > 0) {
+            scratch.extend(fastsan_brp::digest::crc_parts(d.pieces()).to_le_bytes());
         }
         Encoded { head: head.clone(), data, tail: head.end..scratch.len() }
     }

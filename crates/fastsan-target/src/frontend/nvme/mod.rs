@@ -545,7 +545,7 @@ impl NvmeConn {
 
     fn done(&self, cid: u16, dw0: u32, dw1: u32, data: Option<Vec<u8>>) -> Decoded<NvmeMeta> {
         let meta = NvmeMeta { cid, answer: Answer::Admin { status: Status::SUCCESS, dw0, dw1 } };
-        let result = Ok(data.map_or(Outcome::Done, |d| Outcome::Data(Bytes::from(d))));
+        let result = Ok(data.map_or(Outcome::Done, |d| Outcome::Data(Bytes::from(d).into())));
         Decoded::Local { tag: cid as u64, meta, result }
     }
 
@@ -1167,7 +1167,7 @@ impl Encoder for NvmeEncoder {
             let h = Header::C2hData(DataHeader { cccid: m.cid, ttag: 0, datao: 0, datal: d.len() as u32 });
             pdu::encode_head(&h, flags, d.len(), self.digests, 0, scratch);
             head_end = scratch.len();
-            if let Some(dd) = pdu::data_digest(&h, d, self.digests) {
+            if let Some(dd) = pdu::data_digest_parts(&h, d.pieces(), self.digests) {
                 scratch.extend_from_slice(&dd);
             }
             resp = !success;
