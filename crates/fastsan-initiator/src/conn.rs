@@ -12,7 +12,7 @@ use crate::options::MergeMode;
 use crate::stats::Stats;
 use crate::transport::Stream;
 use crate::Error;
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fastsan_brp::batch::BatchBuilder;
 use fastsan_brp::digest::{self, DIGEST_LEN};
 use fastsan_brp::reply::{parse_reply, ReplyHeader, REPLY_HEADER_LEN};
@@ -71,6 +71,9 @@ impl Inflight {
     }
     fn take(&self, tag: u64) -> Option<Pending> {
         self.state.lock().1.remove(&tag).map(|(p, _)| p)
+    }
+    fn contains(&self, tag: u64) -> bool {
+        self.state.lock().1.contains_key(&tag)
     }
     fn fail_all(&self) {
         let drained: Vec<Pending> = {
@@ -398,6 +401,104 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
+/// Replies with at least this much data are received into a buffer of their
+/// own ([`Recycler`]), straight from the socket, instead of into the shared
+/// receive buffer (which would be regrown for them, moving what had arrived,
+/// in fresh memory the kernel has to fault in and zero every time).
+pub(crate) const LARGE_REPLY: u32 = 64 * 1024;
+
+/// Buffers of large replies, given back when the caller drops the data and
+/// reused for the next large reply: their pages stay mapped.
+#[derive(Default)]
+struct Recycler {
+    kept: Mutex<Vec<Vec<u8>>>,
+}
+
+/// Bytes of buffers a connection keeps for reuse, at most.
+const RECYCLED_BYTES: usize = 32 << 20;
+
+impl Recycler {
+    /// An empty buffer with room for `n` bytes.
+    fn take(&self, n: usize) -> Vec<u8> {
+        let mut kept = self.kept.lock();
+        match kept.iter().position(|v| v.capacity() >= n) {
+            Some(i) => kept.swap_remove(i),
+            None => Vec::with_capacity(n),
+        }
+    }
+
+    fn give_back(&self, mut v: Vec<u8>) {
+        let mut kept = self.kept.lock();
+        if kept.iter().map(Vec::capacity).sum::<usize>() + v.capacity() <= RECYCLED_BYTES {
+            v.clear();
+            kept.push(v);
+        }
+    }
+}
+
+/// A large reply's data: back to its connection's [`Recycler`] when dropped.
+struct Recycled {
+    v: Vec<u8>,
+    home: Arc<Recycler>,
+}
+
+impl AsRef<[u8]> for Recycled {
+    fn as_ref(&self) -> &[u8] {
+        &self.v
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        self.home.give_back(std::mem::take(&mut self.v));
+    }
+}
+
+/// Reads what the socket has into `into` (at least one byte), advancing the
+/// request-timeout clock while it waits.
+async fn read_some<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    into: &mut impl BufMut,
+    clock: &mut tokio::time::Interval,
+    inflight: &Inflight,
+    timeout: std::time::Duration,
+) -> Result<(), Error> {
+    let read = loop {
+        tokio::select! {
+            r = rd.read_buf(into) => break r,
+            _ = clock.tick() => {
+                if inflight.tick_finds_overdue() {
+                    tracing::warn!(?timeout, "a request got no reply in time; dropping the connection");
+                    return Err(Error::Timeout("request"));
+                }
+            }
+        }
+    };
+    match read {
+        Ok(0) => Err(Error::ConnectionLost),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Answers the request `h` is the reply to.
+fn deliver(inflight: &Inflight, h: &ReplyHeader, payload_ok: bool, data: Bytes) -> Result<(), Error> {
+    let Some(p) = inflight.take(h.tag) else {
+        return Err(Error::UnknownTag(h.tag));
+    };
+    let result = if !h.status.is_ok() {
+        Err(Error::Status(h.status))
+    } else if !payload_ok {
+        Err(Error::DigestMismatch)
+    } else if !data.is_empty() {
+        Ok(Some(data))
+    } else {
+        Ok(None)
+    };
+    let _ = p.done.send(result);
+    Ok(())
+}
+
 /// Matches replies to requests until the connection fails; a request
 /// without a reply for `timeout` fails it too (the target is stuck or gone).
 async fn recv_loop<R: AsyncRead + Unpin>(
@@ -410,6 +511,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
     let period = (timeout / TICKS).max(std::time::Duration::from_millis(1));
     let mut clock = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let recycler = Arc::new(Recycler::default());
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -418,44 +520,84 @@ async fn recv_loop<R: AsyncRead + Unpin>(
                 Err(e) => return e.into(),
             };
             let bytes = buf.split_to(f.frame_len).freeze();
-            let Some(p) = inflight.take(f.header.tag) else {
-                return Error::UnknownTag(f.header.tag);
-            };
             let n = f.header.payload_len as usize;
-            let result = if !f.header.status.is_ok() {
-                Err(Error::Status(f.header.status))
-            } else if !f.payload_ok {
-                Err(Error::DigestMismatch)
-            } else if n > 0 {
-                Ok(Some(bytes.slice(f.payload_at..f.payload_at + n)))
-            } else {
-                Ok(None)
-            };
-            let _ = p.done.send(result);
+            if let Err(e) =
+                deliver(inflight, &f.header, f.payload_ok, bytes.slice(f.payload_at..f.payload_at + n))
+            {
+                return e;
+            }
+        }
+        let head = match large_reply_head(&buf, digests) {
+            Ok(h) => h,
+            Err(e) => return e,
+        };
+        if let Some(h) = head {
+            // Its data goes into a buffer of its own: what is here already,
+            // then straight from the socket; then the data digest, if any.
+            if !inflight.contains(h.tag) {
+                return Error::UnknownTag(h.tag);
+            }
+            buf.advance(ReplyHeader::wire_len(digests));
+            let n = h.payload_len as usize;
+            let mut data = recycler.take(n);
+            let here = buf.len().min(n);
+            data.extend_from_slice(&buf[..here]);
+            buf.advance(here);
+            while data.len() < n {
+                let room = n - data.len();
+                if let Err(e) =
+                    read_some(&mut rd, &mut (&mut data).limit(room), &mut clock, inflight, timeout).await
+                {
+                    return e;
+                }
+            }
+            if digests {
+                while buf.len() < DIGEST_LEN {
+                    buf.reserve(4096);
+                    if let Err(e) = read_some(&mut rd, &mut buf, &mut clock, inflight, timeout).await {
+                        return e;
+                    }
+                }
+            }
+            let payload_ok = !digests || digest::verify(&data, &buf.split_to(DIGEST_LEN));
+            let data = Bytes::from_owner(Recycled { v: data, home: recycler.clone() });
+            if let Err(e) = deliver(inflight, &h, payload_ok, data) {
+                return e;
+            }
+            continue;
         }
         let need = match buf.first_chunk::<REPLY_HEADER_LEN>().map(ReplyHeader::decode) {
             Some(Ok(h)) => ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN,
             _ => 0,
         };
-        // Grow toward a large reply a megabyte at a time, as its bytes arrive.
+        // Grow toward a reply a megabyte at a time, as its bytes arrive.
         buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
-        let read = loop {
-            tokio::select! {
-                r = rd.read_buf(&mut buf) => break r,
-                _ = clock.tick() => {
-                    if inflight.tick_finds_overdue() {
-                        tracing::warn!(?timeout, "a request got no reply in time; dropping the connection");
-                        return Error::Timeout("request");
-                    }
-                }
-            }
-        };
-        match read {
-            Ok(0) => return Error::ConnectionLost,
-            Ok(_) => {}
-            Err(e) => return e.into(),
+        if let Err(e) = read_some(&mut rd, &mut buf, &mut clock, inflight, timeout).await {
+            return e;
         }
     }
+}
+
+/// The header of the reply at the front of `buf` (whose frame is not all
+/// here) when the header is whole, its digest checked, and its data is
+/// [`LARGE_REPLY`] or more.
+fn large_reply_head(buf: &[u8], digests: bool) -> Result<Option<ReplyHeader>, Error> {
+    let Some(hb) = buf.first_chunk::<REPLY_HEADER_LEN>() else {
+        return Ok(None);
+    };
+    let h = ReplyHeader::decode(hb)?;
+    if h.payload_len < LARGE_REPLY {
+        return Ok(None);
+    }
+    if digests {
+        let Some(trailer) = buf.get(REPLY_HEADER_LEN..REPLY_HEADER_LEN + DIGEST_LEN) else {
+            return Ok(None);
+        };
+        if !digest::verify(hb, trailer) {
+            return Err(fastsan_brp::ProtocolError::HeaderDigest.into());
+        }
+    }
+    Ok(Some(h))
 }
 
 #[cfg(test)]
@@ -481,5 +623,119 @@ mod tests {
         assert_eq!(d.recent(), 3, "forgotten two spans on");
         d.saw(DEEP_LOAD);
         assert!(d.recent() >= DEEP_LOAD);
+    }
+
+    fn reply(tag: u64, status: fastsan_brp::Status, data: &[u8], digests: bool, spoil: bool) -> Vec<u8> {
+        let h = ReplyHeader { status, tag, payload_len: data.len() as u32 };
+        let (hw, n) = h.encode_wire(digests);
+        let mut v = hw[..n].to_vec();
+        v.extend_from_slice(data);
+        if digests && !data.is_empty() {
+            v.extend((digest::crc(data) ^ spoil as u32).to_le_bytes());
+        }
+        v
+    }
+
+    async fn pending(inflight: &Inflight, tag: u64) -> oneshot::Receiver<Result<Option<Bytes>, Error>> {
+        let (done, rx) = oneshot::channel();
+        let credit = Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
+        inflight.register(tag, Pending { done, _credit: credit });
+        rx
+    }
+
+    /// Large replies arriving in odd pieces, between small ones, with and
+    /// without digests: each answer is its bytes exactly; a spoiled data
+    /// digest fails only its request; the buffer of a dropped answer is
+    /// reused for the next large one; a stream cut inside a large reply's
+    /// data ends the loop with ConnectionLost, and a large reply nobody asked
+    /// for with UnknownTag.
+    #[tokio::test]
+    async fn large_replies_are_read_whole_into_recycled_buffers() {
+        use tokio::io::AsyncWriteExt;
+        let big = |seed: u8, n: usize| (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect::<Vec<u8>>();
+        for digests in [false, true] {
+            let inflight = Arc::new(Inflight::default());
+            let (mut srv, cli) = tokio::io::duplex(16 * 1024);
+            let looped = {
+                let inflight = inflight.clone();
+                tokio::spawn(async move {
+                    recv_loop(cli, BytesMut::new(), &inflight, digests, std::time::Duration::from_secs(30))
+                        .await
+                })
+            };
+            let ok = fastsan_brp::Status::OK;
+            let (a, b, c, d) = (big(1, 1 << 20), big(2, 4096), big(3, 65536), big(4, 300_000));
+            let mut wire = reply(1, ok, &a, digests, false);
+            wire.extend(reply(2, ok, &d, digests, false));
+            wire.extend(reply(3, ok, &b, digests, false));
+            wire.extend(reply(4, ok, &c, digests, digests));
+            let rx: Vec<_> = futures::future::join_all((1..=4).map(|t| pending(&inflight, t))).await;
+            let mut rx = rx.into_iter();
+            let mut cuts = [1usize, 7, 19, 4096, 70_000, 3].iter().cycle();
+            let mut at = 0;
+            let mut send = |upto: usize| {
+                let mut pieces = Vec::new();
+                while at < upto {
+                    let n = (*cuts.next().unwrap()).min(upto - at);
+                    pieces.push(wire[at..at + n].to_vec());
+                    at += n;
+                }
+                pieces
+            };
+            // The first reply alone, so its buffer is back before the next large one arrives.
+            let first_len = reply(1, ok, &a, digests, false).len();
+            for p in send(first_len) {
+                srv.write_all(&p).await.unwrap();
+            }
+            let got_a = rx.next().unwrap().await.unwrap().unwrap().unwrap();
+            assert!(got_a[..] == a[..], "digests {digests}: the first large reply");
+            let a_at = got_a.as_ptr();
+            drop(got_a);
+            for p in send(wire.len()) {
+                srv.write_all(&p).await.unwrap();
+            }
+            let got_d = rx.next().unwrap().await.unwrap().unwrap().unwrap();
+            assert!(got_d[..] == d[..]);
+            assert_eq!(got_d.as_ptr(), a_at, "the first reply's buffer is reused");
+            assert_eq!(rx.next().unwrap().await.unwrap().unwrap().unwrap()[..], b[..]);
+            let last = rx.next().unwrap().await.unwrap();
+            match digests {
+                true => assert!(matches!(last, Err(Error::DigestMismatch)), "{last:?}"),
+                false => assert_eq!(last.unwrap().unwrap()[..], c[..]),
+            }
+            // A large reply nobody asked for.
+            srv.write_all(&reply(9, ok, &d, digests, false)[..4096]).await.unwrap();
+            assert!(matches!(looped.await.unwrap(), Error::UnknownTag(9)));
+        }
+        // Cut inside a large reply's data.
+        let inflight = Arc::new(Inflight::default());
+        let (mut srv, cli) = tokio::io::duplex(16 * 1024);
+        let _rx = pending(&inflight, 5).await;
+        let looped = {
+            let inflight = inflight.clone();
+            tokio::spawn(async move {
+                recv_loop(cli, BytesMut::new(), &inflight, false, std::time::Duration::from_secs(30)).await
+            })
+        };
+        srv.write_all(&reply(5, fastsan_brp::Status::OK, &big(5, 200_000), false, false)[..100_000])
+            .await
+            .unwrap();
+        drop(srv);
+        assert!(matches!(looped.await.unwrap(), Error::ConnectionLost));
+    }
+
+    #[test]
+    fn the_recycler_keeps_a_bounded_amount() {
+        let r = Recycler::default();
+        let v = r.take(1 << 20);
+        assert!(v.capacity() >= 1 << 20 && v.is_empty());
+        let at = v.as_ptr();
+        r.give_back(v);
+        let again = r.take(4096);
+        assert_eq!(again.as_ptr(), at, "a kept buffer large enough is reused");
+        for _ in 0..64 {
+            r.give_back(Vec::with_capacity(1 << 20));
+        }
+        assert!(r.kept.lock().iter().map(Vec::capacity).sum::<usize>() <= RECYCLED_BYTES);
     }
 }
