@@ -414,16 +414,20 @@ struct Recycler {
     kept: Mutex<Vec<Vec<u8>>>,
 }
 
-/// Bytes of buffers a connection keeps for reuse, at most.
-const RECYCLED_BYTES: usize = 32 << 20;
+/// Bytes of buffers a connection keeps for reuse, at most (sixteen 1 MiB
+/// replies' worth; a gateway volume's sessions hold this per connection).
+const RECYCLED_BYTES: usize = 16 << 20;
 
 impl Recycler {
-    /// An empty buffer with room for `n` bytes.
+    /// An empty buffer with room for `n` bytes: the smallest kept one that
+    /// fits, unless even that is over twice the size (a small reply would pin
+    /// a large buffer while its caller holds it).
     fn take(&self, n: usize) -> Vec<u8> {
         let mut kept = self.kept.lock();
-        match kept.iter().position(|v| v.capacity() >= n) {
-            Some(i) => kept.swap_remove(i),
-            None => Vec::with_capacity(n),
+        let best = (0..kept.len()).filter(|&i| kept[i].capacity() >= n).min_by_key(|&i| kept[i].capacity());
+        match best {
+            Some(i) if kept[i].capacity() <= 2 * n => kept.swap_remove(i),
+            _ => Vec::with_capacity(n),
         }
     }
 
@@ -664,7 +668,7 @@ mod tests {
                 })
             };
             let ok = fastsan_brp::Status::OK;
-            let (a, b, c, d) = (big(1, 1 << 20), big(2, 4096), big(3, 65536), big(4, 300_000));
+            let (a, b, c, d) = (big(1, 1 << 20), big(2, 4096), big(3, 65536), big(4, 700_000));
             let mut wire = reply(1, ok, &a, digests, false);
             wire.extend(reply(2, ok, &d, digests, false));
             wire.extend(reply(3, ok, &b, digests, false));
@@ -731,8 +735,10 @@ mod tests {
         assert!(v.capacity() >= 1 << 20 && v.is_empty());
         let at = v.as_ptr();
         r.give_back(v);
-        let again = r.take(4096);
-        assert_eq!(again.as_ptr(), at, "a kept buffer large enough is reused");
+        let small = r.take(4096);
+        assert_ne!(small.as_ptr(), at, "a small reply does not pin a large kept buffer");
+        let again = r.take(600_000);
+        assert_eq!(again.as_ptr(), at, "a kept buffer that fits is reused");
         for _ in 0..64 {
             r.give_back(Vec::with_capacity(1 << 20));
         }

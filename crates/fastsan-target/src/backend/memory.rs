@@ -35,9 +35,13 @@ impl AsRef<[u8]> for Lent {
 /// The chunk's bytes to change in place: allocated (zeroed) when missing,
 /// copied first when a reply still holds them.
 fn writable(slot: &mut Option<Chunk>) -> &mut [u8] {
+    Arc::make_mut(slot.get_or_insert_with(zeroed))
+}
+
+/// A new chunk of zeros (pages the kernel maps on first touch).
+fn zeroed() -> Chunk {
     // SAFETY: all-zero bytes are valid `u8`s.
-    let c = slot.get_or_insert_with(|| unsafe { Arc::new_zeroed_slice(CHUNK as usize).assume_init() });
-    Arc::make_mut(c)
+    unsafe { Arc::new_zeroed_slice(CHUNK as usize).assume_init() }
 }
 
 pub struct MemoryBackend {
@@ -78,6 +82,9 @@ impl MemoryBackend {
             let mut chunk = self.chunks[i].write();
             if r.len() as u64 == CHUNK && !keep {
                 *chunk = None;
+            } else if r.len() as u64 == CHUNK && chunk.is_some() {
+                // Kept allocated: a fresh zeroed chunk, not a copy to zero (if lent).
+                *chunk = Some(zeroed());
             } else if chunk.is_some() {
                 writable(&mut chunk)[at..at + r.len()].fill(0);
             }
