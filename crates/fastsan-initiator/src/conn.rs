@@ -9,6 +9,7 @@
 
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
+use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::stats::Stats;
 use crate::transport::Stream;
 use crate::Error;
@@ -401,63 +402,6 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
     group.push((s.header, s.payload));
 }
 
-/// Replies with at least this much data are received into a buffer of their
-/// own ([`Recycler`]), straight from the socket, instead of into the shared
-/// receive buffer (which would be regrown for them, moving what had arrived,
-/// in fresh memory the kernel has to fault in and zero every time).
-pub(crate) const LARGE_REPLY: u32 = 64 * 1024;
-
-/// Buffers of large replies, given back when the caller drops the data and
-/// reused for the next large reply: their pages stay mapped.
-#[derive(Default)]
-struct Recycler {
-    kept: Mutex<Vec<Vec<u8>>>,
-}
-
-/// Bytes of buffers a connection keeps for reuse, at most (sixteen 1 MiB
-/// replies' worth; a gateway volume's sessions hold this per connection).
-const RECYCLED_BYTES: usize = 16 << 20;
-
-impl Recycler {
-    /// An empty buffer with room for `n` bytes: the smallest kept one that
-    /// fits, unless even that is over twice the size (a small reply would pin
-    /// a large buffer while its caller holds it).
-    fn take(&self, n: usize) -> Vec<u8> {
-        let mut kept = self.kept.lock();
-        let best = (0..kept.len()).filter(|&i| kept[i].capacity() >= n).min_by_key(|&i| kept[i].capacity());
-        match best {
-            Some(i) if kept[i].capacity() <= 2 * n => kept.swap_remove(i),
-            _ => Vec::with_capacity(n),
-        }
-    }
-
-    fn give_back(&self, mut v: Vec<u8>) {
-        let mut kept = self.kept.lock();
-        if kept.iter().map(Vec::capacity).sum::<usize>() + v.capacity() <= RECYCLED_BYTES {
-            v.clear();
-            kept.push(v);
-        }
-    }
-}
-
-/// A large reply's data: back to its connection's [`Recycler`] when dropped.
-struct Recycled {
-    v: Vec<u8>,
-    home: Arc<Recycler>,
-}
-
-impl AsRef<[u8]> for Recycled {
-    fn as_ref(&self) -> &[u8] {
-        &self.v
-    }
-}
-
-impl Drop for Recycled {
-    fn drop(&mut self) {
-        self.home.give_back(std::mem::take(&mut self.v));
-    }
-}
-
 /// Reads what the socket has into `into` (at least one byte), advancing the
 /// request-timeout clock while it waits.
 async fn read_some<R: AsyncRead + Unpin>(
@@ -564,7 +508,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
                 }
             }
             let payload_ok = !digests || digest::verify(&data, &buf.split_to(DIGEST_LEN));
-            let data = Bytes::from_owner(Recycled { v: data, home: recycler.clone() });
+            let data = recycler.data(data);
             if let Err(e) = deliver(inflight, &h, payload_ok, data) {
                 return e;
             }
@@ -726,22 +670,5 @@ mod tests {
             .unwrap();
         drop(srv);
         assert!(matches!(looped.await.unwrap(), Error::ConnectionLost));
-    }
-
-    #[test]
-    fn the_recycler_keeps_a_bounded_amount() {
-        let r = Recycler::default();
-        let v = r.take(1 << 20);
-        assert!(v.capacity() >= 1 << 20 && v.is_empty());
-        let at = v.as_ptr();
-        r.give_back(v);
-        let small = r.take(4096);
-        assert_ne!(small.as_ptr(), at, "a small reply does not pin a large kept buffer");
-        let again = r.take(600_000);
-        assert_eq!(again.as_ptr(), at, "a kept buffer that fits is reused");
-        for _ in 0..64 {
-            r.give_back(Vec::with_capacity(1 << 20));
-        }
-        assert!(r.kept.lock().iter().map(Vec::capacity).sum::<usize>() <= RECYCLED_BYTES);
     }
 }

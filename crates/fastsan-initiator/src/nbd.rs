@@ -21,9 +21,10 @@
 //! in pieces reports its outcome only once every piece is answered, so no
 //! piece of a write reported failed lands after the report.
 
+use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fastsan_nbd::consts::*;
 use fastsan_nbd::handshake::{encode_option, InfoRequest};
 use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
@@ -347,6 +348,7 @@ impl NbdVolume {
 /// then fails every request still waiting.
 async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBool>) {
     let mut buf = BytesMut::with_capacity(1 << 20);
+    let recycler = Arc::new(Recycler::default());
     let r: io::Result<()> = async {
         loop {
             while buf.len() >= SIMPLE_REPLY_LEN {
@@ -360,6 +362,25 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                     return Err(io::Error::new(io::ErrorKind::InvalidData, why));
                 };
                 let data_len = if error == 0 { want } else { 0 };
+                if buf.len() < SIMPLE_REPLY_LEN + data_len && data_len >= LARGE_REPLY as usize {
+                    // Its data goes into a buffer of its own: what is here
+                    // already, then straight from the socket.
+                    buf.advance(SIMPLE_REPLY_LEN);
+                    let mut data = recycler.take(data_len);
+                    let here = buf.len().min(data_len);
+                    data.extend_from_slice(&buf[..here]);
+                    buf.advance(here);
+                    while data.len() < data_len {
+                        let room = data_len - data.len();
+                        if rd.read_buf(&mut (&mut data).limit(room)).await? == 0 {
+                            return Err(io::ErrorKind::UnexpectedEof.into());
+                        }
+                    }
+                    if let Some((_, tx)) = pending.lock().remove(&cookie) {
+                        let _ = tx.send(Ok(recycler.data(data)));
+                    }
+                    continue;
+                }
                 if buf.len() < SIMPLE_REPLY_LEN + data_len {
                     buf.reserve(SIMPLE_REPLY_LEN + data_len);
                     break;
