@@ -487,10 +487,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             }
             buf.advance(ReplyHeader::wire_len(digests));
             let n = h.payload_len as usize;
-            let mut data = recycler.take(n);
-            let here = buf.len().min(n);
-            data.extend_from_slice(&buf[..here]);
-            buf.advance(here);
+            let mut data = recycler.begin(&mut buf, n);
             while data.len() < n {
                 let room = n - data.len();
                 if let Err(e) =

@@ -366,10 +366,7 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                     // Its data goes into a buffer of its own: what is here
                     // already, then straight from the socket.
                     buf.advance(SIMPLE_REPLY_LEN);
-                    let mut data = recycler.take(data_len);
-                    let here = buf.len().min(data_len);
-                    data.extend_from_slice(&buf[..here]);
-                    buf.advance(here);
+                    let mut data = recycler.begin(&mut buf, data_len);
                     while data.len() < data_len {
                         let room = data_len - data.len();
                         if rd.read_buf(&mut (&mut data).limit(room)).await? == 0 {

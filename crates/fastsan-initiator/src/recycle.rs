@@ -5,7 +5,7 @@
 //! memory the kernel has to fault in and zero every time). The buffer comes
 //! back to its connection's [`Recycler`] when the caller drops the data.
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
@@ -67,6 +67,16 @@ impl Drop for Recycled {
 }
 
 impl Recycler {
+    /// A buffer for a reply's `n` bytes of data, holding those already at
+    /// the front of `buf` (taken off it); the caller reads the rest into it.
+    pub(crate) fn begin(&self, buf: &mut BytesMut, n: usize) -> Vec<u8> {
+        let mut data = self.take(n);
+        let here = buf.len().min(n);
+        data.extend_from_slice(&buf[..here]);
+        buf.advance(here);
+        data
+    }
+
     /// `v` as a reply's data, coming back here when the caller drops it.
     pub(crate) fn data(self: &Arc<Self>, v: Vec<u8>) -> Bytes {
         Bytes::from_owner(Recycled { v, home: self.clone() })
