@@ -81,22 +81,31 @@ pub struct ReplyFrame {
     pub payload_ok: bool,
 }
 
-/// Two-phase framing of a reply, as [`crate::request::parse_request`].
-pub fn parse_reply(buf: &[u8], digests: bool) -> Result<Option<ReplyFrame>, ProtocolError> {
+/// The first phase of [`parse_reply`]: the header at the front of `buf`,
+/// checked (and its digest, when `digests`), once it is all there; the data
+/// may still be on its way.
+pub fn parse_reply_head(buf: &[u8], digests: bool) -> Result<Option<ReplyHeader>, ProtocolError> {
     let Some(hb) = buf.first_chunk::<REPLY_HEADER_LEN>() else {
         return Ok(None);
     };
     let header = ReplyHeader::decode(hb)?;
-    let mut at = REPLY_HEADER_LEN;
     if digests {
-        let Some(trailer) = buf.get(at..at + DIGEST_LEN) else {
+        let Some(trailer) = buf.get(REPLY_HEADER_LEN..REPLY_HEADER_LEN + DIGEST_LEN) else {
             return Ok(None);
         };
         if !digest::verify(hb, trailer) {
             return Err(ProtocolError::HeaderDigest);
         }
-        at += DIGEST_LEN;
     }
+    Ok(Some(header))
+}
+
+/// Two-phase framing of a reply, as [`crate::request::parse_request`].
+pub fn parse_reply(buf: &[u8], digests: bool) -> Result<Option<ReplyFrame>, ProtocolError> {
+    let Some(header) = parse_reply_head(buf, digests)? else {
+        return Ok(None);
+    };
+    let at = ReplyHeader::wire_len(digests);
     let n = header.payload_len as usize;
     let data_digest = if digests && n > 0 { DIGEST_LEN } else { 0 };
     let frame_len = at + n + data_digest;

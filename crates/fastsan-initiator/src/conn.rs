@@ -16,7 +16,7 @@ use crate::Error;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fastsan_brp::batch::BatchBuilder;
 use fastsan_brp::digest::{self, DIGEST_LEN};
-use fastsan_brp::reply::{parse_reply, ReplyHeader, REPLY_HEADER_LEN};
+use fastsan_brp::reply::{parse_reply, parse_reply_head, ReplyHeader};
 use fastsan_brp::request::{encode_header, RequestHeader};
 use fastsan_brp::Command;
 use parking_lot::Mutex;
@@ -475,12 +475,13 @@ async fn recv_loop<R: AsyncRead + Unpin>(
                 return e;
             }
         }
-        let head = match large_reply_head(&buf, digests) {
+        // The next reply is not all here. Its header, once whole and checked:
+        let head = match parse_reply_head(&buf, digests) {
             Ok(h) => h,
-            Err(e) => return e,
+            Err(e) => return e.into(),
         };
-        if let Some(h) = head {
-            // Its data goes into a buffer of its own: what is here already,
+        if let Some(h) = head.filter(|h| h.payload_len >= LARGE_REPLY) {
+            // A large reply: its data goes into a buffer of its own: what is here already,
             // then straight from the socket; then the data digest, if any.
             if !inflight.contains(h.tag) {
                 return Error::UnknownTag(h.tag);
@@ -511,38 +512,13 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             }
             continue;
         }
-        let need = match buf.first_chunk::<REPLY_HEADER_LEN>().map(ReplyHeader::decode) {
-            Some(Ok(h)) => ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN,
-            _ => 0,
-        };
+        let need = head.map_or(0, |h| ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN);
         // Grow toward a reply a megabyte at a time, as its bytes arrive.
         buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
         if let Err(e) = read_some(&mut rd, &mut buf, &mut clock, inflight, timeout).await {
             return e;
         }
     }
-}
-
-/// The header of the reply at the front of `buf` (whose frame is not all
-/// here) when the header is whole, its digest checked, and its data is
-/// [`LARGE_REPLY`] or more.
-fn large_reply_head(buf: &[u8], digests: bool) -> Result<Option<ReplyHeader>, Error> {
-    let Some(hb) = buf.first_chunk::<REPLY_HEADER_LEN>() else {
-        return Ok(None);
-    };
-    let h = ReplyHeader::decode(hb)?;
-    if h.payload_len < LARGE_REPLY {
-        return Ok(None);
-    }
-    if digests {
-        let Some(trailer) = buf.get(REPLY_HEADER_LEN..REPLY_HEADER_LEN + DIGEST_LEN) else {
-            return Ok(None);
-        };
-        if !digest::verify(hb, trailer) {
-            return Err(fastsan_brp::ProtocolError::HeaderDigest.into());
-        }
-    }
-    Ok(Some(h))
 }
 
 #[cfg(test)]

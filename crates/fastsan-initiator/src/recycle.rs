@@ -13,7 +13,7 @@ use std::sync::Arc;
 /// own ([`Recycler`]), straight from the socket, instead of into the shared
 /// receive buffer (which would be regrown for them, moving what had arrived,
 /// in fresh memory the kernel has to fault in and zero every time).
-pub const LARGE_REPLY: u32 = 64 * 1024;
+pub(crate) const LARGE_REPLY: u32 = 64 * 1024;
 
 /// Buffers of large replies, given back when the caller drops the data and
 /// reused for the next large reply: their pages stay mapped.
@@ -37,6 +37,21 @@ impl Recycler {
             Some(i) if kept[i].capacity() <= 2 * n => kept.swap_remove(i),
             _ => Vec::with_capacity(n),
         }
+    }
+
+    /// A buffer for a reply's `n` bytes of data, holding those already at
+    /// the front of `buf` (taken off it); the caller reads the rest into it.
+    pub(crate) fn begin(&self, buf: &mut BytesMut, n: usize) -> Vec<u8> {
+        let mut data = self.take(n);
+        let here = buf.len().min(n);
+        data.extend_from_slice(&buf[..here]);
+        buf.advance(here);
+        data
+    }
+
+    /// `v` as a reply's data, coming back here when the caller drops it.
+    pub(crate) fn data(self: &Arc<Self>, v: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Recycled { v, home: self.clone() })
     }
 
     fn give_back(&self, mut v: Vec<u8>) {
@@ -63,23 +78,6 @@ impl AsRef<[u8]> for Recycled {
 impl Drop for Recycled {
     fn drop(&mut self) {
         self.home.give_back(std::mem::take(&mut self.v));
-    }
-}
-
-impl Recycler {
-    /// A buffer for a reply's `n` bytes of data, holding those already at
-    /// the front of `buf` (taken off it); the caller reads the rest into it.
-    pub(crate) fn begin(&self, buf: &mut BytesMut, n: usize) -> Vec<u8> {
-        let mut data = self.take(n);
-        let here = buf.len().min(n);
-        data.extend_from_slice(&buf[..here]);
-        buf.advance(here);
-        data
-    }
-
-    /// `v` as a reply's data, coming back here when the caller drops it.
-    pub(crate) fn data(self: &Arc<Self>, v: Vec<u8>) -> Bytes {
-        Bytes::from_owner(Recycled { v, home: self.clone() })
     }
 }
 
