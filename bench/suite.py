@@ -459,6 +459,16 @@ def main():
             qd[rw] = run_point(run, reps, "qd32", {"rw": rw, "bs": "4k"}, fns)
         results["qd32"] = qd
 
+        # 5b. Queue depth 8 on 4 connections (fio's nbd engine: a connection per job).
+        log("QD8 on 4 connections")
+        qd8 = {}
+        for rw in ("randread", "randwrite"):
+            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", 8, 4)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, "4k", 8, 4)
+            qd8[rw] = run_point(run, reps, "qd8x4", {"rw": rw, "bs": "4k", "qd": 8, "connections": 4}, fns)
+        results["qd8x4"] = qd8
+
         # 6. The wire: iperf3 and wirefloor, for the 1M and 4K ceilings.
         log("loopback floor")
         results["floor"] = floor(run, have)
