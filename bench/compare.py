@@ -26,11 +26,14 @@ import suite  # noqa: E402
 # The suite's fastsan points (bench/suite.py): latency, QD32, several
 # connections, the 16-job matrix at 1M, BRP at high concurrency.
 POINTS = [
-    # (name, protocol, rw, block size, iodepth, jobs)
+    # (name, protocol, rw, block size, iodepth, jobs[, fio's rate in IOPS])
     ("NBD 4K randread QD1", "nbd", "randread", "4k", 1, 1),
     ("NBD 4K randread QD32", "nbd", "randread", "4k", 32, 1),
     ("NBD 4K randwrite QD32", "nbd", "randwrite", "4k", 32, 1),
     ("NBD 4K randread QD8 x 4 conns", "nbd", "randread", "4k", 8, 4),
+    # The suite's CPU point: the same offered load (20 K IOPS) whatever the server.
+    ("NBD 4K randread QD8 at 20K IOPS", "nbd", "randread", "4k", 8, 1, 20000),
+    ("NBD 4K randwrite QD8 at 20K IOPS", "nbd", "randwrite", "4k", 8, 1, 20000),
     ("NBD 4K randwrite QD8 x 4 conns", "nbd", "randwrite", "4k", 8, 4),
     ("NBD 1M read 16 jobs", "nbd", "read", "1m", 1, 16),
     ("NBD 1M write 16 jobs", "nbd", "write", "1m", 1, 16),
@@ -71,14 +74,14 @@ def main():
     suite.write_whole([s.brp_url for s in systems.values()])
     rows = []
     try:
-        for (name, proto, rw, bs, qd, jobs) in POINTS:
+        for (name, proto, rw, bs, qd, jobs, *rate) in POINTS:
             if args.only and args.only not in name:
                 continue
             suite.log(name)
             fns = {}
             for label, s in systems.items():
                 if proto == "nbd":
-                    fn = lambda s=s: run.fio(s.url, rw, bs, qd, jobs)
+                    fn = lambda s=s: run.fio(s.url, rw, bs, qd, jobs, rate[0] if rate else None)
                 else:
                     fn = lambda s=s, b=binaries[label]: run.fastsan_bench(s.brp_url, rw, bs, qd, jobs, binary=b)
                 fns[label] = suite.with_cpu(fn, s.pid)
