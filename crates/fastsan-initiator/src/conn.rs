@@ -288,6 +288,22 @@ impl Depth {
     }
 }
 
+/// Whether the adaptive sender lingers to merge, with `in_flight` requests in
+/// the window now (the one about to leave included), a window `recent` deep
+/// lately ([`Depth::recent`]), and its last frame a group that left less
+/// than [`BURST_GAP`] ago (`after_burst`).
+///
+/// Loaded: [`MERGE_LOAD`] requests in flight on a window that has been deeper
+/// than that lately, or right after a burst on a deep window. A connection
+/// whose window never goes past two (4 requesters over 2 connections, which
+/// the session's least-loaded choice keeps at two each) sends at once: there
+/// the requester behind the other request is waiting for its reply, not about
+/// to send, and lingering for it cost 6-18% against merge-off (2026-11-26,
+/// docs/benchmarks.md, "Two adaptive-merge tweaks").
+fn loaded(in_flight: usize, recent: usize, after_burst: bool) -> bool {
+    in_flight >= MERGE_LOAD && recent > MERGE_LOAD || after_burst && recent >= DEEP_LOAD
+}
+
 /// Requests with a credit taken and no reply yet: the connection's window.
 fn window(l: &Limits, credits: &Semaphore) -> usize {
     (l.queue_depth as usize).saturating_sub(credits.available_permits())
@@ -325,9 +341,8 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         // send again. Then the adaptive sender lets them run a scheduler turn
         // or two before it gathers, and the batch holds what they queue
         // meanwhile. At light load it sends at once: no added latency.
-        let in_flight = window(&l, credits);
         let after_burst = last_sent.elapsed() < BURST_GAP && last_group >= MERGE_LOAD;
-        let busy = in_flight >= MERGE_LOAD || after_burst && depth.recent() >= DEEP_LOAD;
+        let busy = loaded(window(&l, credits), depth.recent(), after_burst);
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
         let mut bytes = first.payload.len();
         push(&mut group, inflight, first);
@@ -544,6 +559,22 @@ mod tests {
         assert_eq!(d.recent(), 3, "forgotten two spans on");
         d.saw(DEEP_LOAD);
         assert!(d.recent() >= DEEP_LOAD);
+    }
+
+    #[test]
+    fn the_adaptive_sender_lingers_only_on_a_window_deeper_than_two() {
+        // QD1 and a lone request never linger.
+        assert!(!loaded(1, 1, false));
+        assert!(!loaded(1, 40, false), "one in flight on a once-deep window, no burst");
+        // Two per connection, never more (4 requesters on 2 connections): at once.
+        assert!(!loaded(2, 2, false));
+        assert!(!loaded(2, 2, true), "a burst on a shallow window");
+        // Moderate and heavy loads: two in flight on a window that went deeper.
+        assert!(loaded(2, 3, false));
+        assert!(loaded(7, 8, false));
+        // After a burst on a deep window, even an emptied one.
+        assert!(loaded(1, DEEP_LOAD, true));
+        assert!(!loaded(1, DEEP_LOAD - 1, true));
     }
 
     fn reply(tag: u64, status: fastsan_brp::Status, data: &[u8], digests: bool, spoil: bool) -> Vec<u8> {

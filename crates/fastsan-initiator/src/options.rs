@@ -11,9 +11,10 @@ pub enum MergeMode {
     Off,
     /// A request leaves at once at light load (one in flight: no added
     /// latency at QD1); under load, small requests queued together leave as
-    /// one BATCH, and once `conn::MERGE_LOAD` requests are in flight (or
-    /// right after a burst on a deep window) the sender lingers two
-    /// scheduler turns to gather more. No timer (BRP-3).
+    /// one BATCH, and once `conn::MERGE_LOAD` requests are in flight on a
+    /// window that has lately been deeper than that (or right after a burst
+    /// on a deep window) the sender lingers two scheduler turns to gather
+    /// more (`conn::loaded`). No timer (BRP-3).
     #[default]
     #[cfg_attr(
         feature = "clap",
