@@ -340,6 +340,13 @@ def main():
             s = systems[name]
             return with_cpu(lambda: run.fio(s.url, rw, bs, qd, jobs, rate), s.pid)
 
+        def nbd_point(rw, qd, jobs):
+            """fastsan's NBD front end and every NBD peer at one 4K point, the same fio client."""
+            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", qd, jobs)}
+            for n in nbd_peers:
+                fns[n] = fio_nbd(n, rw, "4k", qd, jobs)
+            return fns
+
         def local(rw, bs, jobs):
             return lambda: run.fio(systems["local"].path, rw, bs, 1, jobs, engine="psync")
 
@@ -448,9 +455,7 @@ def main():
         log("QD32 and high concurrency")
         qd = {}
         for rw in ("randread", "randwrite"):
-            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", 32, 1)}
-            for n in nbd_peers:
-                fns[n] = fio_nbd(n, rw, "4k", 32, 1)
+            fns = nbd_point(rw, 32, 1)
             fns["fastsan (BRP, 128 requesters, 2 conns)"] = with_cpu(
                 lambda rw=rw: run.fastsan_bench(fs.brp_url, rw, "4k", 128, 1), fs.pid)
             # The floor for that point, measured between its runs.
@@ -463,10 +468,8 @@ def main():
         log("QD8 on 4 connections")
         qd8 = {}
         for rw in ("randread", "randwrite"):
-            fns = {"fastsan (NBD, fio)": fio_nbd("fastsan", rw, "4k", 8, 4)}
-            for n in nbd_peers:
-                fns[n] = fio_nbd(n, rw, "4k", 8, 4)
-            qd8[rw] = run_point(run, reps, "qd8x4", {"rw": rw, "bs": "4k", "qd": 8, "connections": 4}, fns)
+            qd8[rw] = run_point(run, reps, "qd8x4", {"rw": rw, "bs": "4k", "qd": 8, "connections": 4},
+                                nbd_point(rw, 8, 4))
         results["qd8x4"] = qd8
 
         # 6. The wire: iperf3 and wirefloor, for the 1M and 4K ceilings.
