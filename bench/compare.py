@@ -41,6 +41,7 @@ POINTS = [
     ("BRP 4K randread 128 requesters", "brp", "randread", "4k", 128, 1),
     ("BRP 4K randwrite 128 requesters", "brp", "randwrite", "4k", 128, 1),
     ("BRP 1M read 16 jobs", "brp", "read", "1m", 1, 16),
+    ("BRP 1M write 16 jobs", "brp", "write", "1m", 1, 16),
 ]
 
 
