@@ -45,6 +45,7 @@ fn zeroed() -> Chunk {
 }
 
 /// Copies at least this many bytes into a chunk with non-temporal stores.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const STREAM_FROM: usize = 64 * 1024;
 
 /// `dst.copy_from_slice(src)`; a large copy (a 1 MiB write's pieces) goes
