@@ -44,15 +44,19 @@ fn zeroed() -> Chunk {
     unsafe { Arc::new_zeroed_slice(CHUNK as usize).assume_init() }
 }
 
-/// Copies at least this many bytes into a chunk with non-temporal stores.
+/// Copies at least this many bytes into a chunk with non-temporal stores:
+/// a block. From 64 KiB until 2026-11-26; at 4 KiB, random 4K writes took
+/// 17% less of the target's CPU (docs/benchmarks.md, "Large writes copied
+/// around the cache").
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const STREAM_FROM: usize = 64 * 1024;
+const STREAM_FROM: usize = 4096;
 
-/// `dst.copy_from_slice(src)`; a large copy (a 1 MiB write's pieces) goes
-/// around the cache on x86-64 (non-temporal stores): an ordinary store first
-/// reads every destination line from memory, a third memory transfer per line
-/// for data nobody reads back soon, and evicts what the connection's buffers
-/// keep hot.
+/// `dst.copy_from_slice(src)`; a copy of a block or more (a 4K random write,
+/// a 1 MiB write's pieces) goes around the cache on x86-64 (non-temporal
+/// stores): an ordinary store first reads every destination line from
+/// memory, a third memory transfer per line for data nobody reads back soon
+/// (and the chunk's lock cannot be released before those reads are done),
+/// and evicts what the connection's buffers keep hot.
 fn copy_into(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "a copy between slices of one length");
     #[cfg(target_arch = "x86_64")]
