@@ -253,8 +253,11 @@ pub(crate) const MERGE_LOAD: usize = 2;
 /// a burst of replies has emptied it: the requesters behind the burst come
 /// back together, so the adaptive sender lingers for them as long as its
 /// last frame carried several. Below this depth, lingering on an empty
-/// window costs more than it merges (a convoy).
-const DEEP_LOAD: usize = 16;
+/// window costs more than it merges (a convoy). 16 until 2026-11-26: 16
+/// requesters over 2 connections (8 deep each) then sent half their frames
+/// alone after each burst; at 8 they merge, 233-235 K -> 303-331 K IOPS
+/// (4K random writes, docs/benchmarks.md, "Adaptive merge at 16 requesters").
+const DEEP_LOAD: usize = 8;
 
 /// How soon after the last frame a request still belongs to the load that
 /// sent it: a round trip at depth (the requesters behind a burst of replies
