@@ -100,6 +100,9 @@ pub(crate) struct Limits {
     /// Credits granted by the target, to tell how loaded the connection is.
     pub queue_depth: u32,
     pub merge_max_bytes: u32,
+    /// The session's only connection: a frame takes at most half the window,
+    /// so that two are in flight (see `send_loop`).
+    pub alone: bool,
 }
 
 pub(crate) struct Conn {
@@ -349,6 +352,14 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
         let mut bytes = first.payload.len();
         push(&mut group, inflight, first);
+        // On a session's only connection, a frame of the whole window would
+        // leave client and target taking turns (the target runs it while
+        // the requesters wait, then they all wake at once): at most half of
+        // it, so that one frame runs while the next gathers.
+        let cap = match l.alone {
+            true => (window(&l, credits) / 2).max(2).min(l.max_batch),
+            false => l.max_batch,
+        };
         if merge {
             let mut rounds = match l.mode {
                 MergeMode::Always => 3,
@@ -356,7 +367,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
                 _ => 0,
             };
             loop {
-                while group.len() < l.max_batch {
+                while group.len() < cap {
                     let Ok(s) = rx.try_recv() else { break };
                     if !mergeable(&s, &l) || bytes + s.payload.len() > l.merge_max_bytes as usize {
                         carry = Some(s);
@@ -365,7 +376,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
                     bytes += s.payload.len();
                     push(&mut group, inflight, s);
                 }
-                if rounds == 0 || carry.is_some() || group.len() >= l.max_batch {
+                if rounds == 0 || carry.is_some() || group.len() >= cap {
                     break;
                 }
                 rounds -= 1;

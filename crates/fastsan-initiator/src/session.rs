@@ -465,6 +465,7 @@ fn start_conn(
         merge_max_request: opts.merge_max_request,
         queue_depth: info.queue_depth,
         merge_max_bytes: opts.merge_max_bytes.min(fastsan_brp::limits::MAX_PAYLOAD / 2),
+        alone: opts.connections == 1,
     };
     let weak = shared.clone();
     let on_dead = Box::new(move || {

@@ -128,4 +128,11 @@ pub trait Transmission: Send + 'static {
     fn mid_frame(&self, buf: &BytesMut) -> bool {
         !buf.is_empty()
     }
+    /// Whether the request just decoded was the last of a frame that carried
+    /// several (BRP's BATCH): its replies may leave before the next frame of
+    /// the same read runs, so that a client with two frames in flight gets
+    /// the first frame's answers while the target runs the second.
+    fn frame_ended(&self) -> bool {
+        false
+    }
 }

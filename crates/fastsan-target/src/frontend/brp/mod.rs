@@ -174,6 +174,10 @@ impl Transmission for BrpConn {
         self.fence.take()
     }
 
+    fn frame_ended(&self) -> bool {
+        self.batch.as_ref().is_some_and(|b| b.next == b.count)
+    }
+
     fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded<()>, WireError> {
         if let Some(sub) = self.next_in_batch() {
             return sub;
