@@ -352,15 +352,15 @@ async fn send_loop<W: AsyncWrite + Unpin>(
         let merge = l.mode != MergeMode::Off && mergeable(&first, &l);
         let mut bytes = first.payload.len();
         push(&mut group, inflight, first);
-        // On a session's only connection, a frame of the whole window would
-        // leave client and target taking turns (the target runs it while
-        // the requesters wait, then they all wake at once): at most half of
-        // it, so that one frame runs while the next gathers.
-        let cap = match l.alone {
-            true => (window(&l, credits) / 2).max(2).min(l.max_batch),
-            false => l.max_batch,
-        };
         if merge {
+            // On a session's only connection, a frame of the whole window would
+            // leave client and target taking turns (the target runs it while
+            // the requesters wait, then they all wake at once): at most half of
+            // it, so that one frame runs while the next gathers.
+            let cap = match l.alone {
+                true => (window(&l, credits) / 2).max(2).min(l.max_batch),
+                false => l.max_batch,
+            };
             let mut rounds = match l.mode {
                 MergeMode::Always => 3,
                 MergeMode::Adaptive if busy => 2,
