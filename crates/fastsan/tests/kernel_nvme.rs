@@ -16,6 +16,9 @@
 //! kernel reconnects (the namespace the same, as its identifiers come from
 //! the NQN and the volume's name), sends again what was in flight, and
 //! every file reads back as written, after a remount too.
+//!
+//! A crash of the guest's kernel ends the guest at once (`common::guest`);
+//! the whole test then runs once more, and fails if the kernel crashes again.
 
 mod common;
 
@@ -41,7 +44,22 @@ fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target
     assert!(nvme_cli.status.success(), "nvme (nvme-cli) is missing: scripts/test.sh installs it");
     let dir = temp_dir("kernel-nvme");
     let image = guest::build_image(&dir, "nvme.sh", &["nvme"], "nvme-tcp");
+    // Debian's kernel crashed here once (2026-11-26, in a clean-clone CI
+    // run: a NULL dereference in nvme_tcp_recv_skb as the target was killed,
+    // after which the host never reconnected): a bug of the guest's kernel in
+    // its error recovery, with nothing from the target on the wire then. The whole test runs
+    // once more then, with a fresh volume and target; a second crash fails it.
+    if let Err(crash) = attempt(&dir, &image) {
+        eprintln!("host: the guest's kernel crashed; running the whole test once more:\n{crash}");
+        if let Err(again) = attempt(&dir, &image) {
+            panic!("the guest's kernel crashed twice; the second time:\n{again}");
+        }
+    }
+}
 
+/// One run of the whole test in a fresh guest, on a fresh volume and target:
+/// `Err` with the console if the guest's kernel crashed, else the checks.
+fn attempt(dir: &std::path::Path, image: &std::path::Path) -> Result<(), String> {
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(SIZE).unwrap();
     let spec = format!("v=file:{}", img.display());
@@ -53,7 +71,7 @@ fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target
     let port = nvme.rsplit(':').next().unwrap().to_owned();
 
     let append = format!("fastsan.nqn={NQN} fastsan.bytes={SIZE}");
-    let mut guest = Guest::boot(&image, &append, 4420, &port, Duration::from_secs(420));
+    let mut guest = Guest::boot(image, &append, 4420, &port, Duration::from_secs(420));
     // The targets' logs (stderr), the killed one's and the last one's: shown
     // with the guest's account when something fails, or with --no-capture.
     let mut logs = Vec::new();
@@ -91,6 +109,9 @@ fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target
     if let Some(at) = restarted {
         eprintln!("host: the guest ended {:.1} s after the restart", at.elapsed().as_secs_f64());
     }
+    if guest.crash.is_some() {
+        return Err(guest.crash_report());
+    }
     guest.finish(&[
         "modules loaded",
         &format!("nvme discover lists {NQN}"),
@@ -113,6 +134,7 @@ fn the_kernel_nvme_tcp_host_discovers_connects_keeps_ext4_and_rides_out_a_target
     // What the guest wrote is in the file, as a clean file system.
     let fsck = ok("fsck.ext4", &["-fn", &img.display().to_string()]);
     assert!(!fsck.contains("UNEXPECTED INCONSISTENCY"), "{fsck}");
+    Ok(())
 }
 
 /// What a stopped target wrote to stderr (its log).

@@ -4,6 +4,11 @@
 //! through qemu's user network (restricted: that forward, nothing else), and
 //! reports on its console: `@@PASS what`, `@@FAIL what`, other `@@WORD`
 //! events for the host to act on, and `@@END` when done.
+//!
+//! A kernel oops in the guest panics it (`oops=panic`), which ends qemu at
+//! once (`panic=-1` reboots, `-no-reboot` exits): a crashed guest is reported
+//! as one ([`Guest::crash`]) within seconds, not as a guest that went quiet
+//! until the test's time limit.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -46,6 +51,14 @@ pub struct Guest {
     pub passed: Vec<String>,
     pub failed: Vec<String>,
     pub ended: bool,
+    /// The first line of a kernel crash on the console (an oops, a `BUG:`,
+    /// a panic), if the guest's kernel crashed.
+    pub crash: Option<String>,
+}
+
+/// Whether a console line is the start of a kernel crash report.
+fn is_crash(line: &str) -> bool {
+    ["BUG: ", "Oops: ", "Kernel panic", "general protection fault"].iter().any(|m| line.contains(m))
 }
 
 impl Guest {
@@ -61,7 +74,7 @@ impl Guest {
             .arg("-initrd")
             .arg(image.join("initrd.gz"))
             .arg("-append")
-            .arg(format!("console=ttyS0 quiet panic=-1 {append}").trim_end())
+            .arg(format!("console=ttyS0 quiet oops=panic panic=-1 {append}").trim_end())
             .arg("-netdev")
             .arg(format!(
                 "user,id=n,restrict=on,guestfwd=tcp:10.0.2.100:{guest_port}-cmd:busybox nc 127.0.0.1 {host_port}"
@@ -93,6 +106,7 @@ impl Guest {
             passed: Vec::new(),
             failed: Vec::new(),
             ended: false,
+            crash: None,
         }
     }
 
@@ -104,6 +118,9 @@ impl Guest {
         {
             let line = line.trim_end_matches('\r').to_owned();
             self.console.push((self.started.elapsed().as_secs_f64(), line.clone()));
+            if self.crash.is_none() && is_crash(&line) {
+                self.crash = Some(line.clone());
+            }
             let Some(msg) = line.find("@@").map(|i| line[i + 2..].to_owned()) else { continue };
             if let Some(p) = msg.strip_prefix("PASS ") {
                 self.passed.push(p.to_owned());
@@ -129,11 +146,27 @@ impl Guest {
         let tail =
             self.console.iter().rev().take(40).rev().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n");
         let (ended, limit, passed, failed) = (self.ended, self.limit.as_secs(), &self.passed, &self.failed);
+        if let Some(crash) = &self.crash {
+            let report = self.crash_report();
+            panic!("the guest's kernel crashed ({crash}); its console from there:\n{report}");
+        }
         assert!(ended, "the guest did not finish within {limit} s; its console ended with:\n{tail}");
         assert!(failed.is_empty(), "failed in the guest: {failed:#?}\nconsole:\n{tail}");
         for want in wants {
             assert!(passed.iter().any(|p| p.contains(want)), "no pass for {want:?}: {passed:#?}");
         }
+    }
+}
+
+impl Guest {
+    /// The console from the crash on (at most 60 lines), or its last 40 lines.
+    pub fn crash_report(&self) -> String {
+        let from = self
+            .console
+            .iter()
+            .position(|(_, l)| is_crash(l))
+            .unwrap_or(self.console.len().saturating_sub(40));
+        self.console[from..].iter().take(60).map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
     }
 }
 
