@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Profiles a fastsan target under one load, the way docs/benchmarks.md's profiles were taken: a
-fresh target serving a 1 GiB memory volume over BRP and NBD, the volume written whole first
-(suite.write_whole), the load started, then `perf record` of the target alone for SECONDS (after
-2 s). Prints the load's IOPS and the target's hottest symbols; OUT (default: a new directory under
-/tmp) keeps perf.data and the load's JSON.
+"""Profiles a fastsan target (or the client) under one load, the way docs/benchmarks.md's profiles
+were taken: a fresh target serving a 1 GiB memory volume over BRP, NBD and NVMe/TCP, the volume
+written whole first (suite.write_whole), the load started, then `perf record` of the target alone
+(or with --client, of the load's process) for SECONDS (after 2 s). Prints the load's IOPS and the
+hottest symbols; OUT (default: a new directory under /tmp) keeps perf.data and the load's JSON.
 
-  bench/profile.py [-b BINARY] [-s SECONDS] [-g fp|dwarf] [-o OUT] nbd FIO_ARGS...
-  bench/profile.py [-b BINARY] [-s SECONDS] [-g fp|dwarf] [-o OUT] brp BENCH_ARGS...
+  bench/profile.py [-b BINARY] [-s SECONDS] [-g fp|dwarf] [-o OUT] [--client] nbd FIO_ARGS...
+  bench/profile.py [-b BINARY] [-s SECONDS] [-g fp|dwarf] [-o OUT] [--client] brp|nbd-bench|nvme BENCH_ARGS...
 
   bench/profile.py nbd --rw=randread --bs=4k --iodepth=32      # fio --ioengine=nbd, 1 connection
-  bench/profile.py brp --rw randwrite --bs 4k --iodepth 256 --connections 2   # fastsan bench
+  bench/profile.py brp --rw randwrite --bs 4k --iodepth 256 --connections 2   # fastsan bench over BRP
+  bench/profile.py --client nvme --rw randwrite --bs 4k --iodepth 32   # fastsan bench's NVMe/TCP host
+  bench/profile.py --client nbd-bench --rw randwrite --bs 4k --iodepth 32   # fastsan bench's NBD client
 """
 import argparse
 import json
@@ -29,15 +31,21 @@ def main():
     ap.add_argument("-s", "--seconds", type=int, default=4)
     ap.add_argument("-g", "--graph", choices=["fp", "dwarf"], default="fp")
     ap.add_argument("-o", "--out")
-    ap.add_argument("protocol", choices=["nbd", "brp"])
-    ap.add_argument("load", nargs=argparse.REMAINDER, help="fio's (nbd) or fastsan bench's (brp) arguments")
+    ap.add_argument("--client", action="store_true", help="record the load's process, not the target")
+    ap.add_argument("protocol", choices=["nbd", "brp", "nbd-bench", "nvme"],
+                    help="nbd: fio's NBD client; brp, nbd-bench, nvme: fastsan bench over BRP, NBD, NVMe/TCP")
+    ap.add_argument("load", nargs=argparse.REMAINDER, help="fio's (nbd) or fastsan bench's arguments")
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="fastsan-profile.")
     os.makedirs(out, exist_ok=True)
-    brp, nbd = suite.free_port(), suite.free_port()
+    brp, nbd, nvme = suite.free_port(), suite.free_port(), suite.free_port()
+    nqn = "nqn.2026-11.io.fastsan:profile"
     target = suite.System("target", "fastsan")
     target.spawn([a.binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
-                  "--volume", "vol0=memory:1G"], nbd)
+                  "--nvme", f"127.0.0.1:{nvme}", "--nvme-nqn", nqn, "--volume", "vol0=memory:1G"], nbd)
+    suite.wait_port(nvme)
+    urls = {"brp": f"brp://127.0.0.1:{brp}/vol0", "nbd-bench": f"nbd://127.0.0.1:{nbd}/vol0",
+            "nvme": f"nvme+tcp://127.0.0.1:{nvme}/{nqn}/1"}
     load_json = os.path.join(out, "load.json")
     run = a.seconds + 4
     try:
@@ -47,12 +55,12 @@ def main():
                    f"--runtime={run}", "--output-format=json", f"--output={load_json}"] + a.load
             load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         else:
-            cmd = [a.binary, "bench", f"brp://127.0.0.1:{brp}/vol0", "--runtime", str(run), "--json"] + a.load
+            cmd = [a.binary, "bench", urls[a.protocol], "--runtime", str(run), "--json"] + a.load
             load = subprocess.Popen(cmd, stdout=open(load_json, "w"))
         time.sleep(2)
         graph = ["-g"] if a.graph == "fp" else ["--call-graph=dwarf,16384"]
         subprocess.run(["perf", "record", "-F", "10000", *graph, "-o", os.path.join(out, "perf.data"),
-                        "-p", str(target.pid), "--", "sleep", str(a.seconds)],
+                        "-p", str(load.pid if a.client else target.pid), "--", "sleep", str(a.seconds)],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if load.wait() != 0:
             sys.exit(f"the load failed: {' '.join(cmd)}")
