@@ -3,7 +3,7 @@
 before and after): both serve a 1 GiB memory volume on loopback; each point
 is run `--reps` times with the two systems alternating, by the same client
 for NBD (fio's nbd engine) and by each binary's own `fastsan bench` for BRP
-(the two may speak different BRP versions); the report gives medians,
+(the two may speak different BRP versions) and for NVMe/TCP; the report gives medians,
 server CPU per I/O and the ratio new/old.
 
   bench/compare.py OLD_BINARY [NEW_BINARY] [--quick] [--reps N]
@@ -42,16 +42,26 @@ POINTS = [
     ("BRP 4K randwrite 128 requesters", "brp", "randwrite", "4k", 128, 1),
     ("BRP 1M read 16 jobs", "brp", "read", "1m", 1, 16),
     ("BRP 1M write 16 jobs", "brp", "write", "1m", 1, 16),
+    # NVMe/TCP, each binary's own host (fastsan bench) against its own target: the front-end
+    # experiment's points (bench/suite.py, frontends_experiment), one queue per job.
+    ("NVMe/TCP 4K randread QD32", "nvme", "randread", "4k", 32, 1),
+    ("NVMe/TCP 4K randwrite QD32", "nvme", "randwrite", "4k", 32, 1),
+    ("NVMe/TCP 4K randread QD8 x 4 queues", "nvme", "randread", "4k", 8, 4),
+    ("NVMe/TCP 4K randwrite QD8 x 4 queues", "nvme", "randwrite", "4k", 8, 4),
 ]
+
+NQN = "nqn.2026-11.io.fastsan:compare"
 
 
 def start(name, binary):
-    brp, nbd = suite.free_port(), suite.free_port()
+    brp, nbd, nvme = suite.free_port(), suite.free_port(), suite.free_port()
     s = suite.System(name, "fastsan")
     s.spawn([binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
-             "--volume", "vol0=memory:1G"], brp)
+             "--nvme", f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", "vol0=memory:1G"], brp)
     suite.wait_port(nbd)
+    suite.wait_port(nvme)
     s.brp_url, s.url = f"brp://127.0.0.1:{brp}/vol0", f"nbd://127.0.0.1:{nbd}/vol0"
+    s.nvme_url = f"nvme+tcp://127.0.0.1:{nvme}/{NQN}/1"
     return s
 
 
@@ -84,7 +94,8 @@ def main():
                 if proto == "nbd":
                     fn = lambda s=s: run.fio(s.url, rw, bs, qd, jobs, rate[0] if rate else None)
                 else:
-                    fn = lambda s=s, b=binaries[label]: run.fastsan_bench(s.brp_url, rw, bs, qd, jobs, binary=b)
+                    url = s.nvme_url if proto == "nvme" else s.brp_url
+                    fn = lambda url=url, b=binaries[label]: run.fastsan_bench(url, rw, bs, qd, jobs, binary=b)
                 fns[label] = suite.with_cpu(fn, s.pid)
             med = suite.run_point(run, args.reps, "compare", {"point": name}, fns)
             rows.append((name, med.get("old"), med.get("new")))
