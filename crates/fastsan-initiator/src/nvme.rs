@@ -37,7 +37,7 @@ use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, Cqe, SglDesc, Sqe, Status as NvmeStatus, OPC_FABRICS};
-use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Frame, Header, IcReq, TermReq};
+use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Frame, Header, IcReq, R2t, TermReq};
 use parking_lot::Mutex;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -1107,13 +1107,11 @@ async fn receive(
 ) -> Ended {
     loop {
         loop {
-            // Framed, then only the header decoded (no Pdu built and moved).
-            let framed = pdu::frame(&buf, state.digests, max_data)
-                .and_then(|f| f.map(|f| f.header(&buf).map(|h| (f, h))).transpose());
-            match framed {
-                Ok(Some((f, header))) => {
+            // Framed only: `handle` decodes what each type needs (no Pdu built and moved).
+            match pdu::frame(&buf, state.digests, max_data) {
+                Ok(Some(f)) => {
                     let raw = buf.split_to(f.len).freeze();
-                    if let Err(v) = handle(state, header, &f, raw, frames) {
+                    if let Err(v) = handle(state, &f, raw, frames) {
                         return Ended::Violation(v);
                     }
                 }
@@ -1164,117 +1162,140 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// One PDU from the controller.
+/// One PDU from the controller. The two that complete commands (a
+/// CapsuleResp, a C2HData) have their fields read in place; the others are
+/// decoded whole.
 fn handle(
     state: &QueueState,
-    header: Header,
     p: &Frame,
     raw: Bytes,
     frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
 ) -> Result<(), Violation> {
-    let seq = |why: String| fatal(why, fes::PDU_SEQUENCE_ERROR, 0, &raw);
-    match header {
-        Header::CapsuleResp(cqe) => {
-            let cid = cqe.cid;
-            let mut cmd = finish(state, cid)
-                .ok_or_else(|| seq(format!("a CapsuleResp for command {cid}, which is not in flight")))?;
-            // Data short of what was asked, on success: the controller lost
-            // count (an error status may come early, with any data).
-            let short = if !cqe.status.is_success() {
-                None
-            } else if cmd.got_len != cmd.want {
-                Some(format!("command {cid} completed with {} of {} bytes read", cmd.got_len, cmd.want))
-            } else if cmd.asked as usize != cmd.out.len() {
-                Some(format!(
-                    "command {cid} completed with {} of {} bytes asked for",
-                    cmd.asked,
-                    cmd.out.len()
-                ))
-            } else {
-                None
-            };
-            if let Some(why) = short {
-                let _ = cmd.tx.send(Err(Error::NvmeTcp(format!("{}: {why}", state.name))));
-                return Err(violation(why));
-            }
-            let data = cmd.data();
-            let _ = cmd.tx.send(Ok((cqe, data)));
+    let malformed = |e: fastsan_nvme::ProtocolError| {
+        let (code, fei) = e.fes();
+        fatal(format!("a malformed PDU: {e}"), code, fei, &raw)
+    };
+    if let Some(cqe) = p.cqe(&raw) {
+        return capsule_resp(state, cqe, &raw);
+    }
+    if let Some(d) = p.c2h_data(&raw) {
+        return c2h_data(state, d.map_err(malformed)?, p, &raw);
+    }
+    match p.header(&raw).map_err(malformed)? {
+        Header::R2t(r) => r2t(state, r, &raw, frames),
+        Header::C2hTermReq(t) => Err(violation(format!(
+            "the controller ended the connection (C2HTermReq): {} (FEI {:#x})",
+            fes_text(t.fes),
+            t.fei
+        ))),
+        h => Err(fatal(format!("an unexpected {} PDU", h.name()), fes::PDU_SEQUENCE_ERROR, 0, &raw)),
+    }
+}
+
+/// A PDU naming a command not in flight, or out of turn.
+fn out_of_sequence(why: String, raw: &[u8]) -> Violation {
+    fatal(why, fes::PDU_SEQUENCE_ERROR, 0, raw)
+}
+
+/// A command's completion.
+fn capsule_resp(state: &QueueState, cqe: Cqe, raw: &Bytes) -> Result<(), Violation> {
+    let seq = |why: String| out_of_sequence(why, raw);
+    let cid = cqe.cid;
+    let mut cmd = finish(state, cid)
+        .ok_or_else(|| seq(format!("a CapsuleResp for command {cid}, which is not in flight")))?;
+    // Data short of what was asked, on success: the controller lost
+    // count (an error status may come early, with any data).
+    let short = if !cqe.status.is_success() {
+        None
+    } else if cmd.got_len != cmd.want {
+        Some(format!("command {cid} completed with {} of {} bytes read", cmd.got_len, cmd.want))
+    } else if cmd.asked as usize != cmd.out.len() {
+        Some(format!("command {cid} completed with {} of {} bytes asked for", cmd.asked, cmd.out.len()))
+    } else {
+        None
+    };
+    if let Some(why) = short {
+        let _ = cmd.tx.send(Err(Error::NvmeTcp(format!("{}: {why}", state.name))));
+        return Err(violation(why));
+    }
+    let data = cmd.data();
+    let _ = cmd.tx.send(Ok((cqe, data)));
+    Ok(())
+}
+
+/// A read's data (marked SUCCESS: its completion too).
+fn c2h_data(state: &QueueState, d: DataHeader, p: &Frame, raw: &Bytes) -> Result<(), Violation> {
+    let seq = |why: String| out_of_sequence(why, raw);
+    let cid = d.cccid;
+    if !p.data_digest_ok {
+        return Err(violation(format!("data digest mismatch in C2HData for command {cid}")));
+    }
+    let mut s = state.slots.lock();
+    let cmd =
+        s.get_mut(cid).ok_or_else(|| seq(format!("C2HData for command {cid}, which is not in flight")))?;
+    // In order, as Linux's host requires (it ignores DATAO).
+    if d.datao != cmd.got_len || d.datal > cmd.want - cmd.got_len {
+        let why = format!(
+            "C2HData for command {cid} at {}+{}: {} of {} bytes came before",
+            d.datao, d.datal, cmd.got_len, cmd.want
+        );
+        return Err(fatal(why, fes::DATA_OUT_OF_RANGE, 12, raw));
+    }
+    if d.datal > 0 {
+        cmd.push(raw.slice(p.data.clone()));
+    }
+    if p.flags & flag::SUCCESS != 0 {
+        // The command succeeded; no CapsuleResp follows.
+        if p.flags & flag::LAST_PDU == 0 || cmd.got_len != cmd.want {
+            let why = format!("C2HData SUCCESS for command {cid} before its last byte");
+            return Err(fatal(why, fes::INVALID_HEADER_FIELD, 1, raw));
         }
-        Header::C2hData(d) => {
-            let cid = d.cccid;
-            if !p.data_digest_ok {
-                return Err(violation(format!("data digest mismatch in C2HData for command {cid}")));
-            }
-            let mut s = state.slots.lock();
-            let cmd = s
-                .get_mut(cid)
-                .ok_or_else(|| seq(format!("C2HData for command {cid}, which is not in flight")))?;
-            // In order, as Linux's host requires (it ignores DATAO).
-            if d.datao != cmd.got_len || d.datal > cmd.want - cmd.got_len {
-                let why = format!(
-                    "C2HData for command {cid} at {}+{}: {} of {} bytes came before",
-                    d.datao, d.datal, cmd.got_len, cmd.want
-                );
-                return Err(fatal(why, fes::DATA_OUT_OF_RANGE, 12, &raw));
-            }
-            if d.datal > 0 {
-                cmd.push(raw.slice(p.data.clone()));
-            }
-            if p.flags & flag::SUCCESS != 0 {
-                // The command succeeded; no CapsuleResp follows.
-                if p.flags & flag::LAST_PDU == 0 || cmd.got_len != cmd.want {
-                    let why = format!("C2HData SUCCESS for command {cid} before its last byte");
-                    return Err(fatal(why, fes::INVALID_HEADER_FIELD, 1, &raw));
-                }
-                let mut cmd = s.finish(cid).expect("in flight: checked under the lock");
-                wake_waiter(state, s);
-                let cqe =
-                    Cqe { dw0: 0, dw1: 0, sqhd: 0, sqid: 0, cid, status: NvmeStatus::SUCCESS, phase: false };
-                let data = cmd.data();
-                let _ = cmd.tx.send(Ok((cqe, data)));
-            }
-        }
-        Header::R2t(r) => {
-            let cid = r.cccid;
-            let mut s = state.slots.lock();
-            let cmd = s
-                .get_mut(cid)
-                .ok_or_else(|| seq(format!("an R2T for command {cid}, which is not in flight")))?;
-            let len = cmd.out.len() as u64;
-            let end = r.r2to as u64 + r.r2tl as u64;
-            // In order, one R2T at a time (MAXR2T 0), all within the data.
-            if r.r2tl == 0 || r.r2to != cmd.asked || end > len {
-                let why = format!(
-                    "an R2T for command {cid} asks for {}+{} of {len} bytes ({} asked before)",
-                    r.r2to, r.r2tl, cmd.asked
-                );
-                return Err(fatal(why, fes::DATA_OUT_OF_RANGE, 12, &raw));
-            }
-            cmd.asked = end as u32;
-            let mut out = Vec::with_capacity(r.r2tl as usize + 64);
-            let step = state.maxh2cdata as u64;
-            let mut at = r.r2to as u64;
-            while at < end {
-                let n = (end - at).min(step);
-                let last = if at + n == end { flag::LAST_PDU } else { 0 };
-                let h = DataHeader { cccid: cid, ttag: r.ttag, datao: at as u32, datal: n as u32 };
-                let data = &cmd.out[at as usize..(at + n) as usize];
-                pdu::encode(&Header::H2cData(h), last, data, state.digests, 0, &mut out);
-                at += n;
-            }
-            drop(s);
-            if let Some(tx) = frames.upgrade() {
-                let _ = tx.send(Some(out.into()));
-            }
-        }
-        Header::C2hTermReq(t) => {
-            return Err(violation(format!(
-                "the controller ended the connection (C2HTermReq): {} (FEI {:#x})",
-                fes_text(t.fes),
-                t.fei
-            )));
-        }
-        h => return Err(seq(format!("an unexpected {} PDU", h.name()))),
+        let mut cmd = s.finish(cid).expect("in flight: checked under the lock");
+        wake_waiter(state, s);
+        let cqe = Cqe { dw0: 0, dw1: 0, sqhd: 0, sqid: 0, cid, status: NvmeStatus::SUCCESS, phase: false };
+        let data = cmd.data();
+        let _ = cmd.tx.send(Ok((cqe, data)));
+    }
+    Ok(())
+}
+
+/// The controller asks for a write's data: H2CData PDUs of at most MAXH2CDATA each.
+fn r2t(
+    state: &QueueState,
+    r: R2t,
+    raw: &Bytes,
+    frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
+) -> Result<(), Violation> {
+    let seq = |why: String| out_of_sequence(why, raw);
+    let cid = r.cccid;
+    let mut s = state.slots.lock();
+    let cmd =
+        s.get_mut(cid).ok_or_else(|| seq(format!("an R2T for command {cid}, which is not in flight")))?;
+    let len = cmd.out.len() as u64;
+    let end = r.r2to as u64 + r.r2tl as u64;
+    // In order, one R2T at a time (MAXR2T 0), all within the data.
+    if r.r2tl == 0 || r.r2to != cmd.asked || end > len {
+        let why = format!(
+            "an R2T for command {cid} asks for {}+{} of {len} bytes ({} asked before)",
+            r.r2to, r.r2tl, cmd.asked
+        );
+        return Err(fatal(why, fes::DATA_OUT_OF_RANGE, 12, raw));
+    }
+    cmd.asked = end as u32;
+    let mut out = Vec::with_capacity(r.r2tl as usize + 64);
+    let step = state.maxh2cdata as u64;
+    let mut at = r.r2to as u64;
+    while at < end {
+        let n = (end - at).min(step);
+        let last = if at + n == end { flag::LAST_PDU } else { 0 };
+        let h = DataHeader { cccid: cid, ttag: r.ttag, datao: at as u32, datal: n as u32 };
+        let data = &cmd.out[at as usize..(at + n) as usize];
+        pdu::encode(&Header::H2cData(h), last, data, state.digests, 0, &mut out);
+        at += n;
+    }
+    drop(s);
+    if let Some(tx) = frames.upgrade() {
+        let _ = tx.send(Some(out.into()));
     }
     Ok(())
 }
@@ -1283,7 +1304,7 @@ fn handle(
 mod tests {
     use super::*;
     use fastsan_nvme::command::sgl::{DATA_BLOCK_OFFSET, TRANSPORT_DATA_BLOCK};
-    use fastsan_nvme::pdu::{IcResp, Pdu, R2t};
+    use fastsan_nvme::pdu::{IcResp, Pdu};
     use std::collections::VecDeque;
     use tokio::net::TcpListener;
 

@@ -230,6 +230,34 @@ impl Frame {
     pub fn sqe(&self, raw: &[u8]) -> Option<Sqe> {
         (self.kind == kind::CAPSULE_CMD).then(|| sqe_of(raw))
     }
+
+    /// A CapsuleResp's completion queue entry (`None` for other types): a
+    /// host's hot path, as [`Frame::sqe`] is a controller's.
+    pub fn cqe(&self, raw: &[u8]) -> Option<Cqe> {
+        (self.kind == kind::CAPSULE_RESP).then(|| cqe_of(raw))
+    }
+
+    /// A C2HData PDU's data header (`None` for other types), with DATAL
+    /// checked against the data the PDU carries, as [`Frame::header`] does.
+    pub fn c2h_data(&self, raw: &[u8]) -> Option<Result<DataHeader, ProtocolError>> {
+        (self.kind == kind::C2H_DATA).then(|| data_header_of(raw, self.data.len()))
+    }
+}
+
+fn cqe_of(raw: &[u8]) -> Cqe {
+    Cqe::decode(raw[CH_LEN..CH_LEN + 16].try_into().expect("a CapsuleResp is framed whole"))
+}
+
+/// An H2CData or C2HData PDU's header: DATAL must be the data carried.
+fn data_header_of(b: &[u8], data_len: usize) -> Result<DataHeader, ProtocolError> {
+    let d = DataHeader { cccid: le16(b, 8), ttag: le16(b, 10), datao: le32(b, 12), datal: le32(b, 16) };
+    if d.datal as usize != data_len {
+        return Err(ProtocolError::Length {
+            plen: le32(b, 4),
+            why: "DATAL differs from the data the PDU carries",
+        });
+    }
+    Ok(d)
 }
 
 fn sqe_of(raw: &[u8]) -> Sqe {
@@ -324,16 +352,9 @@ fn decode_header(kind: u8, b: &[u8], data_len: usize) -> Result<Header, Protocol
             }
         }
         kind::CAPSULE_CMD => Header::CapsuleCmd(sqe_of(b)),
-        kind::CAPSULE_RESP => Header::CapsuleResp(Cqe::decode(b[8..24].try_into().expect("16 bytes"))),
+        kind::CAPSULE_RESP => Header::CapsuleResp(cqe_of(b)),
         kind::H2C_DATA | kind::C2H_DATA => {
-            let d =
-                DataHeader { cccid: le16(b, 8), ttag: le16(b, 10), datao: le32(b, 12), datal: le32(b, 16) };
-            if d.datal as usize != data_len {
-                return Err(ProtocolError::Length {
-                    plen,
-                    why: "DATAL differs from the data the PDU carries",
-                });
-            }
+            let d = data_header_of(b, data_len)?;
             if kind == kind::H2C_DATA {
                 Header::H2cData(d)
             } else {
