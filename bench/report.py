@@ -321,7 +321,7 @@ def write(r, out):
             fh.write(md)
         return
     md = f"# fastsan benchmark report\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
-         f"{'QUICK run' if m['quick'] else 'full run'}: {m['repetitions']} repetition(s) ({m.get('repetitions_matrix_scaling', m['repetitions'])} for the matrix and the scaling) of {m['seconds_per_point']} s " \
+         f"{'QUICK run' if m['quick'] else 'full run'}: {m['repetitions']} repetition(s) ({m.get('repetitions_matrix', m.get('repetitions_matrix_scaling', m['repetitions']))} for the matrix, {m.get('repetitions_scaling', m.get('repetitions_matrix_scaling', m['repetitions']))} for the scaling) of {m['seconds_per_point']} s " \
          f"per point after {m['ramp_seconds']} s warm-up, systems alternating; medians. Every number is in raw.json " \
          f"with the command that produced it. Total {r['elapsed_s']:.0f} s.\n\n"
     md += "## Targets (ratios measured in this run)\n\n"
