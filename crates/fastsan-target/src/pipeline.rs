@@ -556,12 +556,30 @@ where
     /// dispatching what one read brought; it also runs before waiting for a
     /// credit (the held replies are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
-        let batch = std::mem::take(&mut *self.pending.lock());
-        if batch.is_empty() {
-            return Ok(());
-        }
+        let mut batch = {
+            let mut pending = self.pending.lock();
+            if pending.is_empty() {
+                return Ok(());
+            }
+            std::mem::take(&mut *pending)
+        };
         match self.sink.try_lock() {
-            Ok(mut sink) => sink.write(&batch).await,
+            Ok(mut sink) => {
+                let r = sink.write(&batch).await;
+                drop(sink);
+                // The replies (and the credits they hold) go now, as they
+                // always did; their room stays for the next read's replies.
+                // Until 2026-11-26 every flush left an empty vector behind,
+                // which grew again by doubling: a realloc chain per read
+                // (`perf record --call-graph dwarf` of NVMe/TCP reads put
+                // glibc's `malloc_consolidate` at 0.5% of the target's cycles).
+                batch.clear();
+                let mut pending = self.pending.lock();
+                if pending.is_empty() {
+                    std::mem::swap(&mut *pending, &mut batch);
+                }
+                r
+            }
             Err(_) => {
                 let _ = self.tx.send(batch);
                 Ok(())
