@@ -1116,10 +1116,7 @@ async fn receive(
                     }
                 }
                 Ok(None) => break,
-                Err(e) => {
-                    let (code, fei) = e.fes();
-                    return Ended::Violation(fatal(format!("a malformed PDU: {e}"), code, fei, &buf));
-                }
+                Err(e) => return Ended::Violation(malformed(e, &buf)),
             }
         }
         // A PDU under way: its length (checked by parse) says how much to make room for.
@@ -1171,25 +1168,27 @@ fn handle(
     raw: Bytes,
     frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
 ) -> Result<(), Violation> {
-    let malformed = |e: fastsan_nvme::ProtocolError| {
-        let (code, fei) = e.fes();
-        fatal(format!("a malformed PDU: {e}"), code, fei, &raw)
-    };
     if let Some(cqe) = p.cqe(&raw) {
         return capsule_resp(state, cqe, &raw);
     }
     if let Some(d) = p.c2h_data(&raw) {
-        return c2h_data(state, d.map_err(malformed)?, p, &raw);
+        return c2h_data(state, d.map_err(|e| malformed(e, &raw))?, p, &raw);
     }
-    match p.header(&raw).map_err(malformed)? {
+    match p.header(&raw).map_err(|e| malformed(e, &raw))? {
         Header::R2t(r) => r2t(state, r, &raw, frames),
         Header::C2hTermReq(t) => Err(violation(format!(
             "the controller ended the connection (C2HTermReq): {} (FEI {:#x})",
             fes_text(t.fes),
             t.fei
         ))),
-        h => Err(fatal(format!("an unexpected {} PDU", h.name()), fes::PDU_SEQUENCE_ERROR, 0, &raw)),
+        h => Err(out_of_sequence(format!("an unexpected {} PDU", h.name()), &raw)),
     }
+}
+
+/// Bytes that are no valid PDU, answered with the status the codec names.
+fn malformed(e: fastsan_nvme::ProtocolError, raw: &[u8]) -> Violation {
+    let (code, fei) = e.fes();
+    fatal(format!("a malformed PDU: {e}"), code, fei, raw)
 }
 
 /// A PDU naming a command not in flight, or out of turn.
