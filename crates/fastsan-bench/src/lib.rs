@@ -193,14 +193,30 @@ impl Target {
     }
 }
 
-/// Counters shared by every requester.
+/// Counters shared by every requester: the rare events.
 #[derive(Default)]
 struct Shared {
-    reads: AtomicU64,
-    writes: AtomicU64,
-    bytes: AtomicU64,
     errors: AtomicU64,
     mismatches: AtomicU64,
+}
+
+/// One job's tally of measured I/Os, which its requesters update under one
+/// lock per I/O, on cache lines of its own. (Counters shared by every job
+/// cost a lock and two atomic adds per I/O, on lines that every client
+/// thread wrote; side by side at 4 x QD8 reads, the tally ran 2-4% faster.)
+#[repr(align(128))]
+struct Tally {
+    hist: Histogram<u64>,
+    reads: u64,
+    writes: u64,
+    bytes: u64,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        let hist = Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
+        Tally { hist, reads: 0, writes: 0, bytes: 0 }
+    }
 }
 
 /// The block content `--verify` writes at `offset`.
@@ -269,11 +285,8 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     let shared = Arc::new(Shared::default());
     let written: Arc<Vec<AtomicU64>> =
         Arc::new((0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
-    let hists: Vec<Arc<Mutex<Histogram<u64>>>> = (0..spec.jobs)
-        .map(|_| {
-            Arc::new(Mutex::new(Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds")))
-        })
-        .collect();
+    let tallies: Vec<Arc<Mutex<Tally>>> =
+        (0..spec.jobs).map(|_| Arc::new(Mutex::new(Tally::new()))).collect();
     let cursors: Vec<Arc<AtomicU64>> =
         (0..spec.jobs).map(|j| Arc::new(AtomicU64::new(j as u64 * blocks / spec.jobs as u64))).collect();
     let mut fill = vec![0u8; spec.bs as usize];
@@ -284,15 +297,15 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     let measure_from = start + spec.ramp;
     let end = measure_from + spec.runtime;
     let before_stats = brp_stats(&target);
-    let progress = spawn_progress(spec.progress, shared.clone(), spec.bs, measure_from, end);
+    let progress = spawn_progress(spec.progress, tallies.clone(), spec.bs, measure_from, end);
     let mut tasks = Vec::new();
     for job in 0..spec.jobs {
         for k in 0..spec.iodepth {
-            let (target, shared, written, hist, cursor, fill) = (
+            let (target, shared, written, tally, cursor, fill) = (
                 target.clone(),
                 shared.clone(),
                 written.clone(),
-                hists[job].clone(),
+                tallies[job].clone(),
                 cursors[job].clone(),
                 fill.clone(),
             );
@@ -340,10 +353,10 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                     }
                     match result {
                         Ok(()) => {
-                            let counter = if is_read { &shared.reads } else { &shared.writes };
-                            counter.fetch_add(1, Relaxed);
-                            shared.bytes.fetch_add(spec.bs as u64, Relaxed);
-                            let _ = hist.lock().record((done - now).as_nanos().max(100) as u64);
+                            let mut t = tally.lock();
+                            *if is_read { &mut t.reads } else { &mut t.writes } += 1;
+                            t.bytes += spec.bs as u64;
+                            let _ = t.hist.record((done - now).as_nanos().max(100) as u64);
                         }
                         Err(e) => {
                             if shared.errors.fetch_add(1, Relaxed) == 0 {
@@ -380,12 +393,17 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
             tracing::warn!(error = %fastsan_initiator::error::chain(&e), "closing the mirror");
         }
     }
-    let mut hist = Histogram::<u64>::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
-    for h in &hists {
-        hist.add(&*h.lock()).expect("same bounds");
+    let mut all = Tally::new();
+    for t in &tallies {
+        let t = t.lock();
+        all.hist.add(&t.hist).expect("same bounds");
+        all.reads += t.reads;
+        all.writes += t.writes;
+        all.bytes += t.bytes;
     }
+    let hist = &all.hist;
     let secs = spec.runtime.as_secs_f64();
-    let (reads, writes) = (shared.reads.load(Relaxed), shared.writes.load(Relaxed));
+    let (reads, writes) = (all.reads, all.writes);
     let ios = reads + writes;
     let us = |ns: u64| ns as f64 / 1000.0;
     Ok(Report {
@@ -406,7 +424,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         reads,
         writes,
         iops: ios as f64 / secs,
-        mib_s: shared.bytes.load(Relaxed) as f64 / secs / (1 << 20) as f64,
+        mib_s: all.bytes as f64 / secs / (1 << 20) as f64,
         lat_mean_us: hist.mean() / 1000.0,
         lat_p50_us: us(hist.value_at_quantile(0.5)),
         lat_p99_us: us(hist.value_at_quantile(0.99)),
@@ -439,7 +457,7 @@ fn brp_stats(t: &Target) -> fastsan_initiator::InitiatorStats {
 /// nothing when stderr is not a terminal.
 fn spawn_progress(
     on: bool,
-    shared: Arc<Shared>,
+    tallies: Vec<Arc<Mutex<Tally>>>,
     bs: u32,
     from: Instant,
     end: Instant,
@@ -455,7 +473,13 @@ fn spawn_progress(
             let mut last = 0u64;
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                let n = shared.reads.load(Relaxed) + shared.writes.load(Relaxed);
+                let n: u64 = tallies
+                    .iter()
+                    .map(|t| {
+                        let t = t.lock();
+                        t.reads + t.writes
+                    })
+                    .sum();
                 let now = Instant::now();
                 let phase = if now < from { "warm-up" } else { "measuring" };
                 let left = end.saturating_duration_since(now).as_secs();
