@@ -8,16 +8,20 @@
 //! buffer first. Lent bytes never change: a write to a chunk that a reply
 //! still holds copies the chunk first and writes the copy (copy on write), so
 //! a reply carries exactly what the volume held when the read ran.
+//!
+//! Chunks come from a [`Pool`] of their own, in regions the kernel can back
+//! with huge pages (see [`super::blocks`]).
 
+use super::blocks::{Block, Pool, BLOCK};
 use super::{push_zeros, Backend, BlockSizes, Result, ZeroFlags};
 use crate::request::{Extent, ReadData};
 use bytes::Bytes;
 use parking_lot::RwLock;
 use std::sync::Arc;
 
-const CHUNK: u64 = 256 * 1024;
+const CHUNK: u64 = BLOCK as u64;
 
-type Chunk = Arc<[u8]>;
+type Chunk = Arc<Block>;
 
 /// A piece of a chunk, lent to a reply.
 struct Lent {
@@ -34,14 +38,9 @@ impl AsRef<[u8]> for Lent {
 
 /// The chunk's bytes to change in place: allocated (zeroed) when missing,
 /// copied first when a reply still holds them.
-fn writable(slot: &mut Option<Chunk>) -> &mut [u8] {
-    Arc::make_mut(slot.get_or_insert_with(zeroed))
-}
-
-/// A new chunk of zeros (pages the kernel maps on first touch).
-fn zeroed() -> Chunk {
-    // SAFETY: all-zero bytes are valid `u8`s.
-    unsafe { Arc::new_zeroed_slice(CHUNK as usize).assume_init() }
+fn writable<'a>(slot: &'a mut Option<Chunk>, pool: &Arc<Pool>) -> &'a mut [u8] {
+    let block: &mut Block = Arc::make_mut(slot.get_or_insert_with(|| Arc::new(pool.take(true))));
+    block
 }
 
 /// Copies at least this many bytes into a chunk with non-temporal stores:
@@ -95,6 +94,7 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
 pub struct MemoryBackend {
     size: u64,
     chunks: Vec<RwLock<Option<Chunk>>>,
+    pool: Arc<Pool>,
     /// Drawn at creation: this memory's data exists nowhere else.
     generation: u64,
 }
@@ -103,7 +103,8 @@ impl MemoryBackend {
     pub fn new(size: u64) -> Self {
         let n = size.div_ceil(CHUNK) as usize;
         let generation = rand::random::<u64>() | 1;
-        MemoryBackend { size, chunks: (0..n).map(|_| RwLock::new(None)).collect(), generation }
+        let chunks = (0..n).map(|_| RwLock::new(None)).collect();
+        MemoryBackend { size, chunks, pool: Pool::new(), generation }
     }
 
     /// Bytes of RAM the volume holds now.
@@ -132,9 +133,9 @@ impl MemoryBackend {
                 *chunk = None;
             } else if r.len() as u64 == CHUNK && chunk.is_some() {
                 // Kept allocated: a fresh zeroed chunk, not a copy to zero (if lent).
-                *chunk = Some(zeroed());
+                *chunk = Some(Arc::new(self.pool.take(true)));
             } else if chunk.is_some() {
-                writable(&mut chunk)[at..at + r.len()].fill(0);
+                writable(&mut chunk, &self.pool)[at..at + r.len()].fill(0);
             }
         });
     }
@@ -197,7 +198,7 @@ impl Backend for MemoryBackend {
         Self::pieces(offset, buf.len() as u64, |i, at, r| {
             let n = r.len();
             let mut chunk = self.chunks[i].write();
-            copy_into(&mut writable(&mut chunk)[at..at + n], &buf[r]);
+            copy_into(&mut writable(&mut chunk, &self.pool)[at..at + n], &buf[r]);
         });
         Ok(())
     }

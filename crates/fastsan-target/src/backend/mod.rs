@@ -14,6 +14,7 @@
 //! checked against the size, the block sizes and the capabilities before any
 //! call reaches a backend.
 
+mod blocks;
 mod delay;
 mod faults;
 mod file;

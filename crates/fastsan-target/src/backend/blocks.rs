@@ -1,0 +1,250 @@
+//! The memory backend's chunk memory: blocks of [`BLOCK`] bytes carved out of
+//! [`REGION`]-sized mappings of their own, aligned so that the kernel can
+//! back each region with one huge page.
+//!
+//! Why not the allocator: a 4K random read or write touches one chunk of a
+//! large volume, and with 4K pages nearly every such access missed the TLB
+//! (a nested page walk on a virtual machine). A standalone program on the
+//! development machine copying random 4K blocks out of a 1 GiB region took
+//! 560 ns per copy on 4K pages and 385 ns on huge pages. The allocator cannot
+//! give huge pages: it maps each 256 KiB chunk on its own, unaligned. The
+//! reference counts live apart from the data (`Arc<Block>`), so that taking
+//! a chunk for a write or lending it to a reply touches a small, hot header
+//! rather than a cold line at the start of the chunk.
+//!
+//! A block given back is kept for the next one its region hands out; a
+//! region whose blocks are all free goes back to the kernel. A block taken
+//! for a new chunk is zero: either fresh from the kernel or cleared here.
+
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Bytes per block (one chunk of a memory volume).
+pub const BLOCK: usize = 256 * 1024;
+
+/// Bytes per region: one huge page on x86-64 and aarch64 with 4K pages.
+const REGION: usize = 2 << 20;
+
+/// Blocks per region (at most 8: the masks are bytes).
+const PER_REGION: usize = REGION / BLOCK;
+const ALL_FREE: u8 = ((1u16 << PER_REGION) - 1) as u8;
+
+/// Where a volume's blocks come from. Blocks hold it (an `Arc`), so it
+/// lives until the last block a reply still holds is gone.
+pub struct Pool {
+    regions: Mutex<Regions>,
+}
+
+#[derive(Default)]
+struct Regions {
+    /// Each region by its base address: its free blocks, and which of them
+    /// may hold old bytes (given back, not fresh from the kernel).
+    map: BTreeMap<usize, Slots>,
+    /// Regions with a free block.
+    partial: BTreeSet<usize>,
+}
+
+#[derive(Clone, Copy)]
+struct Slots {
+    free: u8,
+    dirty: u8,
+}
+
+impl Pool {
+    pub fn new() -> Arc<Pool> {
+        Arc::new(Pool { regions: Mutex::new(Regions::default()) })
+    }
+
+    /// A block; with `zeroed`, all zero (else its bytes are left as they
+    /// are: for a caller that overwrites all of them).
+    pub fn take(self: &Arc<Pool>, zeroed: bool) -> Block {
+        let (ptr, dirty) = {
+            let mut r = self.regions.lock();
+            let base = match r.partial.first() {
+                Some(&b) => b,
+                None => {
+                    let b = map_region();
+                    r.map.insert(b, Slots { free: ALL_FREE, dirty: 0 });
+                    r.partial.insert(b);
+                    b
+                }
+            };
+            let s = r.map.get_mut(&base).expect("a partial region is mapped");
+            let i = s.free.trailing_zeros() as usize;
+            let bit = 1u8 << i;
+            s.free &= !bit;
+            let dirty = s.dirty & bit != 0;
+            s.dirty &= !bit;
+            if s.free == 0 {
+                r.partial.remove(&base);
+            }
+            (base + i * BLOCK, dirty)
+        };
+        let mut b = Block { ptr: NonNull::new(ptr as *mut u8).expect("mapped"), pool: self.clone() };
+        if zeroed && dirty {
+            b.fill(0);
+        }
+        b
+    }
+
+    /// `ptr`'s block is free again; its region goes back to the kernel when
+    /// none of its blocks is in use.
+    fn give(&self, ptr: usize) {
+        let base = ptr & !(REGION - 1);
+        let bit = 1u8 << ((ptr - base) / BLOCK);
+        let mut r = self.regions.lock();
+        let s = r.map.get_mut(&base).expect("a block's region is mapped");
+        debug_assert!(s.free & bit == 0, "a block given back twice");
+        s.free |= bit;
+        s.dirty |= bit;
+        if s.free == ALL_FREE {
+            r.map.remove(&base);
+            r.partial.remove(&base);
+            drop(r);
+            unmap(base, REGION);
+        } else {
+            r.partial.insert(base);
+        }
+    }
+
+    /// Regions mapped now (for tests).
+    #[cfg(test)]
+    fn regions(&self) -> usize {
+        self.regions.lock().map.len()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // Every block holds the pool: none is left, and neither is any region.
+        for &base in self.regions.get_mut().map.keys() {
+            unmap(base, REGION);
+        }
+    }
+}
+
+/// A new region, aligned to its size, that the kernel may back with a huge
+/// page; its bytes are zero and cost nothing until touched.
+fn map_region() -> usize {
+    // Twice the size, then the unaligned head and tail are given back.
+    let len = 2 * REGION;
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        // As any allocation that fails: the process cannot go on.
+        std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(REGION, REGION).expect("valid"));
+    }
+    let start = p as usize;
+    let base = (start + REGION - 1) & !(REGION - 1);
+    if base > start {
+        unmap(start, base - start);
+    }
+    let end = start + len;
+    if end > base + REGION {
+        unmap(base + REGION, end - (base + REGION));
+    }
+    // A hint: without transparent huge pages the region is used as it is.
+    // SAFETY: `base..base + REGION` is mapped (above).
+    unsafe { libc::madvise(base as *mut libc::c_void, REGION, libc::MADV_HUGEPAGE) };
+    base
+}
+
+fn unmap(at: usize, len: usize) {
+    // SAFETY: `at..at + len` is a mapping of this module's that nothing uses any more.
+    unsafe { libc::munmap(at as *mut libc::c_void, len) };
+}
+
+/// One block of a [`Pool`], owned: given back when dropped.
+pub struct Block {
+    ptr: NonNull<u8>,
+    pool: Arc<Pool>,
+}
+
+// SAFETY: a block owns its bytes alone (the pool hands each out once until it
+// is given back), so it moves between threads as a `Box<[u8]>` does, and
+// `&Block` gives only shared access to them.
+unsafe impl Send for Block {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Block {}
+
+impl std::ops::Deref for Block {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` is the start of BLOCK mapped bytes this block owns.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), BLOCK) }
+    }
+}
+
+impl std::ops::DerefMut for Block {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), BLOCK) }
+    }
+}
+
+/// A copy in a new block of the same pool (copy on write).
+impl Clone for Block {
+    fn clone(&self) -> Block {
+        let mut b = self.pool.take(false);
+        b.copy_from_slice(self);
+        b
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.pool.give(self.ptr.as_ptr() as usize);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_zero_and_distinct_and_regions_go_back_when_all_free() {
+        let pool = Pool::new();
+        let mut blocks: Vec<Block> = (0..2 * PER_REGION).map(|_| pool.take(true)).collect();
+        assert_eq!(pool.regions(), 2, "two regions, full");
+        let mut starts: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize).collect();
+        starts.sort();
+        starts.dedup();
+        assert_eq!(starts.len(), blocks.len(), "no block handed out twice");
+        for (i, b) in blocks.iter_mut().enumerate() {
+            assert!(b.iter().all(|&x| x == 0), "block {i} is zero");
+            b.fill(i as u8 + 1);
+        }
+        // A block given back (the only free one) comes out again, zeroed when asked...
+        let given = blocks.swap_remove(3).as_ptr() as usize;
+        let again = pool.take(true);
+        assert_eq!(again.as_ptr() as usize, given, "the free block is reused");
+        assert!(again.iter().all(|&x| x == 0), "a reused block is cleared");
+        // ...and a clone is a copy in a block of its own.
+        let copy = blocks[0].clone();
+        assert_ne!(copy.as_ptr(), blocks[0].as_ptr());
+        assert!(copy.iter().all(|&x| x == 1));
+        drop((again, copy));
+        blocks.clear();
+        assert_eq!(pool.regions(), 0, "every region went back");
+    }
+
+    #[test]
+    fn a_block_outlives_its_volume_s_other_references_to_the_pool() {
+        let pool = Pool::new();
+        let mut b = pool.take(true);
+        drop(pool);
+        b[BLOCK - 1] = 7;
+        assert_eq!(b[BLOCK - 1], 7);
+    }
+}
