@@ -313,14 +313,19 @@ def main():
                     help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
                     help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
+    ap.add_argument("--reps", type=int,
+                    help="repetitions per point (default 3, 1 with --quick; the matrix and scaling curve keep theirs):"
+                         " more tell smaller differences apart on a noisy host")
     args = ap.parse_args()
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be at least 1")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     out = args.out or os.path.join(ROOT, "bench", "results", stamp)
     os.makedirs(out, exist_ok=True)
     have = lambda tool: shutil.which(tool) is not None
     raw = []
     run = Runner(args.quick, raw)
-    reps = 1 if args.quick else 3
+    reps = args.reps or (1 if args.quick else 3)
     # The 16-job matrix takes 2 repetitions in a full run (time budget). The scaling curve takes 3
     # since 2026-11-26: its adaptive-merge rows are issue 12's verdicts, and with 2 repetitions the
     # "median" is the higher of two, which swung them by 10-20% between runs (at 128 requesters the
