@@ -12,9 +12,12 @@
 //! a chunk for a write or lending it to a reply touches a small, hot header
 //! rather than a cold line at the start of the chunk.
 //!
-//! A block given back is kept for the next one its region hands out; a
-//! region whose blocks are all free goes back to the kernel. A block taken
-//! for a new chunk is zero: either fresh from the kernel or cleared here.
+//! A block given back returns its memory to the kernel at once
+//! (`MADV_DONTNEED`: a trimmed chunk of a RAM disk frees its RAM) and is
+//! kept for the next block its region hands out, which the kernel then
+//! gives as zeros; a region whose blocks are all free is unmapped. (The
+//! huge page under a region with a block given back is split; the kernel
+//! may merge it again later.)
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
@@ -49,7 +52,6 @@ struct Regions {
 #[derive(Clone, Copy)]
 struct Slots {
     free: u8,
-    dirty: u8,
 }
 
 impl Pool {
@@ -57,48 +59,40 @@ impl Pool {
         Arc::new(Pool { regions: Mutex::new(Regions::default()) })
     }
 
-    /// A block; with `zeroed`, all zero (else its bytes are left as they
-    /// are: for a caller that overwrites all of them).
-    pub fn take(self: &Arc<Pool>, zeroed: bool) -> Block {
-        let (ptr, dirty) = {
-            let mut r = self.regions.lock();
-            let base = match r.partial.first() {
-                Some(&b) => b,
-                None => {
-                    let b = map_region();
-                    r.map.insert(b, Slots { free: ALL_FREE, dirty: 0 });
-                    r.partial.insert(b);
-                    b
-                }
-            };
-            let s = r.map.get_mut(&base).expect("a partial region is mapped");
-            let i = s.free.trailing_zeros() as usize;
-            let bit = 1u8 << i;
-            s.free &= !bit;
-            let dirty = s.dirty & bit != 0;
-            s.dirty &= !bit;
-            if s.free == 0 {
-                r.partial.remove(&base);
+    /// A block, all zero (fresh from the kernel, or given back to it).
+    pub fn take(self: &Arc<Pool>) -> Block {
+        let mut r = self.regions.lock();
+        let base = match r.partial.first() {
+            Some(&b) => b,
+            None => {
+                let b = map_region();
+                r.map.insert(b, Slots { free: ALL_FREE });
+                r.partial.insert(b);
+                b
             }
-            (base + i * BLOCK, dirty)
         };
-        let mut b = Block { ptr: NonNull::new(ptr as *mut u8).expect("mapped"), pool: self.clone() };
-        if zeroed && dirty {
-            b.fill(0);
+        let s = r.map.get_mut(&base).expect("a partial region is mapped");
+        let i = s.free.trailing_zeros() as usize;
+        s.free &= !(1u8 << i);
+        if s.free == 0 {
+            r.partial.remove(&base);
         }
-        b
+        let ptr = NonNull::new((base + i * BLOCK) as *mut u8).expect("mapped");
+        Block { ptr, pool: self.clone() }
     }
 
-    /// `ptr`'s block is free again; its region goes back to the kernel when
-    /// none of its blocks is in use.
+    /// `ptr`'s block is free again: its memory goes back to the kernel, and
+    /// its region too when none of its blocks is in use.
     fn give(&self, ptr: usize) {
+        // Before it is marked free: once it is, another thread may take it
+        // and write, and a discard after that would lose those bytes.
+        discard(ptr, BLOCK);
         let base = ptr & !(REGION - 1);
         let bit = 1u8 << ((ptr - base) / BLOCK);
         let mut r = self.regions.lock();
         let s = r.map.get_mut(&base).expect("a block's region is mapped");
         debug_assert!(s.free & bit == 0, "a block given back twice");
         s.free |= bit;
-        s.dirty |= bit;
         if s.free == ALL_FREE {
             r.map.remove(&base);
             r.partial.remove(&base);
@@ -155,9 +149,26 @@ fn map_region() -> usize {
         unmap(base + REGION, end - (base + REGION));
     }
     // A hint: without transparent huge pages the region is used as it is.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     // SAFETY: `base..base + REGION` is mapped (above).
-    unsafe { libc::madvise(base as *mut libc::c_void, REGION, libc::MADV_HUGEPAGE) };
+    unsafe {
+        libc::madvise(base as *mut libc::c_void, REGION, libc::MADV_HUGEPAGE)
+    };
     base
+}
+
+/// Gives the pages of `at..at + len` back to the kernel: they read as zeros
+/// from then on, and hold no RAM until written.
+fn discard(at: usize, len: usize) {
+    // SAFETY: `at..at + len` is a block of a mapped region that its owner
+    // gives up (nothing reads or writes it any more).
+    let r = unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+    if r != 0 {
+        // It cannot fail on a range of ours; if it did, the block would keep
+        // its old bytes and be handed out as zeros: clear them by hand.
+        // SAFETY: as above; the range is writable.
+        unsafe { std::ptr::write_bytes(at as *mut u8, 0, len) };
+    }
 }
 
 fn unmap(at: usize, len: usize) {
@@ -196,7 +207,7 @@ impl std::ops::DerefMut for Block {
 /// A copy in a new block of the same pool (copy on write).
 impl Clone for Block {
     fn clone(&self) -> Block {
-        let mut b = self.pool.take(false);
+        let mut b = self.pool.take();
         b.copy_from_slice(self);
         b
     }
@@ -215,7 +226,7 @@ mod tests {
     #[test]
     fn blocks_are_zero_and_distinct_and_regions_go_back_when_all_free() {
         let pool = Pool::new();
-        let mut blocks: Vec<Block> = (0..2 * PER_REGION).map(|_| pool.take(true)).collect();
+        let mut blocks: Vec<Block> = (0..2 * PER_REGION).map(|_| pool.take()).collect();
         assert_eq!(pool.regions(), 2, "two regions, full");
         let mut starts: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize).collect();
         starts.sort();
@@ -225,11 +236,11 @@ mod tests {
             assert!(b.iter().all(|&x| x == 0), "block {i} is zero");
             b.fill(i as u8 + 1);
         }
-        // A block given back (the only free one) comes out again, zeroed when asked...
+        // A block given back (the only free one) comes out again, as zeros...
         let given = blocks.swap_remove(3).as_ptr() as usize;
-        let again = pool.take(true);
+        let again = pool.take();
         assert_eq!(again.as_ptr() as usize, given, "the free block is reused");
-        assert!(again.iter().all(|&x| x == 0), "a reused block is cleared");
+        assert!(again.iter().all(|&x| x == 0), "a reused block reads as zeros");
         // ...and a clone is a copy in a block of its own.
         let copy = blocks[0].clone();
         assert_ne!(copy.as_ptr(), blocks[0].as_ptr());
@@ -240,9 +251,30 @@ mod tests {
     }
 
     #[test]
+    fn a_block_given_back_holds_no_ram() {
+        let pool = Pool::new();
+        let (mut first, _second) = (pool.take(), pool.take());
+        first.fill(9);
+        let at = first.as_ptr() as usize;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let resident = || {
+            let mut pages = vec![0u8; BLOCK / page];
+            // SAFETY: `at..at + BLOCK` is within a region the pool keeps mapped
+            // (`_second` is in use), and `pages` has one byte per page.
+            let r = unsafe { libc::mincore(at as *mut libc::c_void, BLOCK, pages.as_mut_ptr()) };
+            assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+            pages.iter().filter(|&&p| p & 1 != 0).count()
+        };
+        assert_eq!(resident(), BLOCK / page, "written, every page is in RAM");
+        drop(first);
+        assert_eq!(resident(), 0, "given back, none is");
+    }
+
+    #[test]
     fn a_block_outlives_its_volume_s_other_references_to_the_pool() {
         let pool = Pool::new();
-        let mut b = pool.take(true);
+        let mut b = pool.take();
         drop(pool);
         b[BLOCK - 1] = 7;
         assert_eq!(b[BLOCK - 1], 7);

@@ -39,7 +39,7 @@ impl AsRef<[u8]> for Lent {
 /// The chunk's bytes to change in place: allocated (zeroed) when missing,
 /// copied first when a reply still holds them.
 fn writable<'a>(slot: &'a mut Option<Chunk>, pool: &Arc<Pool>) -> &'a mut [u8] {
-    let block: &mut Block = Arc::make_mut(slot.get_or_insert_with(|| Arc::new(pool.take(true))));
+    let block: &mut Block = Arc::make_mut(slot.get_or_insert_with(|| Arc::new(pool.take())));
     block
 }
 
@@ -133,7 +133,7 @@ impl MemoryBackend {
                 *chunk = None;
             } else if r.len() as u64 == CHUNK && chunk.is_some() {
                 // Kept allocated: a fresh zeroed chunk, not a copy to zero (if lent).
-                *chunk = Some(Arc::new(self.pool.take(true)));
+                *chunk = Some(Arc::new(self.pool.take()));
             } else if chunk.is_some() {
                 writable(&mut chunk, &self.pool)[at..at + r.len()].fill(0);
             }
