@@ -42,16 +42,10 @@ pub struct Pool {
 
 #[derive(Default)]
 struct Regions {
-    /// Each region by its base address: its free blocks, and which of them
-    /// may hold old bytes (given back, not fresh from the kernel).
-    map: BTreeMap<usize, Slots>,
+    /// Each region by its base address: its free blocks, one bit each.
+    map: BTreeMap<usize, u8>,
     /// Regions with a free block.
     partial: BTreeSet<usize>,
-}
-
-#[derive(Clone, Copy)]
-struct Slots {
-    free: u8,
 }
 
 impl Pool {
@@ -66,15 +60,15 @@ impl Pool {
             Some(&b) => b,
             None => {
                 let b = map_region();
-                r.map.insert(b, Slots { free: ALL_FREE });
+                r.map.insert(b, ALL_FREE);
                 r.partial.insert(b);
                 b
             }
         };
-        let s = r.map.get_mut(&base).expect("a partial region is mapped");
-        let i = s.free.trailing_zeros() as usize;
-        s.free &= !(1u8 << i);
-        if s.free == 0 {
+        let free = r.map.get_mut(&base).expect("a partial region is mapped");
+        let i = free.trailing_zeros() as usize;
+        *free &= !(1u8 << i);
+        if *free == 0 {
             r.partial.remove(&base);
         }
         let ptr = NonNull::new((base + i * BLOCK) as *mut u8).expect("mapped");
@@ -90,10 +84,10 @@ impl Pool {
         let base = ptr & !(REGION - 1);
         let bit = 1u8 << ((ptr - base) / BLOCK);
         let mut r = self.regions.lock();
-        let s = r.map.get_mut(&base).expect("a block's region is mapped");
-        debug_assert!(s.free & bit == 0, "a block given back twice");
-        s.free |= bit;
-        if s.free == ALL_FREE {
+        let free = r.map.get_mut(&base).expect("a block's region is mapped");
+        debug_assert!(*free & bit == 0, "a block given back twice");
+        *free |= bit;
+        if *free == ALL_FREE {
             r.map.remove(&base);
             r.partial.remove(&base);
             drop(r);
