@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -167,20 +168,30 @@ enum Target {
 }
 
 impl Target {
-    async fn read(&self, job: usize, off: u64, len: u32) -> Result<Bytes, ClientError> {
-        Ok(match self {
-            Target::Brp(v) => v.read(off, len as u64).await?,
-            Target::Nbd(c) => c[job].read(off, len as u64).await?,
-            Target::Nvme(v) => v.read_on(job, off, len as u64).await?,
-            Target::Mirror(m) => m.read(off, len as u64).await?,
-        })
+    // Async blocks, not async fns: the arguments are held once, not twice,
+    // in every requester's future.
+    #[allow(clippy::manual_async_fn)]
+    fn read(&self, job: usize, off: u64, len: u32) -> impl Future<Output = Result<Bytes, ClientError>> + '_ {
+        async move {
+            Ok(match self {
+                Target::Brp(v) => v.read(off, len as u64).await?,
+                Target::Nbd(c) => c[job].read(off, len as u64).await?,
+                Target::Nvme(v) => v.read_on(job, off, len as u64).await?,
+                // Boxed: a mirror's future is larger than a single volume's,
+                // and every requester's would be as large as the largest.
+                Target::Mirror(m) => Box::pin(m.read(off, len as u64)).await?,
+            })
+        }
     }
-    async fn write(&self, job: usize, off: u64, data: Bytes) -> Result<(), ClientError> {
-        match self {
-            Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
-            Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
-            Target::Nvme(v) => Ok(v.write_bytes_on(job, data, off, false).await?),
-            Target::Mirror(m) => Ok(m.write_bytes(data, off, false).await?),
+    #[allow(clippy::manual_async_fn)]
+    fn write(&self, job: usize, off: u64, data: Bytes) -> impl Future<Output = Result<(), ClientError>> + '_ {
+        async move {
+            match self {
+                Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
+                Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
+                Target::Nvme(v) => Ok(v.write_bytes_on(job, data, off, false).await?),
+                Target::Mirror(m) => Ok(Box::pin(m.write_bytes(data, off, false)).await?),
+            }
         }
     }
     fn size(&self) -> u64 {

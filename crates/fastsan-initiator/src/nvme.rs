@@ -519,19 +519,31 @@ impl Queue {
 
     /// Sends `sqe` with its data and waits for its completion, whatever its
     /// status (Connect's failures say more in DW0, so the caller decides).
-    async fn call(&self, sqe: Sqe, data: Data, timeout: Duration) -> Result<(Cqe, Bytes), Error> {
-        let (waiting, rx) = self.submit(sqe, data)?;
-        if let Some(w) = waiting {
-            w.await?;
-        }
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(reply) => reply.map_err(|_| Error::ConnectionLost)?,
-            Err(_) => {
-                // Whether it landed is unknown: the connection is cut, and
-                // every command on it fails.
-                tracing::warn!(queue = %self.state.name, "an NVMe command got no completion in time; cutting the connection");
-                let _ = self.frames.send(None);
-                Err(Error::ConnectionLost)
+    /// The command is sent (or queued for an identifier) at once, so the
+    /// future holds neither the command nor its data; a caller that drops
+    /// the future unpolled has sent it all the same (every caller awaits it
+    /// at once).
+    fn call(
+        &self,
+        sqe: Sqe,
+        data: Data,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<(Cqe, Bytes), Error>> + Send + '_ {
+        let submitted = self.submit(sqe, data);
+        async move {
+            let (waiting, rx) = submitted?;
+            if let Some(w) = waiting {
+                w.await?;
+            }
+            match tokio::time::timeout(timeout, rx).await {
+                Ok(reply) => reply.map_err(|_| Error::ConnectionLost)?,
+                Err(_) => {
+                    // Whether it landed is unknown: the connection is cut, and
+                    // every command on it fails.
+                    tracing::warn!(queue = %self.state.name, "an NVMe command got no completion in time; cutting the connection");
+                    let _ = self.frames.send(None);
+                    Err(Error::ConnectionLost)
+                }
             }
         }
     }
@@ -1017,27 +1029,45 @@ impl NvmeVolume {
     }
 
     /// Reads `len` bytes at `offset`, on the next I/O queue in turn.
-    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
-        self.read_from(self.queue(None), offset, len).await
+    pub fn read(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> impl std::future::Future<Output = Result<Bytes, Error>> + Send + '_ {
+        self.read_from(self.queue(None), offset, len)
     }
 
     /// Reads `len` bytes at `offset` on I/O queue `queue` (modulo their number).
-    pub async fn read_on(&self, queue: usize, offset: u64, len: u64) -> Result<Bytes, Error> {
-        self.read_from(self.queue(Some(queue)), offset, len).await
+    pub fn read_on(
+        &self,
+        queue: usize,
+        offset: u64,
+        len: u64,
+    ) -> impl std::future::Future<Output = Result<Bytes, Error>> + Send + '_ {
+        self.read_from(self.queue(Some(queue)), offset, len)
     }
 
-    async fn read_from(&self, q: &Queue, offset: u64, len: u64) -> Result<Bytes, Error> {
-        self.check_range(offset, len)?;
-        if len == 0 {
-            return Ok(Bytes::new());
+    // Not an async fn: its arguments would be held twice (clippy's rewrite undoes the point).
+    #[allow(clippy::manual_async_fn)]
+    fn read_from<'a>(
+        &'a self,
+        q: &'a Queue,
+        offset: u64,
+        len: u64,
+    ) -> impl std::future::Future<Output = Result<Bytes, Error>> + Send + 'a {
+        async move {
+            self.check_range(offset, len)?;
+            if len == 0 {
+                return Ok(Bytes::new());
+            }
+            if len <= self.max_transfer as u64 {
+                return self.read_one(q, offset, len).await;
+            }
+            // Several commands: a future of their own (boxed), which a
+            // one-command read does not carry.
+            let max = self.max_transfer as u64;
+            Box::pin(read_pieces(offset, len, max, |o, n| self.read_one(q, o, n))).await
         }
-        if len <= self.max_transfer as u64 {
-            return self.read_one(q, offset, len).await;
-        }
-        // Several commands: a future of their own (boxed), which a
-        // one-command read does not carry.
-        let max = self.max_transfer as u64;
-        Box::pin(read_pieces(offset, len, max, |o, n| self.read_one(q, o, n))).await
     }
 
     /// One Read command.
@@ -1059,38 +1089,55 @@ impl NvmeVolume {
 
     /// Writes `data` at `offset`, on the next I/O queue in turn; with `fua`
     /// it is durable when this returns.
-    pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
-        self.write_to(self.queue(None), data, offset, fua).await
+    pub fn write_bytes(
+        &self,
+        data: Bytes,
+        offset: u64,
+        fua: bool,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + '_ {
+        self.write_to(self.queue(None), data, offset, fua)
     }
 
     /// Writes `data` at `offset` on I/O queue `queue` (modulo their number).
-    pub async fn write_bytes_on(
+    pub fn write_bytes_on(
         &self,
         queue: usize,
         data: Bytes,
         offset: u64,
         fua: bool,
-    ) -> Result<(), Error> {
-        self.write_to(self.queue(Some(queue)), data, offset, fua).await
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + '_ {
+        self.write_to(self.queue(Some(queue)), data, offset, fua)
     }
 
     /// A write split in pieces reports its outcome once every piece is
     /// answered, so no piece of a write reported failed lands after the report.
-    async fn write_to(&self, q: &Queue, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
-        self.check_range(offset, data.len() as u64)?;
-        if data.is_empty() {
-            return Ok(());
+    /// (An async block, not an async fn, here and in [`NvmeVolume::read_from`]:
+    /// the arguments are held once, not twice.)
+    // Not an async fn: its arguments would be held twice (clippy's rewrite undoes the point).
+    #[allow(clippy::manual_async_fn)]
+    fn write_to<'a>(
+        &'a self,
+        q: &'a Queue,
+        data: Bytes,
+        offset: u64,
+        fua: bool,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'a {
+        async move {
+            self.check_range(offset, data.len() as u64)?;
+            if data.is_empty() {
+                return Ok(());
+            }
+            if data.len() as u64 <= self.max_transfer as u64 {
+                return self.write_one(q, data, offset, fua).await;
+            }
+            // Several commands: a future of their own (boxed), as for reads.
+            let max = self.max_transfer as u64;
+            let pieces = all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
+                let at = (o - offset) as usize;
+                self.write_one(q, data.slice(at..at + n as usize), o, fua)
+            }));
+            Box::pin(pieces).await.map(drop)
         }
-        if data.len() as u64 <= self.max_transfer as u64 {
-            return self.write_one(q, data, offset, fua).await;
-        }
-        // Several commands: a future of their own (boxed), as for reads.
-        let max = self.max_transfer as u64;
-        let pieces = all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
-            let at = (o - offset) as usize;
-            self.write_one(q, data.slice(at..at + n as usize), o, fua)
-        }));
-        Box::pin(pieces).await.map(drop)
     }
 
     /// One Write command: its data in the capsule when it fits, else by R2T.

@@ -46,6 +46,10 @@ struct Inner {
     next: u64,
     buckets: HashMap<u64, Vec<Entry>>,
     wide: Vec<Entry>,
+    /// Writes waiting in [`Ticket::wait`]: only then does a leaving write
+    /// notify (the notification takes a lock of its own, one more shared
+    /// cache line per write otherwise).
+    waiting: usize,
 }
 
 impl Inner {
@@ -93,11 +97,11 @@ pub(crate) struct Ticket {
 }
 
 impl WriteOrder {
-    /// Enters a write of `[offset, offset + len)` and waits until no earlier
-    /// overlapping write is in flight, or fails with
-    /// [`Error::ConnectionLost`] at `until` (an earlier write waits for a
-    /// target that does not come back).
-    pub async fn enter(self: Arc<Self>, offset: u64, len: u64, until: Instant) -> Result<Ticket, Error> {
+    /// Enters a write of `[offset, offset + len)`, and says whether an
+    /// earlier overlapping write is in flight (then [`Ticket::wait`]). Not
+    /// async: a write that does not wait carries no wait in its future.
+    #[must_use = "a blocked write must wait for its turn (Ticket::wait)"]
+    pub fn enter(self: Arc<Self>, offset: u64, len: u64) -> (Ticket, bool) {
         let (entry, blocked) = {
             let mut g = self.inner.lock();
             let seq = g.next;
@@ -113,29 +117,54 @@ impl WriteOrder {
             }
             (e, g.blocked(&e))
         };
-        let ticket = Ticket { order: self, entry };
-        let order = &ticket.order;
-        if blocked {
-            loop {
-                let left = order.left.notified();
-                tokio::pin!(left);
-                left.as_mut().enable();
-                if !order.inner.lock().blocked(&entry) {
-                    break;
-                }
-                if tokio::time::timeout_at(until.into(), left).await.is_err() {
-                    return Err(Error::ConnectionLost);
-                }
+        (Ticket { order: self, entry }, blocked)
+    }
+}
+
+impl Ticket {
+    /// Waits until no earlier write overlapping this one is in flight, or
+    /// fails with [`Error::ConnectionLost`] at `until` (an earlier write
+    /// waits for a target that does not come back).
+    pub async fn wait(&self, until: Instant) -> Result<(), Error> {
+        let order = &self.order;
+        order.inner.lock().waiting += 1;
+        // Uncounted however this ends, also when the caller gives up.
+        let _waiting = Waiting(order);
+        loop {
+            // Made before the check: a write that leaves after it notifies
+            // this (it sees `waiting` under the lock the check takes).
+            let left = order.left.notified();
+            tokio::pin!(left);
+            left.as_mut().enable();
+            if !order.inner.lock().blocked(&self.entry) {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(until.into(), left).await.is_err() {
+                return Err(Error::ConnectionLost);
             }
         }
-        Ok(ticket)
+    }
+}
+
+/// A write counted in [`Inner::waiting`] until dropped.
+struct Waiting<'a>(&'a WriteOrder);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.inner.lock().waiting -= 1;
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.order.inner.lock().remove(&self.entry);
-        self.order.left.notify_waiters();
+        let waiting = {
+            let mut g = self.order.inner.lock();
+            g.remove(&self.entry);
+            g.waiting > 0
+        };
+        if waiting {
+            self.order.left.notify_waiters();
+        }
     }
 }
 
@@ -144,6 +173,15 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Enters and waits, as a write does.
+    async fn enter(o: &Arc<WriteOrder>, offset: u64, len: u64, until: Instant) -> Result<Ticket, Error> {
+        let (t, blocked) = o.clone().enter(offset, len);
+        if blocked {
+            t.wait(until).await?;
+        }
+        Ok(t)
+    }
+
     fn later() -> Instant {
         Instant::now() + Duration::from_secs(60)
     }
@@ -151,15 +189,15 @@ mod tests {
     #[tokio::test]
     async fn a_later_overlapping_write_waits_and_others_do_not() {
         let o = Arc::new(WriteOrder::default());
-        let first = o.clone().enter(4096, 8192, later()).await.unwrap();
+        let first = enter(&o, 4096, 8192, later()).await.unwrap();
         // Disjoint, in the same bucket and far away: no wait.
-        drop(o.clone().enter(0, 4096, later()).await.unwrap());
-        drop(o.clone().enter(1 << 30, 4096, later()).await.unwrap());
+        drop(enter(&o, 0, 4096, later()).await.unwrap());
+        drop(enter(&o, 1 << 30, 4096, later()).await.unwrap());
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for (i, (off, len)) in [(8192u64, 512u64), (0, 1 << 40)].into_iter().enumerate() {
             let (o, tx) = (o.clone(), tx.clone());
             tokio::spawn(async move {
-                let _t = o.enter(off, len, later()).await.unwrap();
+                let _t = enter(&o, off, len, later()).await.unwrap();
                 tx.send(i).unwrap();
             });
         }
@@ -171,20 +209,21 @@ mod tests {
         assert_eq!(got, [0, 1]);
         assert!(o.inner.lock().buckets.is_empty() && o.inner.lock().wide.is_empty());
         // Behind a write that never leaves: an error at the deadline, not a hang.
-        let _stuck = o.clone().enter(0, 4096, later()).await.unwrap();
+        let _stuck = enter(&o, 0, 4096, later()).await.unwrap();
         let soon = Instant::now() + Duration::from_millis(50);
-        assert!(matches!(o.clone().enter(0, 512, soon).await, Err(Error::ConnectionLost)));
+        assert!(matches!(enter(&o, 0, 512, soon).await, Err(Error::ConnectionLost)));
+        assert_eq!(o.inner.lock().waiting, 0, "a wait that timed out is uncounted");
     }
 
     #[tokio::test]
     async fn overlapping_writes_leave_in_the_order_they_came() {
         let o = Arc::new(WriteOrder::default());
-        let first = o.clone().enter(0, 4096, later()).await.unwrap();
+        let first = enter(&o, 0, 4096, later()).await.unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for i in 0..3u64 {
             let (o, tx) = (o.clone(), tx.clone());
             tokio::spawn(async move {
-                let t = o.enter(0, 4096, later()).await.unwrap();
+                let t = enter(&o, 0, 4096, later()).await.unwrap();
                 tx.send(i).unwrap();
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 drop(t);

@@ -19,7 +19,10 @@ use bytes::{Bytes, BytesMut};
 use fastsan_brp::handshake::VOLUME_VOLATILE;
 use fastsan_brp::request::{RequestHeader, FLAG_FUA};
 use fastsan_brp::{Command, OpenInfo, Status, VolumeInfo};
+use futures::future::Either;
+use futures::FutureExt;
 use parking_lot::{Mutex, RwLock};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -160,17 +163,28 @@ impl Volume {
     }
 
     /// Reads `len` bytes at `offset`.
-    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
+    ///
+    /// (Not async itself, nor [`Volume::write_bytes`]: a one-request read's
+    /// future is the call's, and the several requests of a larger one are a
+    /// future of their own, boxed.)
+    pub fn read(&self, offset: u64, len: u64) -> impl Future<Output = Result<Bytes, Error>> + Send + '_ {
         let max = self.shared.info.max_transfer as u64;
         if len <= max {
-            let h = RequestHeader::new(Command::Read, 0, 0, offset, to_u32(len)?);
-            let data = self.call(h, Bytes::new()).await?.unwrap_or_default();
-            if data.len() as u64 != len {
-                return Err(Error::ShortRead { asked: len, got: data.len() as u64 });
-            }
-            return Ok(data);
+            return Either::Left(self.read_one(offset, len as u32));
         }
-        read_pieces(offset, len, max, |o, n| self.read(o, n)).await
+        Either::Right(Box::pin(read_pieces(offset, len, max, |o, n| self.read_one(o, n as u32))))
+    }
+
+    /// One READ request of at most the target's maximum transfer.
+    fn read_one(&self, offset: u64, len: u32) -> impl Future<Output = Result<Bytes, Error>> + Send + '_ {
+        let h = RequestHeader::new(Command::Read, 0, 0, offset, len);
+        self.call(h, Bytes::new()).map(move |r| {
+            let data = r?.unwrap_or_default();
+            if data.len() != len as usize {
+                return Err(Error::ShortRead { asked: len as u64, got: data.len() as u64 });
+            }
+            Ok(data)
+        })
     }
 
     /// Reads exactly `buf.len()` bytes at `offset` into `buf`.
@@ -186,19 +200,36 @@ impl Volume {
     }
 
     /// As [`Volume::write_at`], without copying the data.
-    pub async fn write_bytes(&self, data: Bytes, offset: u64, fua: bool) -> Result<(), Error> {
+    pub fn write_bytes(
+        &self,
+        data: Bytes,
+        offset: u64,
+        fua: bool,
+    ) -> impl Future<Output = Result<(), Error>> + Send + '_ {
         let max = self.shared.info.max_transfer as u64;
-        let flags = if fua { FLAG_FUA } else { 0 };
         if data.len() as u64 <= max {
-            let h = RequestHeader::new(Command::Write, flags, 0, offset, to_u32(data.len() as u64)?);
-            return self.call(h, data).await.map(drop);
+            return Either::Left(self.write_one(data, offset, fua));
         }
-        all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
-            let at = (o - offset) as usize;
-            self.write_bytes(data.slice(at..at + n as usize), o, fua)
+        Either::Right(Box::pin(async move {
+            all(chunks(offset, data.len() as u64, max).map(|(o, n)| {
+                let at = (o - offset) as usize;
+                self.write_one(data.slice(at..at + n as usize), o, fua)
+            }))
+            .await
+            .map(drop)
         }))
-        .await
-        .map(drop)
+    }
+
+    /// One WRITE request of at most the target's maximum transfer.
+    fn write_one(
+        &self,
+        data: Bytes,
+        offset: u64,
+        fua: bool,
+    ) -> impl Future<Output = Result<(), Error>> + Send + '_ {
+        let flags = if fua { FLAG_FUA } else { 0 };
+        let h = RequestHeader::new(Command::Write, flags, 0, offset, data.len() as u32);
+        self.call(h, data).map(|r| r.map(drop))
     }
 
     /// Makes every write completed before this call durable.
@@ -235,86 +266,142 @@ impl Volume {
     /// target finished) and is sent again; the caller sees an error only when
     /// no connection comes back within the reconnect timeout. Writes keep
     /// their order against earlier overlapping writes ([`WriteOrder`]).
-    async fn call(&self, h: RequestHeader, payload: Bytes) -> Result<Option<Bytes>, Error> {
-        let sh = &self.shared;
-        // An earlier overlapping write may be in flight (a reply on its way)
-        // or waiting for its fence: both end within these two timeouts.
-        let until = Instant::now() + sh.opts.request_timeout + sh.opts.reconnect_timeout;
-        let writes = matches!(h.command, Command::Write | Command::Trim | Command::WriteZeroes);
-        let mut ticket = match writes {
-            true => Some(sh.order.clone().enter(h.offset, h.length as u64, until).await?),
-            false => None,
-        };
-        let flushed_upto = sh.acked.load(SeqCst);
-        let mut deadline: Option<Instant> = None;
-        let mut unfenced: Option<(usize, u64)> = None;
-        let mut answered_by = (0, 0);
-        let result = loop {
+    ///
+    /// Every wait off the fast path (behind an overlapping write, for a
+    /// credit or a connection, for a fence) is boxed, and the fast path takes
+    /// its connection and credit without awaiting: what a request holds
+    /// across its awaits stays small. With the waits inline this future was
+    /// 672 bytes, moved into place and spread over more cache lines per
+    /// request in flight, which showed at 512 requesters (docs/benchmarks.md).
+    // An async block, not an async fn: its arguments are held once, not twice.
+    #[allow(clippy::manual_async_fn)]
+    fn call(&self, h: RequestHeader, payload: Bytes) -> impl Future<Output = Reply> + Send + '_ {
+        async move {
+            let sh = &self.shared;
+            // An earlier overlapping write may be in flight (a reply on its way)
+            // or waiting for its fence: both end within these two timeouts.
+            let writes = matches!(h.command, Command::Write | Command::Trim | Command::WriteZeroes);
+            let mut ticket = match writes {
+                true => {
+                    let (ticket, blocked) = sh.order.clone().enter(h.offset, h.length as u64);
+                    if blocked {
+                        let until = Instant::now() + sh.opts.request_timeout + sh.opts.reconnect_timeout;
+                        Box::pin(ticket.wait(until)).await?;
+                    }
+                    Some(ticket)
+                }
+                false => None,
+            };
+            let flushed_upto = sh.acked.load(SeqCst);
+            // The first try, when a credit is free now: nothing but the reply awaited.
             if h.command == Command::Flush {
                 self.check_unflushed()?;
             }
-            let (conn, credit) = match self.pick(deadline).await {
-                Ok(c) => c,
-                Err(e) => break Err(e),
-            };
-            unfenced = None;
-            answered_by = conn.target;
-            let result = self.send(&conn, h, payload.clone(), credit).await;
-            let lost = match &result {
-                Err(Error::ConnectionLost) => true,
-                // The target refused it untouched (a digest broke on the way
-                // in) or the reply's data broke on the way back: send again.
-                Err(Error::Status(s)) if *s == Status::DIGEST_MISMATCH => false,
-                Err(Error::DigestMismatch) => false,
-                _ => break result,
-            };
-            if lost {
-                unfenced = Some((conn.slot, conn.epoch));
-            }
-            let until = *deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
-            if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
-                break result;
-            }
-            if lost {
-                if let Err(e) = self.fence(&conn, until).await {
-                    break Err(e);
+            let (result, tries) = match self.try_pick() {
+                Some((conn, credit)) => {
+                    let result = match self.send(&conn, h, payload.clone(), credit) {
+                        Ok(reply) => reply.await.unwrap_or(Err(Error::ConnectionLost)),
+                        Err(e) => Err(e),
+                    };
+                    let mut tries = Tries { deadline: None, unfenced: None, answered_by: conn.target };
+                    match again(&result) {
+                        None => (result, tries),
+                        Some(_) => {
+                            let r = Box::pin(self.retry(h, &payload, Some((conn, result)), &mut tries)).await;
+                            (r, tries)
+                        }
+                    }
                 }
-                unfenced = None;
+                None => {
+                    let mut tries = Tries { deadline: None, unfenced: None, answered_by: (0, 0) };
+                    let r = Box::pin(self.retry(h, &payload, None, &mut tries)).await;
+                    (r, tries)
+                }
+            };
+            let Tries { unfenced, answered_by, .. } = tries;
+            match (&result, unfenced, ticket.take()) {
+                // A FUA write is durable already: nothing for a restart to lose.
+                (Ok(_), _, _) if writes && !h.is_fua() => {
+                    sh.acked.fetch_add(1, SeqCst);
+                    // Acknowledged by a host that has rebooted since (and the
+                    // reconnect that saw it counted before this write).
+                    if answered_by.0 != sh.instance.load(SeqCst)
+                        && host_rebooted(answered_by.1, sh.target.lock().1)
+                    {
+                        sh.unflushed_lost.store(true, SeqCst);
+                    }
+                }
+                (Ok(_), _, _) if h.command == Command::Flush => {
+                    // Only a flush by the target of now covers what it holds.
+                    if answered_by.0 == sh.instance.load(SeqCst) {
+                        sh.flushed.fetch_max(flushed_upto, SeqCst);
+                    }
+                    self.check_unflushed()?;
+                }
+                // Given up while its connection was not fenced: its write may
+                // still land, so overlapping writes stay behind it until its slot
+                // is fenced (checked under the lock: the reconnect that fences it
+                // may have run already). Without reconnection nothing ever fences it.
+                (Err(_), Some((slot, epoch)), Some(t)) if !sh.opts.reconnect_timeout.is_zero() => {
+                    let mut parked = sh.unfenced.lock();
+                    if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
+                        parked.push((slot, epoch, t));
+                    }
+                }
+                _ => {}
+            }
+            result
+        }
+    }
+
+    /// [`Volume::call`]'s tries after the first (`first`: its connection
+    /// and outcome, if it was sent): on a lost connection, wait for its fence
+    /// and send again; on a digest error, send again; until the reconnect
+    /// timeout. `tries` says how the last one went.
+    async fn retry(
+        &self,
+        h: RequestHeader,
+        payload: &Bytes,
+        mut first: Option<(Arc<Conn>, Reply)>,
+        tries: &mut Tries,
+    ) -> Reply {
+        let sh = &self.shared;
+        loop {
+            let (conn, result) = match first.take() {
+                Some(sent) => sent,
+                None => {
+                    if h.command == Command::Flush {
+                        self.check_unflushed()?;
+                    }
+                    let (conn, credit) = match self.try_pick() {
+                        Some(c) => c,
+                        None => self.pick(tries.deadline).await?,
+                    };
+                    tries.unfenced = None;
+                    tries.answered_by = conn.target;
+                    let result = match self.send(&conn, h, payload.clone(), credit) {
+                        Ok(reply) => reply.await.unwrap_or(Err(Error::ConnectionLost)),
+                        Err(e) => Err(e),
+                    };
+                    (conn, result)
+                }
+            };
+            let Some(lost) = again(&result) else {
+                return result;
+            };
+            if lost {
+                tries.unfenced = Some((conn.slot, conn.epoch));
+            }
+            let until = *tries.deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
+            if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
+                return result;
+            }
+            if lost {
+                self.fence(&conn, until).await?;
+                tries.unfenced = None;
             }
             sh.stats.retries.fetch_add(1, Relaxed);
-        };
-        match (&result, unfenced, ticket.take()) {
-            // A FUA write is durable already: nothing for a restart to lose.
-            (Ok(_), _, _) if writes && !h.is_fua() => {
-                sh.acked.fetch_add(1, SeqCst);
-                // Acknowledged by a host that has rebooted since (and the
-                // reconnect that saw it counted before this write).
-                if answered_by.0 != sh.instance.load(SeqCst)
-                    && host_rebooted(answered_by.1, sh.target.lock().1)
-                {
-                    sh.unflushed_lost.store(true, SeqCst);
-                }
-            }
-            (Ok(_), _, _) if h.command == Command::Flush => {
-                // Only a flush by the target of now covers what it holds.
-                if answered_by.0 == sh.instance.load(SeqCst) {
-                    sh.flushed.fetch_max(flushed_upto, SeqCst);
-                }
-                self.check_unflushed()?;
-            }
-            // Given up while its connection was not fenced: its write may
-            // still land, so overlapping writes stay behind it until its slot
-            // is fenced (checked under the lock: the reconnect that fences it
-            // may have run already). Without reconnection nothing ever fences it.
-            (Err(_), Some((slot, epoch)), Some(t)) if !sh.opts.reconnect_timeout.is_zero() => {
-                let mut parked = sh.unfenced.lock();
-                if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
-                    parked.push((slot, epoch, t));
-                }
-            }
-            _ => {}
         }
-        result
     }
 
     /// Fails when a restarted target was resumed with writes acknowledged
@@ -326,14 +413,14 @@ impl Volume {
         Ok(())
     }
 
-    /// Sends `h` on `conn` and waits for the reply.
-    async fn send(
+    /// Sends `h` on `conn`; the reply comes on the receiver.
+    fn send(
         &self,
         conn: &Conn,
         mut h: RequestHeader,
         payload: Bytes,
         credit: OwnedSemaphorePermit,
-    ) -> Result<Option<Bytes>, Error> {
+    ) -> Result<oneshot::Receiver<Reply>, Error> {
         h.tag = self.shared.next_tag.fetch_add(1, Relaxed);
         let (done, reply) = oneshot::channel();
         self.shared.stats.requests.fetch_add(1, Relaxed);
@@ -341,7 +428,7 @@ impl Volume {
         if conn.submit(s).is_err() {
             return Err(Error::ConnectionLost);
         }
-        reply.await.unwrap_or(Err(Error::ConnectionLost))
+        Ok(reply)
     }
 
     /// Waits until `lost`'s slot is re-established: the target answers a
@@ -351,18 +438,23 @@ impl Volume {
         self.wait_until(until, |sh| (sh.epochs[lost.slot].load(SeqCst) > lost.epoch).then_some(())).await
     }
 
+    /// The least-loaded live connection and a credit on it, if that is free
+    /// now (and the session goes on): [`Volume::pick`] without waiting.
+    fn try_pick(&self) -> Option<(Arc<Conn>, OwnedSemaphorePermit)> {
+        let sh = &self.shared;
+        if sh.ended.get().is_some() {
+            return None;
+        }
+        let c = best(sh)?;
+        let permit = c.credits.clone().try_acquire_owned().ok()?;
+        Some((c, permit))
+    }
+
     /// The least-loaded live connection and a credit on it; waits for one to
     /// come back until `deadline` (or the reconnect timeout from now).
     async fn pick(&self, deadline: Option<Instant>) -> Result<(Arc<Conn>, OwnedSemaphorePermit), Error> {
         let deadline = deadline.unwrap_or_else(|| Instant::now() + self.shared.opts.reconnect_timeout);
         loop {
-            let best = |sh: &Shared| {
-                sh.slots
-                    .iter()
-                    .filter_map(|s| s.read().clone())
-                    .filter(|c| c.is_alive())
-                    .max_by_key(|c| c.credits.available_permits())
-            };
             let c = self.wait_until(deadline, best).await?;
             match c.credits.clone().acquire_owned().await {
                 Ok(permit) => return Ok((c, permit)),
@@ -394,6 +486,48 @@ impl Volume {
     }
 }
 
+/// A request's outcome: its reply's data, if any.
+type Reply = Result<Option<Bytes>, Error>;
+
+/// How a request's tries went, for what [`Volume::call`] does after them.
+struct Tries {
+    /// When the reconnect timeout of its first failed try runs out.
+    deadline: Option<Instant>,
+    /// The slot and epoch of a lost connection whose fence it did not see.
+    unfenced: Option<(usize, u64)>,
+    /// The target (instance, boot) that answered the last try.
+    answered_by: (u64, u64),
+}
+
+/// Whether a try's outcome calls for another: `Some(true)` when its
+/// connection was lost (send again after the fence), `Some(false)` when the
+/// target refused it untouched (a digest broke on the way in) or the
+/// reply's data broke on the way back (send again), `None` when it is final.
+fn again(result: &Reply) -> Option<bool> {
+    match result {
+        Err(Error::ConnectionLost) => Some(true),
+        Err(Error::Status(s)) if *s == Status::DIGEST_MISMATCH => Some(false),
+        Err(Error::DigestMismatch) => Some(false),
+        _ => None,
+    }
+}
+
+/// The live connection with the most free credits (the least loaded).
+/// (Ties go to the later slot.) Only the one chosen is cloned.
+fn best(sh: &Shared) -> Option<Arc<Conn>> {
+    let mut best: Option<(usize, Arc<Conn>)> = None;
+    for slot in &sh.slots {
+        let conn = slot.read();
+        if let Some(c) = conn.as_ref().filter(|c| c.is_alive()) {
+            let free = c.credits.available_permits();
+            if best.as_ref().is_none_or(|(most, _)| free >= *most) {
+                best = Some((free, c.clone()));
+            }
+        }
+    }
+    best.map(|(_, c)| c)
+}
+
 /// Whether the target's host went down between two boots seen: a process
 /// restart keeps the kernel's page cache (a kill -9 loses no acknowledged
 /// write, a graceful stop flushes), a reboot may not. An unknown boot (0)
@@ -420,10 +554,6 @@ pub(crate) async fn all<T>(
     futs: impl Iterator<Item = impl std::future::Future<Output = Result<T, Error>>>,
 ) -> Result<Vec<T>, Error> {
     futures::future::join_all(futs).await.into_iter().collect()
-}
-
-fn to_u32(n: u64) -> Result<u32, Error> {
-    u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("length {n} too large")))
 }
 
 /// Reads `[offset, offset + len)` as pieces of at most `max` bytes, all in
