@@ -22,7 +22,8 @@ use fastsan_brp::Command;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
@@ -109,6 +110,9 @@ pub(crate) struct Conn {
     tx: mpsc::UnboundedSender<Submit>,
     pub credits: Arc<Semaphore>,
     dead: CancellationToken,
+    /// False once it failed: what every request's choice of connection reads
+    /// (a load; `dead`'s state is behind a lock).
+    alive: Arc<AtomicBool>,
     /// Which connection of the session this is, and how many times that
     /// slot was re-established before it.
     pub slot: usize,
@@ -178,11 +182,14 @@ impl Conn {
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(limits.queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
+        let alive = Arc::new(AtomicBool::new(true));
         let inflight = Arc::new(Inflight::default());
         let on_dead = Arc::new(Mutex::new(Some(on_dead)));
         let die = {
-            let (dead, inflight, credits) = (dead.clone(), inflight.clone(), credits.clone());
+            let (dead, alive, inflight, credits) =
+                (dead.clone(), alive.clone(), inflight.clone(), credits.clone());
             move |e: Option<Error>| {
+                alive.store(false, Release);
                 dead.cancel();
                 credits.close();
                 inflight.fail_all();
@@ -198,12 +205,14 @@ impl Conn {
             let (die, dead, inflight, stats) = (die.clone(), dead.clone(), inflight.clone(), stats.clone());
             let credits_s = credits.clone();
             async move {
+                let mut rx = rx;
                 let r = tokio::select! {
                     biased;
                     _ = dead.cancelled() => Ok(()),
-                    r = send_loop(wr, rx, &inflight, &credits_s, digests, limits, &stats) => r,
+                    r = send_loop(wr, &mut rx, &inflight, &credits_s, digests, limits, &stats) => r,
                 };
                 die(r.err().map(Error::from));
+                fail_queued(rx, &inflight).await;
             }
         };
         let receiver = {
@@ -223,11 +232,11 @@ impl Conn {
         };
         tokio::spawn(sender);
         tokio::spawn(receiver);
-        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch, target: place.target }
+        Conn { tx, credits, dead, alive, slot: place.slot, epoch: place.epoch, target: place.target }
     }
 
     pub fn is_alive(&self) -> bool {
-        !self.dead.is_cancelled()
+        self.alive.load(Acquire)
     }
 
     /// Queues a request; gives it back if the connection is gone.
@@ -321,7 +330,7 @@ fn mergeable(s: &Submit, l: &Limits) -> bool {
 
 async fn send_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
-    mut rx: mpsc::UnboundedReceiver<Submit>,
+    rx: &mut mpsc::UnboundedReceiver<Submit>,
     inflight: &Inflight,
     credits: &Semaphore,
     digests: bool,
@@ -426,6 +435,22 @@ async fn send_loop<W: AsyncWrite + Unpin>(
 }
 
 /// Registers the request as in flight, keeping what the sender must write.
+/// Fails the requests queued on a dead connection and never sent (its
+/// `inflight` is closed: [`Inflight::register`] fails each at once), also one
+/// whose send was under way as the connection died. Dropping the receiver
+/// instead would not do: tokio's channel drains what it holds when the
+/// receiver drops, and a send that had taken its place before the close but
+/// stores its message after the drain leaves it in the channel until the last
+/// sender goes, which the request itself holds (its `Arc<Conn>`): it would
+/// wait forever, and its write's place in the order with it. A closed
+/// receiver instead waits for such a send to finish.
+async fn fail_queued(mut rx: mpsc::UnboundedReceiver<Submit>, inflight: &Inflight) {
+    rx.close();
+    while let Some(s) = rx.recv().await {
+        inflight.register(s.header.tag, s.pending);
+    }
+}
+
 fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit) {
     inflight.register(s.header.tag, s.pending);
     group.push((s.header, s.payload));
@@ -607,6 +632,68 @@ mod tests {
         let credit = Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
         inflight.register(tag, Pending { done, _credit: credit });
         rx
+    }
+
+    /// A connection that dies while requests are being sent on it from
+    /// another thread answers every one of them (here: fails it), also one
+    /// whose send was under way at that instant. Each round, a thread sends
+    /// as fast as it can until the connection refuses, while the target goes
+    /// away; then every request sent must get its answer. (Until 2026-11-27
+    /// the dead connection dropped its queue, and a request whose send was
+    /// under way could stay in it, unanswered, for as long as it waited.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_sent_as_the_connection_dies_are_all_answered() {
+        let limits = || Limits {
+            mode: MergeMode::Adaptive,
+            max_batch: 64,
+            merge_max_request: 64 << 10,
+            queue_depth: 256,
+            merge_max_bytes: 1 << 20,
+            alone: false,
+        };
+        let mut sent = 0usize;
+        for round in 0..500u64 {
+            let (target, cli) = tokio::io::duplex(1 << 16);
+            let (rd, wr) = tokio::io::split(cli);
+            let io = Io { rd, wr, leftover: BytesMut::new(), digests: false };
+            let place = Place {
+                slot: 0,
+                epoch: 0,
+                request_timeout: std::time::Duration::from_secs(60),
+                target: (0, 0),
+            };
+            let conn =
+                Arc::new(Conn::start_on(io, place, limits(), Arc::new(Stats::default()), Box::new(|| {})));
+            let (c, credits) = (conn.clone(), Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)));
+            let sender = std::thread::spawn(move || {
+                let mut answers = Vec::new();
+                for tag in 0.. {
+                    let (done, answer) = oneshot::channel();
+                    let credit = credits.clone().try_acquire_owned().expect("credits enough");
+                    let header = RequestHeader::new(Command::Read, 0, tag, 0, 512);
+                    let s =
+                        Submit { header, payload: Bytes::new(), pending: Pending { done, _credit: credit } };
+                    if c.submit(s).is_err() {
+                        return answers;
+                    }
+                    answers.push(answer);
+                }
+                unreachable!()
+            });
+            tokio::time::sleep(std::time::Duration::from_micros(100 + round * 7 % 400)).await;
+            drop(target);
+            let answers = tokio::task::spawn_blocking(move || sender.join().unwrap()).await.unwrap();
+            sent += answers.len();
+            for (i, a) in answers.into_iter().enumerate() {
+                // The connection (and so its channel) is still held here, as
+                // a request in flight holds it.
+                let got = tokio::time::timeout(std::time::Duration::from_secs(10), a).await;
+                let got = got.unwrap_or_else(|_| panic!("round {round}: request {i} was never answered"));
+                assert!(matches!(got, Ok(Err(Error::ConnectionLost)) | Err(_)), "round {round}: {got:?}");
+            }
+            drop(conn);
+        }
+        assert!(sent > 200, "requests were sent: {sent}");
     }
 
     /// Large replies arriving in odd pieces, between small ones, with and

@@ -38,11 +38,13 @@ attach() {
   say "FAIL attach $*: $(cat /tmp/attach.log)"
   return 1
 }
-# Detaches with `fastsan detach` and checks that attach ended well.
+# Detaches with `fastsan detach` and checks that attach ended well. What attach
+# warned about goes to the console, which the host shows when a check fails.
 detach() {
   check timeout 120 fastsan detach /dev/nbd0
   wait $pid
   rc=$?
+  grep -E "WARN|ERROR|panicked" /tmp/attach.log | head -20 | sed 's/^/attach.log: /'
   if [ $rc = 0 ] && grep -q detached /tmp/attach.log; then say "PASS attach exited cleanly"
   else say "FAIL attach exited $rc: $(tail -5 /tmp/attach.log)"; fi
 }
