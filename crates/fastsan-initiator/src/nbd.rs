@@ -274,7 +274,6 @@ impl NbdVolume {
     /// (An async block, not an async fn: `data` is held once, not twice; and
     /// the rare paths are boxed, so that a one-request write's future is
     /// little more than its request's.)
-    // Not an async fn: its arguments would be held twice (clippy's rewrite undoes the point).
     #[allow(clippy::manual_async_fn)]
     pub fn write_bytes(
         &self,

@@ -1113,7 +1113,6 @@ impl NvmeVolume {
     /// answered, so no piece of a write reported failed lands after the report.
     /// (An async block, not an async fn, here and in [`NvmeVolume::read_from`]:
     /// the arguments are held once, not twice.)
-    // Not an async fn: its arguments would be held twice (clippy's rewrite undoes the point).
     #[allow(clippy::manual_async_fn)]
     fn write_to<'a>(
         &'a self,
