@@ -22,8 +22,7 @@ use fastsan_brp::Command;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
@@ -110,9 +109,6 @@ pub(crate) struct Conn {
     tx: mpsc::UnboundedSender<Submit>,
     pub credits: Arc<Semaphore>,
     dead: CancellationToken,
-    /// False once it failed: what every request's choice of connection reads
-    /// (a load; `dead`'s state is behind a lock).
-    alive: Arc<AtomicBool>,
     /// Which connection of the session this is, and how many times that
     /// slot was re-established before it.
     pub slot: usize,
@@ -182,14 +178,11 @@ impl Conn {
         let (tx, rx) = mpsc::unbounded_channel();
         let credits = Arc::new(Semaphore::new(limits.queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
-        let alive = Arc::new(AtomicBool::new(true));
         let inflight = Arc::new(Inflight::default());
         let on_dead = Arc::new(Mutex::new(Some(on_dead)));
         let die = {
-            let (dead, alive, inflight, credits) =
-                (dead.clone(), alive.clone(), inflight.clone(), credits.clone());
+            let (dead, inflight, credits) = (dead.clone(), inflight.clone(), credits.clone());
             move |e: Option<Error>| {
-                alive.store(false, Release);
                 dead.cancel();
                 credits.close();
                 inflight.fail_all();
@@ -232,11 +225,11 @@ impl Conn {
         };
         tokio::spawn(sender);
         tokio::spawn(receiver);
-        Conn { tx, credits, dead, alive, slot: place.slot, epoch: place.epoch, target: place.target }
+        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch, target: place.target }
     }
 
     pub fn is_alive(&self) -> bool {
-        self.alive.load(Acquire)
+        !self.dead.is_cancelled()
     }
 
     /// Queues a request; gives it back if the connection is gone.
@@ -434,7 +427,6 @@ async fn send_loop<W: AsyncWrite + Unpin>(
     }
 }
 
-/// Registers the request as in flight, keeping what the sender must write.
 /// Fails the requests queued on a dead connection and never sent (its
 /// `inflight` is closed: [`Inflight::register`] fails each at once), also one
 /// whose send was under way as the connection died. Dropping the receiver
@@ -451,6 +443,7 @@ async fn fail_queued(mut rx: mpsc::UnboundedReceiver<Submit>, inflight: &Infligh
     }
 }
 
+/// Registers the request as in flight, keeping what the sender must write.
 fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit) {
     inflight.register(s.header.tag, s.pending);
     group.push((s.header, s.payload));
