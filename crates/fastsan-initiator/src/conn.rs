@@ -9,6 +9,7 @@
 
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
+use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::stats::Stats;
 use crate::transport::Stream;
@@ -24,7 +25,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -46,20 +47,16 @@ pub(crate) struct Pending {
 /// The requests sent and not yet answered. Once closed, nothing more is
 /// registered: a late request fails at once instead of waiting forever.
 ///
-/// Each request notes the clock's tick when it was sent: a coarse clock that
-/// the receiver advances [`TICKS`] times per request timeout, so the hot
-/// path reads no time at all.
+/// Each request notes the connection's [`Clock`] when it was sent; the
+/// receiver gives up on one that waits past its timeout ([`crate::overdue`]).
 #[derive(Default)]
 struct Inflight {
     /// Closed, and each tag's request with the tick it was sent at.
     state: Mutex<(bool, HashMap<u64, Sent>)>,
-    tick: std::sync::atomic::AtomicU32,
+    clock: Clock,
 }
 
 type Sent = (Pending, u32);
-
-/// Ticks of the coarse clock per request timeout.
-const TICKS: u32 = 4;
 
 impl Inflight {
     fn register(&self, tag: u64, p: Pending) {
@@ -67,7 +64,7 @@ impl Inflight {
         if st.0 {
             let _ = p.done.send(Err(Error::ConnectionLost));
         } else {
-            st.1.insert(tag, (p, self.tick.load(Relaxed)));
+            st.1.insert(tag, (p, self.clock.now()));
         }
     }
     fn take(&self, tag: u64) -> Option<Pending> {
@@ -86,10 +83,9 @@ impl Inflight {
             let _ = p.done.send(Err(Error::ConnectionLost));
         }
     }
-    /// Advances the clock; whether a request has waited a whole timeout.
-    fn tick_finds_overdue(&self) -> bool {
-        let now = self.tick.fetch_add(1, Relaxed) + 1;
-        self.state.lock().1.values().any(|(_, sent)| now.wrapping_sub(*sent) > TICKS)
+    /// Whether a request has waited its whole timeout at tick `now`.
+    fn any_overdue(&self, now: u32) -> bool {
+        self.state.lock().1.values().any(|(_, sent)| overdue(now, *sent))
     }
 }
 
@@ -454,22 +450,15 @@ fn push(group: &mut Vec<(RequestHeader, Bytes)>, inflight: &Inflight, s: Submit)
 async fn read_some<R: AsyncRead + Unpin>(
     rd: &mut R,
     into: &mut impl BufMut,
-    clock: &mut tokio::time::Interval,
+    ticker: &mut Ticker,
     inflight: &Inflight,
     timeout: std::time::Duration,
 ) -> Result<(), Error> {
-    let read = loop {
-        tokio::select! {
-            r = rd.read_buf(into) => break r,
-            _ = clock.tick() => {
-                if inflight.tick_finds_overdue() {
-                    tracing::warn!(?timeout, "a request got no reply in time; dropping the connection");
-                    return Err(Error::Timeout("request"));
-                }
-            }
+    match ticker.read(rd, into, &inflight.clock, |now| inflight.any_overdue(now)).await {
+        Err(e) if is_overdue(&e) => {
+            tracing::warn!(?timeout, "a request got no reply in time; dropping the connection");
+            Err(Error::Timeout("request"))
         }
-    };
-    match read {
         Ok(0) => Err(Error::ConnectionLost),
         Ok(_) => Ok(()),
         Err(e) => Err(e.into()),
@@ -503,9 +492,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
     digests: bool,
     timeout: std::time::Duration,
 ) -> Error {
-    let period = (timeout / TICKS).max(std::time::Duration::from_millis(1));
-    let mut clock = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut clock = Ticker::new(timeout);
     let recycler = Arc::new(Recycler::default());
     loop {
         loop {

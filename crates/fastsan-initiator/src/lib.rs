@@ -54,6 +54,7 @@ pub mod nbd;
 pub mod nvme;
 pub mod options;
 mod order;
+mod overdue;
 mod recycle;
 pub mod remote;
 pub mod session;

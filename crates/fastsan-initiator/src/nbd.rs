@@ -21,6 +21,7 @@
 //! in pieces reports its outcome only once every piece is answered, so no
 //! piece of a write reported failed lands after the report.
 
+use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
@@ -47,7 +48,8 @@ const MAX_MIN_BLOCK: u32 = 64 << 10;
 /// Zeros written by WRITE_ZEROES on a server without it, a piece at a time.
 const ZERO_PIECE: usize = 1 << 20;
 
-type Waiter = (usize, oneshot::Sender<Result<Bytes, Error>>);
+/// A request's reply length, the tick it was sent at ([`Clock`]), and its caller.
+type Waiter = (usize, u32, oneshot::Sender<Result<Bytes, Error>>);
 type Pending = Arc<Mutex<HashMap<u64, Waiter>>>;
 
 pub struct NbdVolume {
@@ -58,11 +60,13 @@ pub struct NbdVolume {
     next: AtomicU64,
     /// False once the connection ended.
     up: Arc<AtomicBool>,
+    /// Its request clock: the reader cuts the connection when a request
+    /// waits past the request timeout ([`crate::overdue`]).
+    clock: Arc<Clock>,
     size: u64,
     flags: u16,
     block: u32,
     max: u32,
-    request_timeout: Duration,
     zeros: Bytes,
 }
 
@@ -172,8 +176,16 @@ impl NbdVolume {
         let (rd, wr) = s.into_split();
         let pending: Pending = Arc::default();
         let up = Arc::new(AtomicBool::new(true));
+        let clock = Arc::new(Clock::default());
         let (frames, rx) = mpsc::unbounded_channel();
-        tokio::spawn(read_replies(rd, pending.clone(), up.clone()));
+        let reader = Reader {
+            url: url.to_owned(),
+            pending: pending.clone(),
+            up: up.clone(),
+            clock: clock.clone(),
+            timeout: request_timeout,
+        };
+        tokio::spawn(read_replies(rd, reader, frames.downgrade()));
         let (p, u) = (pending.clone(), up.clone());
         tokio::spawn(async move { crate::writer::run(wr, rx, &u, || p.lock().len()).await });
         Ok(NbdVolume {
@@ -182,11 +194,11 @@ impl NbdVolume {
             pending,
             next: AtomicU64::new(1),
             up,
+            clock,
             size,
             flags,
             block,
             max,
-            request_timeout,
             zeros: Bytes::from(vec![0u8; ZERO_PIECE]),
         })
     }
@@ -228,7 +240,7 @@ impl NbdVolume {
         let cookie = self.next.fetch_add(1, Relaxed);
         let (tx, rx) = oneshot::channel();
         let reply_len = if command == CMD_READ { length as usize } else { 0 };
-        self.pending.lock().insert(cookie, (reply_len, tx));
+        self.pending.lock().insert(cookie, (reply_len, self.clock.now(), tx));
         // After the insert: a reader that ended drained the map after it
         // cleared `up`, so a request it did not fail sees `up` false here.
         if !self.up.load(Relaxed) {
@@ -243,16 +255,9 @@ impl NbdVolume {
             self.pending.lock().remove(&cookie);
             return Err(Error::ConnectionLost);
         }
-        match tokio::time::timeout(self.request_timeout, rx).await {
-            Ok(reply) => reply.map_err(|_| Error::ConnectionLost)?,
-            Err(_) => {
-                // Whether it landed is unknown: the connection is cut, and
-                // every request on it fails.
-                tracing::warn!(url = %self.url, "an NBD request got no reply in time; cutting the connection");
-                let _ = self.frames.send(None);
-                Err(Error::ConnectionLost)
-            }
-        }
+        // A reply that does not come in time: the reader cuts the
+        // connection, and every request on it fails.
+        rx.await.map_err(|_| Error::ConnectionLost)?
     }
 
     /// Reads `len` bytes at `offset`.
@@ -356,11 +361,42 @@ impl NbdVolume {
     }
 }
 
+/// What the reader task shares with the volume.
+struct Reader {
+    url: String,
+    pending: Pending,
+    up: Arc<AtomicBool>,
+    clock: Arc<Clock>,
+    timeout: Duration,
+}
+
+/// Ends a reader's connection however the reader ends (by a panic too):
+/// `up` cleared, and every request still waiting failed.
+struct Ending<'a> {
+    pending: &'a Pending,
+    up: &'a AtomicBool,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.up.store(false, Relaxed);
+        for (_, (_, _, tx)) in self.pending.lock().drain() {
+            let _ = tx.send(Err(Error::ConnectionLost));
+        }
+    }
+}
+
 /// Reads replies until the connection ends, handing each to its waiter;
-/// then fails every request still waiting.
-async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBool>) {
+/// then fails every request still waiting. A request that waits past the
+/// timeout cuts the connection (the socket shut down, and the writer told
+/// through `frames`).
+async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboundedSender<Option<Bytes>>) {
+    let Reader { url, pending, up, clock, timeout } = r;
+    let ending = Ending { pending: &pending, up: &up };
     let mut buf = BytesMut::with_capacity(1 << 20);
     let recycler = Arc::new(Recycler::default());
+    let mut ticker = Ticker::new(timeout);
+    let any_overdue = |now| pending.lock().values().any(|(_, sent, _)| overdue(now, *sent));
     let r: io::Result<()> = async {
         loop {
             while buf.len() >= SIMPLE_REPLY_LEN {
@@ -369,7 +405,7 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                 }
                 let error = u32::from_be_bytes(buf[4..8].try_into().expect("4 bytes"));
                 let cookie = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
-                let Some(&(want, _)) = pending.lock().get(&cookie) else {
+                let Some(&(want, _, _)) = pending.lock().get(&cookie) else {
                     let why = format!("reply for unknown cookie {cookie}");
                     return Err(io::Error::new(io::ErrorKind::InvalidData, why));
                 };
@@ -381,11 +417,12 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                     let mut data = recycler.begin(&mut buf, data_len);
                     while data.len() < data_len {
                         let room = data_len - data.len();
-                        if rd.read_buf(&mut (&mut data).limit(room)).await? == 0 {
+                        if ticker.read(&mut rd, &mut (&mut data).limit(room), &clock, any_overdue).await? == 0
+                        {
                             return Err(io::ErrorKind::UnexpectedEof.into());
                         }
                     }
-                    if let Some((_, tx)) = pending.lock().remove(&cookie) {
+                    if let Some((_, _, tx)) = pending.lock().remove(&cookie) {
                         let _ = tx.send(Ok(recycler.data(data)));
                     }
                     continue;
@@ -395,7 +432,7 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                     break;
                 }
                 let frame = buf.split_to(SIMPLE_REPLY_LEN + data_len).freeze();
-                if let Some((_, tx)) = pending.lock().remove(&cookie) {
+                if let Some((_, _, tx)) = pending.lock().remove(&cookie) {
                     let _ = tx.send(match error {
                         0 => Ok(frame.slice(SIMPLE_REPLY_LEN..)),
                         e => Err(Error::Status(status_of(e))),
@@ -403,21 +440,30 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, up: Arc<AtomicBoo
                 }
             }
             buf.reserve(64 * 1024);
-            if rd.read_buf(&mut buf).await? == 0 {
+            if ticker.read(&mut rd, &mut buf, &clock, any_overdue).await? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
     }
     .await;
-    // The writer clears `up` first when this side closed (the volume was
-    // dropped, or a request without a reply cut it, reported then).
+    let timed_out = r.as_ref().is_err_and(is_overdue);
+    if timed_out {
+        // Whether it landed is unknown: the connection is cut (shut down
+        // first, so that nothing more is sent on it), and every request on
+        // it fails.
+        tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
+        let _ = socket2::SockRef::from(rd.as_ref()).shutdown(std::net::Shutdown::Both);
+        if let Some(tx) = frames.upgrade() {
+            let _ = tx.send(None);
+        }
+    }
+    // The writer clears `up` first when this side closed the connection
+    // (the volume was dropped).
     let ours = !up.swap(false, Relaxed);
     match r {
-        Err(e) if ours => tracing::debug!("the NBD connection closed: {e}"),
-        Err(e) => tracing::warn!("the NBD connection ended: {e}"),
+        Err(e) if ours || timed_out => tracing::debug!(%url, "the NBD connection closed: {e}"),
+        Err(e) => tracing::warn!(%url, "the NBD connection ended: {e}"),
         Ok(()) => {}
     }
-    for (_, (_, tx)) in pending.lock().drain() {
-        let _ = tx.send(Err(Error::ConnectionLost));
-    }
+    drop(ending);
 }

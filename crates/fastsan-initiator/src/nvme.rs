@@ -33,6 +33,7 @@
 //! reader task answers R2Ts itself, from the data the command keeps, so a
 //! write whose caller went away still finishes as the controller expects.
 
+use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
 use bytes::{Bytes, BytesMut};
@@ -272,6 +273,8 @@ struct Cmd {
     out: Bytes,
     asked: u32,
     tx: oneshot::Sender<Result<(Cqe, Bytes), Error>>,
+    /// The tick of the queue's [`Clock`] it was sent at.
+    sent: u32,
 }
 
 impl Cmd {
@@ -313,10 +316,12 @@ impl Slots {
         Slots { free: (0..depth).rev().collect(), pending: (0..depth).map(|_| None).collect(), waiting: 0 }
     }
 
-    /// A free identifier for `cmd`, if one is left (else `cmd` comes back).
-    fn take(&mut self, cmd: Cmd) -> Result<u16, Cmd> {
+    /// A free identifier for `cmd`, sent at tick `now`, if one is left
+    /// (else `cmd` comes back).
+    fn take(&mut self, mut cmd: Cmd, now: u32) -> Result<u16, Cmd> {
         match self.free.pop() {
             Some(cid) => {
+                cmd.sent = now;
                 self.pending[cid as usize] = Some(cmd);
                 Ok(cid)
             }
@@ -357,6 +362,9 @@ struct QueueState {
     freed: Notify,
     /// False once the connection ended.
     up: AtomicBool,
+    /// Its command clock: the reader cuts the connection when a command
+    /// waits past the request timeout ([`crate::overdue`]).
+    clock: Clock,
     digests: Digests,
     /// The most data one H2CData PDU may carry (ICResp).
     maxh2cdata: u32,
@@ -440,7 +448,7 @@ fn prepare(mut sqe: Sqe, data: Data) -> (Submission, Completion) {
     };
     sqe.flags |= PSDT_SGL;
     sqe.dptr = desc.encode();
-    let cmd = Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx };
+    let cmd = Cmd { want, first: None, got: Vec::new(), got_len: 0, out, asked: 0, tx, sent: 0 };
     (Submission { sqe, icd, cmd }, rx)
 }
 
@@ -448,8 +456,16 @@ impl Queue {
     /// Opens the connection and exchanges ICReq/ICResp; `depth`: commands
     /// in flight at most; `max_data`: the most data one PDU from the
     /// controller may carry (larger lengths are refused before anything is
-    /// buffered).
-    async fn open(addr: &str, qid: u16, digests: Digests, depth: u16, max_data: u32) -> Result<Queue, Error> {
+    /// buffered); a command without its completion after `timeout` cuts
+    /// the connection ([`crate::overdue`]).
+    async fn open(
+        addr: &str,
+        qid: u16,
+        digests: Digests,
+        depth: u16,
+        max_data: u32,
+        timeout: Duration,
+    ) -> Result<Queue, Error> {
         let name = format!("{addr} queue {qid}");
         let mut s = TcpStream::connect(addr)
             .await
@@ -500,6 +516,7 @@ impl Queue {
             slots: Mutex::new(Slots::new(depth)),
             freed: Notify::new(),
             up: AtomicBool::new(true),
+            clock: Clock::default(),
             digests,
             maxh2cdata: r.maxh2cdata,
         });
@@ -507,7 +524,7 @@ impl Queue {
         // A receive buffer of its own (see RECEIVE_BUFFER).
         let mut rbuf = BytesMut::with_capacity(RECEIVE_BUFFER);
         rbuf.extend_from_slice(&buf);
-        tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data));
+        tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data, timeout));
         let st = state.clone();
         tokio::spawn(async move { crate::writer::run(wr, rx, &st.up, || st.slots.lock().in_flight()).await });
         Ok(Queue { frames, state })
@@ -527,7 +544,6 @@ impl Queue {
         &self,
         sqe: Sqe,
         data: Data,
-        timeout: Duration,
     ) -> impl std::future::Future<Output = Result<(Cqe, Bytes), Error>> + Send + '_ {
         let submitted = self.submit(sqe, data);
         async move {
@@ -535,16 +551,9 @@ impl Queue {
             if let Some(w) = waiting {
                 w.await?;
             }
-            match tokio::time::timeout(timeout, rx).await {
-                Ok(reply) => reply.map_err(|_| Error::ConnectionLost)?,
-                Err(_) => {
-                    // Whether it landed is unknown: the connection is cut, and
-                    // every command on it fails.
-                    tracing::warn!(queue = %self.state.name, "an NVMe command got no completion in time; cutting the connection");
-                    let _ = self.frames.send(None);
-                    Err(Error::ConnectionLost)
-                }
-            }
+            // A completion that does not come in time: the reader cuts the
+            // connection, and every command on it fails.
+            rx.await.map_err(|_| Error::ConnectionLost)?
         }
     }
 
@@ -558,7 +567,7 @@ impl Queue {
     fn submit(&self, sqe: Sqe, data: Data) -> Result<(Option<Sending<'_>>, Completion), Error> {
         let (Submission { sqe, icd, cmd }, rx) = prepare(sqe, data);
         // The lock is released at the end of this statement: `send` may take it again.
-        let taken = self.state.slots.lock().take(cmd);
+        let taken = self.state.slots.lock().take(cmd, self.state.clock.now());
         match taken {
             Ok(cid) => {
                 self.send(cid, sqe, &icd)?;
@@ -576,7 +585,7 @@ impl Queue {
         loop {
             {
                 let mut s = st.slots.lock();
-                match s.take(sub.cmd) {
+                match s.take(sub.cmd, st.clock.now()) {
                     Ok(cid) => {
                         drop(s);
                         return self.send(cid, sub.sqe, &sub.icd);
@@ -628,10 +637,9 @@ impl Queue {
         command: &'static str,
         sqe: Sqe,
         data: Data,
-        timeout: Duration,
     ) -> impl std::future::Future<Output = Result<(Cqe, Bytes), Error>> + Send + '_ {
         // A map, not an async block: awaiting the call there would hold it twice.
-        self.call(sqe, data, timeout).map(move |r| {
+        self.call(sqe, data).map(move |r| {
             let (cqe, data) = r?;
             check(command, &cqe)?;
             Ok((cqe, data))
@@ -648,7 +656,6 @@ impl Queue {
         cntlid: u16,
         u: &NvmeUrl,
         host: &Host,
-        timeout: Duration,
     ) -> Result<u16, Error> {
         let mut sqe = blank(OPC_FABRICS);
         sqe.nsid = fctype::CONNECT as u32;
@@ -663,7 +670,7 @@ impl Queue {
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
         d[256..256 + u.subnqn.len()].copy_from_slice(u.subnqn.as_bytes());
         d[512..512 + host.nqn.len()].copy_from_slice(host.nqn.as_bytes());
-        let (cqe, _) = self.call(sqe, Data::InCapsule(d.into()), timeout).await?;
+        let (cqe, _) = self.call(sqe, Data::InCapsule(d.into())).await?;
         let s = cqe.status;
         if s.is_success() {
             return Ok(cqe.dw0 as u16);
@@ -689,30 +696,30 @@ impl Queue {
     }
 
     /// Property Get: a 4-byte (or with `wide`, 8-byte) controller property.
-    async fn get(&self, offset: u32, wide: bool, timeout: Duration) -> Result<u64, Error> {
+    async fn get(&self, offset: u32, wide: bool) -> Result<u64, Error> {
         let mut sqe = blank(OPC_FABRICS);
         sqe.nsid = fctype::PROPERTY_GET as u32;
         sqe.cdw10 = wide as u32;
         sqe.cdw11 = offset;
-        let (cqe, _) = self.run("Property Get", sqe, Data::None, timeout).await?;
+        let (cqe, _) = self.run("Property Get", sqe, Data::None).await?;
         Ok(if wide { cqe.dw0 as u64 | (cqe.dw1 as u64) << 32 } else { cqe.dw0 as u64 })
     }
 
     /// Property Set of a 4-byte property.
-    async fn set(&self, offset: u32, value: u32, timeout: Duration) -> Result<(), Error> {
+    async fn set(&self, offset: u32, value: u32) -> Result<(), Error> {
         let mut sqe = blank(OPC_FABRICS);
         sqe.nsid = fctype::PROPERTY_SET as u32;
         sqe.cdw11 = offset;
         sqe.cdw12 = value;
-        self.run("Property Set", sqe, Data::None, timeout).await.map(drop)
+        self.run("Property Set", sqe, Data::None).await.map(drop)
     }
 
     /// Identify: the 4096 bytes of CNS `cns` about namespace `nsid`.
-    async fn identify(&self, cns: u8, nsid: u32, timeout: Duration) -> Result<Bytes, Error> {
+    async fn identify(&self, cns: u8, nsid: u32) -> Result<Bytes, Error> {
         let mut sqe = blank(opc::IDENTIFY);
         sqe.nsid = nsid;
         sqe.cdw10 = cns as u32;
-        let (_, data) = self.run("Identify", sqe, Data::Back(IDENTIFY_LEN), timeout).await?;
+        let (_, data) = self.run("Identify", sqe, Data::Back(IDENTIFY_LEN)).await?;
         Ok(data)
     }
 }
@@ -767,7 +774,6 @@ pub struct NvmeVolume {
     in_capsule: u32,
     read_only: bool,
     volatile_cache: bool,
-    request_timeout: Duration,
 }
 
 impl Drop for NvmeVolume {
@@ -825,19 +831,19 @@ impl NvmeVolume {
         let digests =
             Digests { header: u.hdgst.unwrap_or(opts.digests), data: u.ddgst.unwrap_or(opts.digests) };
         let host = Host::new(u.hostnqn.clone());
-        let admin = Queue::open(&u.addr, 0, digests, ADMIN_SQSIZE, IDENTIFY_LEN).await?;
-        let controller = admin.connect(0, ADMIN_SQSIZE, 0xffff, &u, &host, t).await?;
+        let admin = Queue::open(&u.addr, 0, digests, ADMIN_SQSIZE, IDENTIFY_LEN, t).await?;
+        let controller = admin.connect(0, ADMIN_SQSIZE, 0xffff, &u, &host).await?;
         let name = format!("{} controller {controller}", u.addr);
         let bad = |why: String| Error::NvmeTcp(format!("{name}: {why}"));
 
-        let cap = admin.get(prop::CAP, true, t).await?;
+        let cap = admin.get(prop::CAP, true).await?;
         let mqes = (cap & 0xffff) as u32;
         let ready_within = Duration::from_millis(500 * (((cap >> 24) & 0xff) + 1));
         let mpsmin = ((cap >> 48) & 0xf) as u32;
-        admin.set(prop::CC, CC_ENABLE, t).await?;
+        admin.set(prop::CC, CC_ENABLE).await?;
         let deadline = Instant::now() + ready_within;
         loop {
-            let csts = admin.get(prop::CSTS, false, t).await?;
+            let csts = admin.get(prop::CSTS, false).await?;
             if csts & 2 != 0 {
                 return Err(bad("the controller failed when enabled (CSTS.CFS)".into()));
             }
@@ -850,7 +856,7 @@ impl NvmeVolume {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
 
-        let ctrl = admin.identify(1, 0, t).await?;
+        let ctrl = admin.identify(1, 0).await?;
         let le16 = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
         let le32 = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
         let le64 = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
@@ -859,7 +865,7 @@ impl NvmeVolume {
         let volatile_cache = ctrl[525] & 1 != 0;
         let ioccsz = le32(&ctrl, 1792);
 
-        let ns = match admin.identify(0, u.nsid, t).await {
+        let ns = match admin.identify(0, u.nsid).await {
             Err(Error::Nvme { sct: 0, sc: 0x0b, .. }) => Bytes::new(),
             r => r?,
         };
@@ -909,7 +915,7 @@ impl NvmeVolume {
         let n = queues as u32 - 1;
         sqe.cdw10 = 0x07; // Number of Queues
         sqe.cdw11 = n | n << 16;
-        let (cqe, _) = admin.run("Set Features", sqe, Data::None, t).await?;
+        let (cqe, _) = admin.run("Set Features", sqe, Data::None).await?;
         // The controller grants both counts, 0's based; it may grant fewer.
         let granted = ((cqe.dw0 & 0xffff).min(cqe.dw0 >> 16) + 1) as usize;
         if granted < queues {
@@ -923,8 +929,8 @@ impl NvmeVolume {
             async move {
                 // One fewer command in flight than entries: a full circular
                 // queue would look empty.
-                let q = Queue::open(addr, qid, digests, sqsize, max_transfer).await?;
-                let id = q.connect(qid, sqsize, controller, u, host, t).await?;
+                let q = Queue::open(addr, qid, digests, sqsize, max_transfer, t).await?;
+                let id = q.connect(qid, sqsize, controller, u, host).await?;
                 if id != controller {
                     return Err(Error::NvmeTcp(format!(
                         "{addr}: I/O queue {qid} joined controller {id}, not {controller}"
@@ -951,7 +957,6 @@ impl NvmeVolume {
             in_capsule,
             read_only,
             volatile_cache,
-            request_timeout: t,
         })
     }
 
@@ -1078,7 +1083,7 @@ impl NvmeVolume {
         len: u64,
     ) -> impl std::future::Future<Output = Result<Bytes, Error>> + Send + 'a {
         let sqe = self.rw(opc::READ, offset, len, false);
-        q.run("Read", sqe, Data::Back(len as u32), self.request_timeout).map(|r| r.map(|(_, data)| data))
+        q.run("Read", sqe, Data::Back(len as u32)).map(|r| r.map(|(_, data)| data))
     }
 
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
@@ -1150,7 +1155,7 @@ impl NvmeVolume {
         let n = piece.len() as u64;
         let sqe = self.rw(opc::WRITE, offset, n, fua);
         let how = if n <= self.in_capsule as u64 { Data::InCapsule(piece) } else { Data::OnRequest(piece) };
-        q.run("Write", sqe, how, self.request_timeout).map(|r| r.map(drop))
+        q.run("Write", sqe, how).map(|r| r.map(drop))
     }
 
     pub async fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
@@ -1162,7 +1167,7 @@ impl NvmeVolume {
     pub async fn flush(&self) -> Result<(), Error> {
         let mut sqe = blank(opc::FLUSH);
         sqe.nsid = self.nsid;
-        self.queue(None).run("Flush", sqe, Data::None, self.request_timeout).await.map(drop)
+        self.queue(None).run("Flush", sqe, Data::None).await.map(drop)
     }
 }
 
@@ -1186,15 +1191,25 @@ async fn read_pdus(
     state: Arc<QueueState>,
     frames: mpsc::WeakUnboundedSender<Option<Bytes>>,
     max_data: u32,
+    timeout: Duration,
 ) {
-    let ended = receive(rd, buf, &state, &frames, max_data).await;
-    // The writer clears `up` first when this side closed (dropped, or cut
-    // for a command without a completion, which was reported then).
+    let ending = Ending(&state);
+    let ended = receive(rd, buf, &state, &frames, max_data, timeout).await;
+    if matches!(&ended, Ended::Io(e) if is_overdue(e)) {
+        // Whether it landed is unknown: the connection is cut (`receive`
+        // shut the socket down), and every command on it fails.
+        tracing::warn!(queue = %state.name, ?timeout, "an NVMe command got no completion in time; cutting the connection");
+        if let Some(tx) = frames.upgrade() {
+            let _ = tx.send(None);
+        }
+    }
+    // The writer clears `up` first when this side closed the connection
+    // (the volume was dropped).
     let ours = !state.up.swap(false, Relaxed);
     state.freed.notify_waiters();
     let err = |why: &str| Error::NvmeTcp(format!("{}: {why}", state.name));
     let why = match ended {
-        Ended::Io(e) if ours => {
+        Ended::Io(e) if ours || is_overdue(&e) => {
             tracing::debug!(queue = %state.name, "the NVMe/TCP connection closed: {e}");
             None
         }
@@ -1219,6 +1234,23 @@ async fn read_pdus(
     for cmd in state.slots.lock().drain() {
         let _ = cmd.tx.send(Err(why.as_deref().map_or(Error::ConnectionLost, err)));
     }
+    drop(ending);
+}
+
+/// Ends a queue's connection however its reader ends (by a panic too):
+/// `up` cleared, the callers waiting for an identifier woken, and every
+/// command still waiting failed.
+struct Ending<'a>(&'a QueueState);
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        let state = self.0;
+        state.up.store(false, Relaxed);
+        state.freed.notify_waiters();
+        for cmd in state.slots.lock().drain() {
+            let _ = cmd.tx.send(Err(Error::ConnectionLost));
+        }
+    }
 }
 
 async fn receive(
@@ -1227,7 +1259,10 @@ async fn receive(
     state: &QueueState,
     frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
     max_data: u32,
+    timeout: Duration,
 ) -> Ended {
+    let mut ticker = Ticker::new(timeout);
+    let any_overdue = |now| state.slots.lock().pending.iter().flatten().any(|c| overdue(now, c.sent));
     loop {
         loop {
             // Framed only: `handle` decodes what each type needs (no Pdu built and moved).
@@ -1248,10 +1283,16 @@ async fn receive(
             None => 0,
         };
         buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
-        match rd.read_buf(&mut buf).await {
+        match ticker.read(&mut rd, &mut buf, &state.clock, any_overdue).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}
-            Err(e) => return Ended::Io(e),
+            Err(e) => {
+                if is_overdue(&e) {
+                    // Nothing more is sent on a connection given up on.
+                    let _ = socket2::SockRef::from(rd.as_ref()).shutdown(std::net::Shutdown::Both);
+                }
+                return Ended::Io(e);
+            }
         }
     }
 }
@@ -2020,7 +2061,8 @@ mod tests {
         let (_fake, addr) = serve(Fake { misbehave: Misbehave::SilentOnRead, ..Default::default() }).await;
         let o = Options { request_timeout: Duration::from_millis(300), ..opts() };
         let v = NvmeVolume::connect(&format!("nvme+tcp://{addr}/{NQN}"), &o, 1).await.unwrap();
-        let (a, b) = tokio::join!(v.read(0, 4096), v.read(4096, 4096));
+        let both = async { tokio::join!(v.read(0, 4096), v.read(4096, 4096)) };
+        let (a, b) = tokio::time::timeout(Duration::from_secs(10), both).await.expect("given up on in time");
         assert!(matches!(a, Err(Error::ConnectionLost)), "{a:?}");
         assert!(matches!(b, Err(Error::ConnectionLost)), "{b:?}");
         for _ in 0..100 {

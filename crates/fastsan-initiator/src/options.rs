@@ -50,7 +50,9 @@ pub struct Options {
     /// sent again, after the target's fence, and the caller sees nothing.
     pub reconnect_timeout: Duration,
     /// How long a request may wait for its reply; past it the connection is
-    /// taken for lost (closed, re-established, the request retried).
+    /// taken for lost (closed, re-established, the request retried; NBD and
+    /// NVMe/TCP fail it). Checked on a coarse clock: a request is given up
+    /// between this and 1.25 times it (`overdue.rs`).
     pub request_timeout: Duration,
     /// Largest request that may be merged into a BATCH.
     pub merge_max_request: u32,
