@@ -492,7 +492,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
     digests: bool,
     timeout: std::time::Duration,
 ) -> Error {
-    let mut clock = Ticker::new(timeout);
+    let mut ticker = Ticker::new(timeout);
     let recycler = Arc::new(Recycler::default());
     loop {
         loop {
@@ -526,7 +526,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             while data.len() < n {
                 let room = n - data.len();
                 if let Err(e) =
-                    read_some(&mut rd, &mut (&mut data).limit(room), &mut clock, inflight, timeout).await
+                    read_some(&mut rd, &mut (&mut data).limit(room), &mut ticker, inflight, timeout).await
                 {
                     return e;
                 }
@@ -534,7 +534,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             if digests {
                 while buf.len() < DIGEST_LEN {
                     buf.reserve(4096);
-                    if let Err(e) = read_some(&mut rd, &mut buf, &mut clock, inflight, timeout).await {
+                    if let Err(e) = read_some(&mut rd, &mut buf, &mut ticker, inflight, timeout).await {
                         return e;
                     }
                 }
@@ -549,7 +549,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
         let need = head.map_or(0, |h| ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN);
         // Grow toward a reply a megabyte at a time, as its bytes arrive.
         buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
-        if let Err(e) = read_some(&mut rd, &mut buf, &mut clock, inflight, timeout).await {
+        if let Err(e) = read_some(&mut rd, &mut buf, &mut ticker, inflight, timeout).await {
             return e;
         }
     }

@@ -448,14 +448,10 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
     .await;
     let timed_out = r.as_ref().is_err_and(is_overdue);
     if timed_out {
-        // Whether it landed is unknown: the connection is cut (shut down
-        // first, so that nothing more is sent on it), and every request on
-        // it fails.
+        // Whether it landed is unknown: the connection is cut, and every
+        // request on it fails.
         tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
-        let _ = socket2::SockRef::from(rd.as_ref()).shutdown(std::net::Shutdown::Both);
-        if let Some(tx) = frames.upgrade() {
-            let _ = tx.send(None);
-        }
+        crate::writer::cut(&rd, &frames);
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).

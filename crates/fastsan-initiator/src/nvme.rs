@@ -1186,29 +1186,25 @@ const RECEIVE_ROOM: usize = 64 << 10;
 /// Holds the frame sender weakly: dropping the volume ends the writer,
 /// which closes the socket, which ends this.
 async fn read_pdus(
-    rd: OwnedReadHalf,
+    mut rd: OwnedReadHalf,
     buf: BytesMut,
     state: Arc<QueueState>,
     frames: mpsc::WeakUnboundedSender<Option<Bytes>>,
     max_data: u32,
     timeout: Duration,
 ) {
-    let ending = Ending(&state);
-    let ended = receive(rd, buf, &state, &frames, max_data, timeout).await;
+    let mut ending = Ending { state: &state, why: None };
+    let ended = receive(&mut rd, buf, &state, &frames, max_data, timeout).await;
     if matches!(&ended, Ended::Io(e) if is_overdue(e)) {
-        // Whether it landed is unknown: the connection is cut (`receive`
-        // shut the socket down), and every command on it fails.
+        // Whether it landed is unknown: the connection is cut, and every
+        // command on it fails.
         tracing::warn!(queue = %state.name, ?timeout, "an NVMe command got no completion in time; cutting the connection");
-        if let Some(tx) = frames.upgrade() {
-            let _ = tx.send(None);
-        }
+        crate::writer::cut(&rd, &frames);
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).
     let ours = !state.up.swap(false, Relaxed);
-    state.freed.notify_waiters();
-    let err = |why: &str| Error::NvmeTcp(format!("{}: {why}", state.name));
-    let why = match ended {
+    ending.why = match ended {
         Ended::Io(e) if ours || is_overdue(&e) => {
             tracing::debug!(queue = %state.name, "the NVMe/TCP connection closed: {e}");
             None
@@ -1231,30 +1227,34 @@ async fn read_pdus(
             Some(v.why)
         }
     };
-    for cmd in state.slots.lock().drain() {
-        let _ = cmd.tx.send(Err(why.as_deref().map_or(Error::ConnectionLost, err)));
-    }
-    drop(ending);
 }
 
 /// Ends a queue's connection however its reader ends (by a panic too):
 /// `up` cleared, the callers waiting for an identifier woken, and every
-/// command still waiting failed.
-struct Ending<'a>(&'a QueueState);
+/// command still waiting failed: with the controller's protocol violation
+/// (`why`) if that ended it, else as a lost connection.
+struct Ending<'a> {
+    state: &'a QueueState,
+    why: Option<String>,
+}
 
 impl Drop for Ending<'_> {
     fn drop(&mut self) {
-        let state = self.0;
+        let state = self.state;
         state.up.store(false, Relaxed);
         state.freed.notify_waiters();
+        let err = || match &self.why {
+            Some(why) => Error::NvmeTcp(format!("{}: {why}", state.name)),
+            None => Error::ConnectionLost,
+        };
         for cmd in state.slots.lock().drain() {
-            let _ = cmd.tx.send(Err(Error::ConnectionLost));
+            let _ = cmd.tx.send(Err(err()));
         }
     }
 }
 
 async fn receive(
-    mut rd: OwnedReadHalf,
+    rd: &mut OwnedReadHalf,
     mut buf: BytesMut,
     state: &QueueState,
     frames: &mpsc::WeakUnboundedSender<Option<Bytes>>,
@@ -1283,16 +1283,10 @@ async fn receive(
             None => 0,
         };
         buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
-        match ticker.read(&mut rd, &mut buf, &state.clock, any_overdue).await {
+        match ticker.read(rd, &mut buf, &state.clock, any_overdue).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}
-            Err(e) => {
-                if is_overdue(&e) {
-                    // Nothing more is sent on a connection given up on.
-                    let _ = socket2::SockRef::from(rd.as_ref()).shutdown(std::net::Shutdown::Both);
-                }
-                return Ended::Io(e);
-            }
+            Err(e) => return Ended::Io(e),
         }
     }
 }

@@ -23,7 +23,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 /// Ticks of the clock per request timeout.
-pub(crate) const TICKS: u32 = 4;
+const TICKS: u32 = 4;
 
 /// A connection's coarse clock, in ticks of a quarter of its request timeout.
 #[derive(Default)]

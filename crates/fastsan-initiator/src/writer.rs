@@ -59,6 +59,16 @@ pub(crate) async fn run(
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
 
+/// Cuts the connection from its reader's side, when a request waited past
+/// its timeout: the socket is shut down first, so that nothing more is sent
+/// on it after the requests are failed, then the writer is told to stop.
+pub(crate) fn cut(rd: &tokio::net::tcp::OwnedReadHalf, frames: &mpsc::WeakUnboundedSender<Option<Bytes>>) {
+    let _ = socket2::SockRef::from(rd.as_ref()).shutdown(std::net::Shutdown::Both);
+    if let Some(tx) = frames.upgrade() {
+        let _ = tx.send(None);
+    }
+}
+
 /// Writes frames until the channel closes or a `None` asks to cut the
 /// connection (both `Ok`), or the connection breaks (`Err`). `in_flight`
 /// says how many requests are waiting for a reply.
