@@ -183,7 +183,10 @@ impl Conn {
                 credits.close();
                 inflight.fail_all();
                 if let Some(e) = e {
-                    tracing::warn!(error = &e as &dyn std::error::Error, "connection to the target lost");
+                    // A timeout was reported where it was found, with the timeout: once.
+                    if !matches!(e, Error::Timeout(_)) {
+                        tracing::warn!(error = &e as &dyn std::error::Error, "connection to the target lost");
+                    }
                     if let Some(f) = on_dead.lock().take() {
                         f();
                     }

@@ -415,7 +415,8 @@ fn blank(opcode: u8) -> Sqe {
 /// Where a command's completion comes (from the reader).
 type Completion = oneshot::Receiver<Result<(Cqe, Bytes), Error>>;
 
-/// A command being sent once an identifier is free ([`Queue::submit`]).
+/// A command being sent once an identifier is free ([`Queue::submit`]), or
+/// the error of a send that failed at once.
 type Sending<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
 /// A command ready to go but for its identifier.
@@ -575,10 +576,10 @@ impl Queue {
 
     /// Sends `sqe` with its data and waits for its completion, whatever its
     /// status (Connect's failures say more in DW0, so the caller decides).
-    /// The command is sent (or queued for an identifier) at once, so the
-    /// future holds neither the command nor its data; a caller that drops
-    /// the future unpolled has sent it all the same (every caller awaits it
-    /// at once).
+    /// With an identifier free the command is sent at once, and the future
+    /// holds neither the command nor its data; else the future holds them
+    /// and sends them once polled and an identifier is freed (dropped
+    /// unpolled, it sends nothing). Every caller awaits it at once.
     fn call(
         &self,
         sqe: Sqe,

@@ -408,3 +408,28 @@ fn bench_rides_out_a_target_restart_and_fails_only_past_the_reconnect_timeout() 
     assert!(err.contains("requests failed"), "{err}");
     assert!(t.elapsed() >= std::time::Duration::from_millis(900), "not before the reconnect timeout");
 }
+
+#[test]
+fn a_request_timeout_is_reported_once_and_the_copy_fails_in_time() {
+    // Reads that never finish: every connection the copy makes times out.
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:1M,faults=read:stall"]);
+    let dir = temp_dir("timeout");
+    let out_file = dir.join("out.img");
+    let t = std::time::Instant::now();
+    let out = fastsan(&[
+        "cp",
+        &s.url("v"),
+        out_file.to_str().unwrap(),
+        "--request-timeout",
+        "0.3",
+        "--reconnect-timeout",
+        "1",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(20), "{err}");
+    // Each lost connection is one warning that names its cause, not two.
+    let timeouts = err.matches("got no reply in time").count();
+    assert!(timeouts >= 1, "{err}");
+    assert!(!err.contains("connection to the target lost"), "{err}");
+}
