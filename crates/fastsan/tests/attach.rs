@@ -239,10 +239,22 @@ fn the_attached_file_maps_writes_fsync_direct_io_and_fallocate_to_the_volume() {
     assert!(f.write_all_at(&[1; 512], 16 << 20).is_err());
     f.flush().unwrap();
     drop(d);
-    // Signalled while a file is open: it stays attached and serving.
+    // Signalled while a file is open: it refuses, stays attached and serving.
+    // Its registry entry counts the refusal: waited for, since under load
+    // the process acted on the signal later than any fixed pause (once more
+    // than 500 ms, after the file was closed: the detach then went through).
     let pid = a.child.as_ref().unwrap().id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(500));
+    let entry = fastsan_attach::registry::dir().join(format!("{pid}.json"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let refusals = || -> u64 {
+        let e = std::fs::read(&entry).unwrap_or_default();
+        serde_json::from_slice::<serde_json::Value>(&e).map_or(0, |v| v["refusals"].as_u64().unwrap_or(0))
+    };
+    while refusals() == 0 {
+        assert!(Instant::now() < deadline, "the SIGTERM was not refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert!(a.child.as_mut().unwrap().try_wait().unwrap().is_none(), "a busy mount is not cut");
     f.write_all_at(&[3; 4096], 8192).unwrap();
     f.sync_all().unwrap();
