@@ -22,7 +22,8 @@ fi
 # test stacks on top (loop device, ext4, fusermount3), and kill for signals;
 # qemu-system-x86 and busybox-static boot the throw-away guest whose kernel
 # runs the kernel-client tests (scripts/guest-image.sh fetches the kernel),
-# with nvme-cli copied into it for the kernel's NVMe/TCP host.
+# with nvme-cli copied into it for the kernel's NVMe/TCP host, and ss (iproute2)
+# for what a guest check that stalls reports.
 # Two passes: installing one package can remove another (qemu-system-x86
 # from Debian removes a newer qemu-utils from backports, and with it
 # qemu-img); the second pass installs what the first one took away.
@@ -31,7 +32,7 @@ missing_apt() {
   for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
               nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
               losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
-              busybox:busybox-static certtool:gnutls-bin tmux:tmux nvme:nvme-cli; do
+              busybox:busybox-static certtool:gnutls-bin tmux:tmux nvme:nvme-cli ss:iproute2; do
     command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
   done
   mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | grep -v '^$' || true)

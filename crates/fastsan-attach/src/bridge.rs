@@ -34,8 +34,22 @@ pub const MAX_IN_FLIGHT: usize = 256;
 /// What the bridges of one device have done.
 #[derive(Debug, Default)]
 pub struct BridgeStats {
+    /// Requests of the kernel received.
     pub requests: AtomicU64,
     pub errors: AtomicU64,
+    /// Replies written back to the kernel: `requests - replies` are in
+    /// flight (`attach --list` shows them; a number that stays up while
+    /// nothing moves is a stuck request, and says on which side).
+    pub replies: AtomicU64,
+}
+
+impl BridgeStats {
+    /// Requests received and not yet answered.
+    pub fn in_flight(&self) -> u64 {
+        // Replies first: a request counted between the two loads is in flight.
+        let replies = self.replies.load(Relaxed);
+        self.requests.load(Relaxed).saturating_sub(replies)
+    }
 }
 
 /// One reply: its 16-byte header, and a READ's data.
@@ -53,7 +67,7 @@ where
 {
     let (mut rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::unbounded_channel::<Reply>();
-    let writer = tokio::spawn(write_replies(wr, rx));
+    let writer = tokio::spawn(write_replies(wr, rx, stats.clone()));
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let mut buf = BytesMut::with_capacity(256 * 1024);
     let mut skip = 0u64;
@@ -75,7 +89,13 @@ where
                     buf.reserve(256 * 1024);
                 }
                 match rd.read_buf(&mut buf).await {
-                    Ok(0) => break Ok(()),
+                    Ok(0) => {
+                        // Without NBD_CMD_DISC first: the kernel gave up on this
+                        // queue (a request past the device's timeout shuts its
+                        // socket), or it is going away. Said when it happens.
+                        warn!(unread = buf.len(), "the kernel closed this queue without a disconnect");
+                        break Ok(());
+                    }
                     Ok(_) => continue,
                     Err(e) => break Err(e),
                 }
@@ -127,6 +147,9 @@ where
             drop(permit);
         });
     };
+    if let Err(e) = &read {
+        warn!(error = e as &dyn std::error::Error, "this queue of the device failed");
+    }
     // Every request started is answered (or its answer fails to send)
     // before this returns; then the writer ends after the last reply.
     let _all = slots.acquire_many(MAX_IN_FLIGHT as u32).await;
@@ -170,12 +193,18 @@ async fn execute(vol: &Remote, r: &Request, data: Bytes) -> Result<Bytes, Error>
 }
 
 /// Sends replies as they come, every one that is ready in one write.
-async fn write_replies<W: AsyncWrite>(wr: W, mut rx: mpsc::UnboundedReceiver<Reply>) -> io::Result<()> {
+async fn write_replies<W: AsyncWrite>(
+    wr: W,
+    mut rx: mpsc::UnboundedReceiver<Reply>,
+    stats: Arc<BridgeStats>,
+) -> io::Result<()> {
     tokio::pin!(wr);
     let mut out: VecDeque<Bytes> = VecDeque::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
+        let mut replies = 0;
         while let Some(r) = next {
+            replies += 1;
             out.push_back(Bytes::copy_from_slice(&r.head));
             if !r.data.is_empty() {
                 out.push_back(r.data);
@@ -199,6 +228,7 @@ async fn write_replies<W: AsyncWrite>(wr: W, mut rx: mpsc::UnboundedReceiver<Rep
                 }
             }
         }
+        stats.replies.fetch_add(replies, Relaxed);
     }
     wr.shutdown().await
 }

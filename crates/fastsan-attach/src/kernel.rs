@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 
 /// How the device is configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -198,9 +198,15 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
     };
     // The kernel holds its ends now.
     drop(theirs);
-    let bridges =
-        ours.into_iter().map(|s| tokio::spawn(bridge::serve(s, vol.clone(), stats.clone()))).collect();
     let path = PathBuf::from(format!("/dev/nbd{index}"));
+    let bridges = ours
+        .into_iter()
+        .enumerate()
+        .map(|(queue, s)| {
+            let span = tracing::info_span!("nbd", device = %path.display(), queue);
+            tokio::spawn(bridge::serve(s, vol.clone(), stats.clone()).instrument(span))
+        })
+        .collect();
     info!(device = %path.display(), size = vol.size(), block_size = bs, queues = opts.queues,
           interface = match control { Control::Netlink(_) => "netlink", Control::Ioctl { .. } => "ioctl" },
           "NBD device connected");

@@ -27,6 +27,10 @@ pub struct Entry {
     pub connections: usize,
     pub requests: u64,
     pub errors: u64,
+    /// Requests of the kernel received and not yet answered (NBD devices;
+    /// `None` where not counted). Up while nothing moves: a stuck request.
+    #[serde(default)]
+    pub in_flight: Option<u64>,
     pub retries: u64,
     pub reconnects: u64,
     /// Detaches refused (the device was in use, or its sync failed).

@@ -216,6 +216,40 @@ async fn the_socket_closing_ends_the_bridge() {
     tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap().unwrap();
 }
 
+/// A request the volume does not answer stays counted in flight (what
+/// `attach --list` shows) until its answer, here the error its timeout
+/// gives, is written back; others go on meanwhile.
+#[tokio::test]
+async fn a_stuck_request_is_counted_in_flight_until_it_is_answered() {
+    let (base, _h) = target(&["v=memory:4M", "slow=memory:4M,faults=read:stall"]).await;
+    let opts = Options {
+        request_timeout: Duration::from_millis(1500),
+        reconnect_timeout: Duration::ZERO,
+        ..Default::default()
+    };
+    let vol = Remote::connect(&format!("{base}/slow"), opts).await.unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let stats = Arc::new(BridgeStats::default());
+    let _task = tokio::spawn(bridge::serve(a, vol, stats.clone()));
+    let mut k = Kernel::new(b);
+    let stuck = k.send(CMD_READ, 0, 0, 4096, &[]).await;
+    // Writes on the same volume are answered around it.
+    assert_eq!(k.call(CMD_WRITE, 0, 8192, 4096, &[3; 4096]).await.0, 0);
+    assert_eq!(stats.requests.load(Relaxed), 2);
+    assert_eq!(stats.in_flight(), 1, "the stalled read");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stats.in_flight(), 1, "still waiting");
+    // Its timeout fails it (no reconnection): an error, and nothing in flight.
+    let (cookie, error, _) = k.reply().await;
+    assert_eq!((cookie, error), (stuck, libc::EIO as u32));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while stats.in_flight() != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the answered read is still counted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stats.replies.load(Relaxed), 2);
+}
+
 /// An NBD export has no retries (no fence): when its server goes, requests
 /// fail with a clear error, at once and every time after, never hang.
 #[tokio::test]

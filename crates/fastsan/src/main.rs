@@ -162,6 +162,10 @@ fn main() -> std::process::ExitCode {
         // Colour codes only for a terminal: not in log files and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if let Cmd::Attach(a) = &cli.cmd {
+        // Before the runtime's threads exist: they inherit it.
+        attach::io_flusher(a);
+    }
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Cmd::Bench(a) = &cli.cmd {
         rt.worker_threads(a.threads());

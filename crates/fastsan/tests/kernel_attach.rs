@@ -24,7 +24,8 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
         return;
     }
     let dir = temp_dir("kernel-attach");
-    let image = guest::build_image(&dir, "attach.sh", &[BIN], "");
+    // `ss`: what a check that stalls reports (attach.sh's `stalled`).
+    let image = guest::build_image(&dir, "attach.sh", &[BIN, "ss"], "");
 
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();

@@ -135,12 +135,13 @@ impl Guest {
     }
 
     /// Stops the guest and checks it: it ended in time, nothing failed, and
-    /// each of `wants` is part of a pass. What the guest checked is in the
-    /// test's output (shown on failure, or with --no-capture).
+    /// each of `wants` is part of a pass. The guest's console (what it
+    /// checked, the kernel's messages, what a stalled check reported) is in
+    /// the test's output, shown on failure or with --no-capture.
     pub fn finish(mut self, wants: &[&str]) {
         let _ = self.qemu.kill();
         let _ = self.qemu.wait();
-        for (t, l) in self.console.iter().filter(|(_, l)| l.contains("@@")) {
+        for (t, l) in self.console.iter().take(2000) {
             eprintln!("guest {t:6.1}s: {l}");
         }
         let tail =

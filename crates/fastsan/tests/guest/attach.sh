@@ -13,7 +13,44 @@ mount -t tmpfs run /run
 ip link set lo up
 URL=brp://10.0.2.100:10810/v
 say() { echo "@@$*"; }
-check() { if "$@" >/tmp/check.out 2>&1; then say "PASS $*"; else say "FAIL $*: $(tail -3 /tmp/check.out)"; fi; }
+# What the kernel and attach are doing, for a check that takes too long:
+# the device's requests in flight (reads, writes) as the kernel counts them;
+# the attach registry (its own count of requests in flight); the bytes
+# queued unread in each end of the socket pairs (a request the bridge has
+# not read, a reply the kernel has not); where each of attach's threads and
+# the kernel's NBD workers are; and the stacks of the tasks blocked (sysrq w;
+# a task waiting in submit_bio_wait, as a flush or discard does, is not
+# reported by the hung-task check).
+stalled() {
+  secs=$1; shift
+  echo "stall: '$*' is still running after $secs s"
+  echo "stall: /sys/block/nbd0/inflight: $(cat /sys/block/nbd0/inflight 2>&1)"
+  for f in /run/fastsan/attach/*.json; do echo "stall: $f: $(cat "$f" 2>&1)"; done
+  ss -xpn 2>&1 | sed 's/^/stall: ss: /'
+  for t in /proc/$pid/task/*; do
+    echo "stall: attach thread $(basename "$t") $(cat "$t/comm") $(cut -d' ' -f3 "$t/stat")"
+    sed 's/^/stall:   /' "$t/stack" 2>&1
+  done
+  # The kernel's own side: its workers for the device (a receiver per
+  # queue, "kworker/...+nbd0-recv", each reading its socket's replies; a
+  # queue without one reads no replies), and where each is.
+  for p in /proc/[0-9]*; do
+    case $(cat "$p/comm" 2>/dev/null) in
+      kworker*nbd*) echo "stall: kernel task $(basename "$p") $(cat "$p/comm") $(cut -d' ' -f3 "$p/stat")"
+             sed 's/^/stall:   /' "$p/stack" 2>&1 ;;
+    esac
+  done
+  echo w >/proc/sysrq-trigger
+}
+# Runs a check; one that takes more than 60 s (and again at 180 s) is
+# reported with what it waits for. (The watchdog leaves the working
+# directory at once: it must not hold /mnt busy.)
+check() {
+  ( cd /; sleep 60; stalled 60 "$@"; sleep 120; stalled 180 "$@" ) &
+  dog=$!
+  if "$@" >/tmp/check.out 2>&1; then say "PASS $*"; else say "FAIL $*: $(tail -3 /tmp/check.out)"; fi
+  kill $dog 2>/dev/null
+}
 fails_with() {
   want=$1; shift
   if "$@" >/tmp/check.out 2>&1; then say "FAIL $* succeeded"
