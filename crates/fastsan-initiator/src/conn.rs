@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -111,6 +111,8 @@ pub(crate) struct Conn {
     pub epoch: u64,
     /// The target it was opened on: (instance, host boot).
     pub target: (u64, u64),
+    /// Why it was lost, once it was (set before its requests fail).
+    cause: Arc<OnceLock<String>>,
 }
 
 /// Where a connection sits in its session, its request timeout, and the
@@ -176,9 +178,16 @@ impl Conn {
         let dead = CancellationToken::new();
         let inflight = Arc::new(Inflight::default());
         let on_dead = Arc::new(Mutex::new(Some(on_dead)));
+        let cause = Arc::new(OnceLock::new());
         let die = {
-            let (dead, inflight, credits) = (dead.clone(), inflight.clone(), credits.clone());
+            let (dead, inflight, credits, cause) =
+                (dead.clone(), inflight.clone(), credits.clone(), cause.clone());
+            let timeout = place.request_timeout;
             move |e: Option<Error>| {
+                // Before the requests fail: a request that gives up says why.
+                if let Some(e) = &e {
+                    let _ = cause.set(why_lost(e, timeout));
+                }
                 dead.cancel();
                 credits.close();
                 inflight.fail_all();
@@ -224,16 +233,30 @@ impl Conn {
         };
         tokio::spawn(sender);
         tokio::spawn(receiver);
-        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch, target: place.target }
+        Conn { tx, credits, dead, slot: place.slot, epoch: place.epoch, target: place.target, cause }
     }
 
     pub fn is_alive(&self) -> bool {
         !self.dead.is_cancelled()
     }
 
+    /// Why the connection was lost, if it was (and the cause is known).
+    pub fn cause(&self) -> Option<String> {
+        self.cause.get().cloned()
+    }
+
     /// Queues a request; gives it back if the connection is gone.
     pub fn submit(&self, s: Submit) -> Result<(), Submit> {
         self.tx.send(s).map_err(|e| e.0)
+    }
+}
+
+/// What a lost connection's requests say when they give up.
+fn why_lost(e: &Error, request_timeout: std::time::Duration) -> String {
+    match e {
+        Error::Timeout(_) => format!("no reply within the request timeout ({request_timeout:?})"),
+        Error::ConnectionLost => "the target closed it".to_string(),
+        other => crate::error::chain(other),
     }
 }
 

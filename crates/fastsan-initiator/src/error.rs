@@ -80,12 +80,19 @@ pub enum Error {
     /// answers while connecting make no sense. The connection is cut.
     #[error("NVMe/TCP: {0}")]
     NvmeTcp(String),
-    /// No connection to the target came back within the reconnect timeout
-    /// (requests whose connection was lost are retried until then, after the
-    /// target's fence). A write that fails so may or may not have reached the
-    /// volume, as with any block device whose transport fails.
+    /// The request's connection was lost before its reply came. Within a
+    /// session this means "send again after the fence"; a request that gives
+    /// up fails with [`Error::Unreachable`], which says why.
     #[error("connection lost")]
     ConnectionLost,
+    /// A request's connection was lost (`cause`, when known: no reply within
+    /// the request timeout, the target closing it...) and no connection came
+    /// back within the reconnect timeout (`reconnect`; zero: reconnection is
+    /// off). Requests whose connection is lost are retried until then, after
+    /// the target's fence. A write that fails so may or may not have reached
+    /// the volume, as with any block device whose transport fails.
+    #[error("{}", unreachable_text(cause.as_deref(), *reconnect))]
+    Unreachable { cause: Option<String>, reconnect: std::time::Duration },
     #[error("data digest mismatch in a reply")]
     DigestMismatch,
     #[error("protocol error")]
@@ -104,12 +111,26 @@ pub enum Error {
     DirtyLog(#[from] crate::mirror::DirtyLogError),
 }
 
+/// [`Error::Unreachable`]'s text.
+fn unreachable_text(cause: Option<&str>, reconnect: std::time::Duration) -> String {
+    match (cause, reconnect.is_zero()) {
+        (Some(c), true) => format!("connection lost: {c} (reconnection is off)"),
+        (Some(c), false) => {
+            format!(
+                "connection lost: {c}; no connection came back within the reconnect timeout ({reconnect:?})"
+            )
+        }
+        (None, true) => "connection lost (reconnection is off)".to_string(),
+        (None, false) => format!("no connection to the target within the reconnect timeout ({reconnect:?})"),
+    }
+}
+
 impl Error {
     /// Whether the same request may succeed if sent again.
     pub fn is_retryable(&self) -> bool {
         match self {
             // The request may not have reached the target; the session reconnects.
-            Error::ConnectionLost => true,
+            Error::ConnectionLost | Error::Unreachable { .. } => true,
             // Corruption in transit; the next try usually arrives whole.
             Error::DigestMismatch => true,
             // The target was not there or not ready; it may be soon.
@@ -193,6 +214,21 @@ mod tests {
     #[test]
     fn retry_decisions() {
         assert!(Error::ConnectionLost.is_retryable());
+        let gone = |cause: Option<&str>, secs| Error::Unreachable {
+            cause: cause.map(String::from),
+            reconnect: std::time::Duration::from_secs(secs),
+        };
+        assert!(gone(None, 30).is_retryable());
+        assert_eq!(
+            gone(Some("the target closed it"), 30).to_string(),
+            "connection lost: the target closed it; no connection came back within the reconnect timeout (30s)"
+        );
+        assert_eq!(gone(Some("x"), 0).to_string(), "connection lost: x (reconnection is off)");
+        assert_eq!(
+            gone(None, 2).to_string(),
+            "no connection to the target within the reconnect timeout (2s)"
+        );
+        assert_eq!(gone(None, 0).to_string(), "connection lost (reconnection is off)");
         assert!(Error::Refused { status: Status::BUSY, message: String::new() }.is_retryable());
         assert!(!Error::Refused { status: Status::AUTH_FAILED, message: String::new() }.is_retryable());
         assert!(!Error::BadVersion(9).is_retryable());

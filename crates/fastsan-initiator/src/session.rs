@@ -286,7 +286,12 @@ impl Volume {
                     let (ticket, blocked) = sh.order.clone().enter(h.offset, h.length as u64);
                     if blocked {
                         let until = Instant::now() + sh.opts.request_timeout + sh.opts.reconnect_timeout;
-                        Box::pin(ticket.wait(until)).await?;
+                        Box::pin(ticket.wait(until)).await.map_err(|_| Error::Unreachable {
+                            cause: Some(
+                                "an earlier write to the same bytes is still waiting for its target".into(),
+                            ),
+                            reconnect: sh.opts.reconnect_timeout,
+                        })?;
                     }
                     Some(ticket)
                 }
@@ -366,6 +371,8 @@ impl Volume {
         tries: &mut Tries,
     ) -> Reply {
         let sh = &self.shared;
+        // Why the last lost connection was lost, for the error if it gives up.
+        let mut cause: Option<String> = None;
         loop {
             let (conn, result) = match first.take() {
                 Some(sent) => sent,
@@ -375,7 +382,7 @@ impl Volume {
                     }
                     let (conn, credit) = match self.try_pick() {
                         Some(c) => c,
-                        None => self.pick(tries.deadline).await?,
+                        None => self.pick(tries.deadline).await.map_err(|e| gave_up(e, &cause, sh))?,
                     };
                     tries.unfenced = None;
                     tries.answered_by = conn.target;
@@ -391,13 +398,14 @@ impl Volume {
             };
             if lost {
                 tries.unfenced = Some((conn.slot, conn.epoch));
+                cause = conn.cause().or(cause);
             }
             let until = *tries.deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
             if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
-                return result;
+                return result.map_err(|e| gave_up(e, &cause, sh));
             }
             if lost {
-                self.fence(&conn, until).await?;
+                self.fence(&conn, until).await.map_err(|e| gave_up(e, &cause, sh))?;
                 tries.unfenced = None;
             }
             sh.stats.retries.fetch_add(1, Relaxed);
@@ -497,6 +505,18 @@ struct Tries {
     unfenced: Option<(usize, u64)>,
     /// The target (instance, boot) that answered the last try.
     answered_by: (u64, u64),
+}
+
+/// The error of a request that gives up: a lost connection says why it was
+/// lost (`cause`: the last lost connection's, when known) and that none came
+/// back ([`Error::Unreachable`]); other errors are its own.
+fn gave_up(e: Error, cause: &Option<String>, sh: &Shared) -> Error {
+    match e {
+        Error::ConnectionLost => {
+            Error::Unreachable { cause: cause.clone(), reconnect: sh.opts.reconnect_timeout }
+        }
+        other => other,
+    }
 }
 
 /// Whether a try's outcome calls for another: `Some(true)` when its

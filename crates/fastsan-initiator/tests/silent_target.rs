@@ -10,19 +10,24 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Answers the handshake of every connection when `answer_open`, then reads
-/// requests and never replies; otherwise goes silent after HELLO_REPLY.
+/// requests and never replies (or, with `hang_up`, closes the connection at
+/// the first); otherwise goes silent after HELLO_REPLY.
 async fn silent_target(answer_open: bool) -> std::net::SocketAddr {
+    target(answer_open, false).await
+}
+
+async fn target(answer_open: bool, hang_up: bool) -> std::net::SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
-            tokio::spawn(serve(s, answer_open));
+            tokio::spawn(serve(s, answer_open, hang_up));
         }
     });
     addr
 }
 
-async fn serve(mut s: TcpStream, answer_open: bool) {
+async fn serve(mut s: TcpStream, answer_open: bool, hang_up: bool) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let mut answered = 0;
@@ -57,6 +62,7 @@ async fn serve(mut s: TcpStream, answer_open: bool) {
                 loop {
                     match s.read(&mut chunk).await {
                         Ok(0) | Err(_) => return,
+                        Ok(_) if hang_up => return,
                         Ok(_) => {}
                     }
                 }
@@ -87,6 +93,35 @@ async fn a_request_without_a_reply_fails_in_time_instead_of_hanging() {
     assert!(t.elapsed() >= Duration::from_millis(400), "not before the request timeout");
     let st = vol.stats();
     assert!(st.timeouts >= 1, "{st:?}");
+    // The error says why: the cause of the lost connection, and that none came back.
+    assert_eq!(
+        e.to_string(),
+        "connection lost: no reply within the request timeout (400ms); \
+         no connection came back within the reconnect timeout (1s)"
+    );
+}
+
+/// Without reconnection a request fails as its connection goes, and says
+/// how it went: a timeout, or the target closing the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_reconnection_a_lost_request_says_why() {
+    for (hang_up, why) in
+        [(false, "no reply within the request timeout (300ms)"), (true, "the target closed it")]
+    {
+        let addr = target(true, hang_up).await;
+        let opts = Options {
+            connections: 1,
+            request_timeout: Duration::from_millis(300),
+            reconnect_timeout: Duration::ZERO,
+            ..Default::default()
+        };
+        let vol = Volume::connect(&format!("brp://{addr}/v"), opts).await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), vol.write_at(&[1; 512], 0, false));
+        let e = r.await.expect("no hang").expect_err("never answered");
+        assert_eq!(e.to_string(), format!("connection lost: {why} (reconnection is off)"));
+        // Still a retryable error (a caller may try again; a mirror's leg is not fresh).
+        assert!(e.is_retryable());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -432,4 +432,9 @@ fn a_request_timeout_is_reported_once_and_the_copy_fails_in_time() {
     let timeouts = err.matches("got no reply in time").count();
     assert!(timeouts >= 1, "{err}");
     assert!(!err.contains("connection to the target lost"), "{err}");
+    // And the copy's own error says why, not just "connection lost".
+    assert!(
+        err.contains("connection lost: no reply within the request timeout (300ms); no connection came back"),
+        "{err}"
+    );
 }
