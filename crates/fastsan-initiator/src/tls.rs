@@ -41,33 +41,59 @@ pub fn load_key(path: &Path) -> io::Result<PrivateKeyDer<'static>> {
     })
 }
 
-/// GnuTLS's `certtool` writes about half of its ECDSA keys (SEC1) with the
-/// private scalar one byte too long, a leading zero (as if it were a DER
-/// INTEGER); ring accepts only the exact length. Drops that byte and
-/// re-encodes the outer length; any other key is returned as it is.
+/// GnuTLS's `certtool` writes the private scalar of its ECDSA keys (SEC1)
+/// at its minimal length as a DER INTEGER would: about half of them one byte
+/// too long (a leading zero), one in 256 one byte short (a leading zero
+/// dropped). ring accepts only the curve's exact length, so the key is
+/// brought to it (the curve is named in the key's parameters: P-256, P-384,
+/// P-521), its outer length re-encoded. Any other key is returned as it is.
 fn sec1_minimal(der: &[u8]) -> Vec<u8> {
-    // SEQUENCE { INTEGER 1, OCTET STRING key, ... }
+    sec1_exact(der).unwrap_or_else(|| der.to_vec())
+}
+
+/// [`sec1_minimal`]'s work: `None` when there is nothing to change (or
+/// nothing it understands).
+fn sec1_exact(der: &[u8]) -> Option<Vec<u8>> {
+    // SEQUENCE { INTEGER 1, OCTET STRING key, [0] { OID curve }, [1] public key }
     let (body_at, body_len) = match der {
         [0x30, n, ..] if *n < 0x80 => (2, *n as usize),
         [0x30, 0x81, n, ..] => (3, *n as usize),
-        _ => return der.to_vec(),
+        _ => return None,
     };
-    let body = &der[body_at..];
-    let ok = body.len() == body_len && body.len() > 5 && body[..3] == [0x02, 0x01, 0x01] && body[3] == 0x04;
-    let key_len = if ok { body[4] as usize } else { 0 };
-    if !(ok && key_len < 0x80 && key_len % 2 == 1 && body.len() > 5 + key_len && body[5] == 0) {
-        return der.to_vec();
+    let body = der.get(body_at..)?;
+    if body.len() != body_len || body.get(..4)? != [0x02, 0x01, 0x01, 0x04] {
+        return None;
     }
-    let mut inner = vec![0x02, 0x01, 0x01, 0x04, (key_len - 1) as u8];
-    inner.extend_from_slice(&body[6..]);
+    let key_len = *body.get(4)? as usize;
+    let key = body.get(5..5 + key_len)?;
+    let rest = &body[5 + key_len..];
+    // [0] { OBJECT IDENTIFIER }: the curve, so its scalar's length.
+    let oid = match rest {
+        [0xa0, n, 0x06, m, oid @ ..] if *n as usize == *m as usize + 2 => oid.get(..*m as usize)?,
+        _ => return None,
+    };
+    let want = match oid {
+        [0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07] => 32, // P-256
+        [0x2b, 0x81, 0x04, 0x00, 0x22] => 48,                   // P-384
+        [0x2b, 0x81, 0x04, 0x00, 0x23] => 66,                   // P-521
+        _ => return None,
+    };
+    let digits = &key[key.iter().take_while(|b| **b == 0).count()..];
+    if key_len == want || digits.len() > want {
+        return None;
+    }
+    let mut inner = vec![0x02, 0x01, 0x01, 0x04, want as u8];
+    inner.resize(inner.len() + want - digits.len(), 0);
+    inner.extend_from_slice(digits);
+    inner.extend_from_slice(rest);
     let mut out = vec![0x30];
-    if inner.len() < 0x80 {
-        out.push(inner.len() as u8);
-    } else {
-        out.extend([0x81, inner.len() as u8]);
+    match inner.len() {
+        n if n < 0x80 => out.push(n as u8),
+        n if n < 0x100 => out.extend([0x81, n as u8]),
+        _ => return None,
     }
     out.extend(inner);
-    out
+    Some(out)
 }
 
 /// A root store of the CA certificates in a PEM file.
@@ -97,17 +123,52 @@ pub fn client_config(ca: &Path, identity: Option<(&Path, &Path)>) -> io::Result<
 
 #[cfg(test)]
 mod tests {
+    /// A P-256 key (SEC1) with a scalar of `len` bytes: `0xcd`s after `zeros` zero bytes.
+    fn p256(len: usize, zeros: usize) -> Vec<u8> {
+        let curve = [0xa0, 0x0a, 0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07];
+        let public = [0xa1, 0x03, 0x03, 0x01, 0x00];
+        let mut body = vec![0x02, 0x01, 0x01, 0x04, len as u8];
+        body.extend(std::iter::repeat_n(0u8, zeros).chain(std::iter::repeat_n(0xcd, len - zeros)));
+        body.extend(curve);
+        body.extend(public);
+        let mut der = vec![0x30, body.len() as u8];
+        der.extend(body);
+        der
+    }
+
     #[test]
-    fn a_sec1_key_with_a_leading_zero_is_trimmed_and_others_are_kept() {
-        // version 1, a 33-byte key starting with zero, then [0] params (kept as they are).
-        let mut long = vec![0x30, 40, 0x02, 0x01, 0x01, 0x04, 33, 0x00];
-        long.extend([0xcd; 32]);
-        long.extend([0xa0, 0x00]);
-        let fixed = super::sec1_minimal(&long);
-        assert_eq!(fixed[..7], [0x30, 39, 0x02, 0x01, 0x01, 0x04, 32]);
-        assert_eq!(fixed[7..39], [0xcd; 32]);
-        assert_eq!(fixed[39..], [0xa0, 0x00]);
-        assert_eq!(super::sec1_minimal(&fixed), fixed, "an exact key is left alone");
+    fn a_sec1_key_is_brought_to_its_curves_length_and_others_are_kept() {
+        let exact = p256(32, 1);
+        assert_eq!(super::sec1_minimal(&exact), exact, "an exact key is left alone");
+        // One byte long (a leading zero, as certtool writes half of them), one short.
+        assert_eq!(super::sec1_minimal(&p256(33, 2)), exact);
+        assert_eq!(super::sec1_minimal(&p256(31, 0)), exact);
+        // Too many digits for the curve, another curve, garbage: as they are.
+        assert_eq!(super::sec1_minimal(&p256(33, 0)), p256(33, 0));
+        let mut other = p256(31, 0);
+        let curve_last = other.len() - 6; // the OID's last byte, before the 5-byte public key
+        other[curve_last] = 0x99;
+        assert_eq!(super::sec1_minimal(&other), other);
         assert_eq!(super::sec1_minimal(&[0x30, 0x05, 1]), vec![0x30, 0x05, 1], "garbage is passed on");
+        assert_eq!(super::sec1_minimal(&exact[..20]), exact[..20].to_vec());
+    }
+
+    /// Keys from GnuTLS's certtool (the tool the interop tests use), with
+    /// their scalar 33, 31 and 32 bytes long: every one loads.
+    #[test]
+    fn certtool_keys_of_every_length_load() {
+        let keys = [
+            include_str!("../tests/keys/certtool-33.pem"),
+            include_str!("../tests/keys/certtool-31.pem"),
+            include_str!("../tests/keys/certtool-32.pem"),
+        ];
+        let provider = super::provider();
+        for (i, pem) in keys.iter().enumerate() {
+            let dir = std::env::temp_dir().join(format!("fastsan-key-{}-{i}", std::process::id()));
+            std::fs::write(&dir, pem).unwrap();
+            let key = super::load_key(&dir).unwrap();
+            std::fs::remove_file(&dir).unwrap();
+            assert!(provider.key_provider.load_private_key(key).is_ok(), "key {i} does not load");
+        }
     }
 }
