@@ -65,6 +65,23 @@ pub async fn serve<S>(stream: S, vol: Remote, stats: Arc<BridgeStats>) -> io::Re
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    serve_with(stream, vol, stats, |_| {}).await
+}
+
+/// [`serve`], calling `closed` as soon as the kernel closes the socket
+/// without NBD_CMD_DISC (it gave up on the queue: a request past the
+/// device's timeout), with the number of requests the socket brought; the
+/// requests already started are answered after that (their replies go
+/// nowhere), while the caller gives the kernel a new socket.
+pub async fn serve_with<S>(
+    stream: S,
+    vol: Remote,
+    stats: Arc<BridgeStats>,
+    closed: impl FnOnce(u64),
+) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
     let (mut rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::unbounded_channel::<Reply>();
     let writer = tokio::spawn(write_replies(wr, rx, stats.clone()));
@@ -72,6 +89,8 @@ where
     let mut buf = BytesMut::with_capacity(256 * 1024);
     let mut skip = 0u64;
     let size = vol.size();
+    let mut received = 0u64;
+    let mut closed = Some(closed);
     let read = loop {
         if skip > 0 {
             let n = skip.min(buf.len() as u64);
@@ -94,6 +113,9 @@ where
                         // queue (a request past the device's timeout shuts its
                         // socket), or it is going away. Said when it happens.
                         warn!(unread = buf.len(), "the kernel closed this queue without a disconnect");
+                        if let Some(f) = closed.take() {
+                            f(received);
+                        }
                         break Ok(());
                     }
                     Ok(_) => continue,
@@ -108,17 +130,21 @@ where
             break Ok(());
         }
         stats.requests.fetch_add(1, Relaxed);
+        received += 1;
         if let Payload::Skip(n) = payload {
             // Larger than any WRITE the kernel sends: refused, its data discarded.
             skip = n as u64;
             stats.errors.fetch_add(1, Relaxed);
-            let _ =
-                tx.send(Reply { head: simple_reply(libc::EINVAL as u32, req.cookie), data: Bytes::new() });
+            reply(
+                &tx,
+                &stats,
+                Reply { head: simple_reply(libc::EINVAL as u32, req.cookie), data: Bytes::new() },
+            );
             continue;
         }
         if let Some(code) = refuse(&req, size) {
             stats.errors.fetch_add(1, Relaxed);
-            let _ = tx.send(Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() });
+            reply(&tx, &stats, Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() });
             continue;
         }
         let Ok(permit) = slots.clone().acquire_owned().await else { break Ok(()) };
@@ -143,7 +169,7 @@ where
                     Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() }
                 }
             };
-            let _ = tx.send(reply);
+            self::reply(&tx, &stats, reply);
             drop(permit);
         });
     };
@@ -156,6 +182,14 @@ where
     drop(tx);
     let written = writer.await.map_err(io::Error::other)?;
     read.and(written)
+}
+
+/// Hands a reply to the writer; one that cannot go (the writer ended: the
+/// socket failed) is answered all the same, into the void.
+fn reply(tx: &mpsc::UnboundedSender<Reply>, stats: &BridgeStats, r: Reply) {
+    if tx.send(r).is_err() {
+        stats.replies.fetch_add(1, Relaxed);
+    }
 }
 
 /// The largest READ served: twice what the kernel ever asks (its NBD driver
@@ -192,7 +226,10 @@ async fn execute(vol: &Remote, r: &Request, data: Bytes) -> Result<Bytes, Error>
     }
 }
 
-/// Sends replies as they come, every one that is ready in one write.
+/// Sends replies as they come, every one that is ready in one write. Once
+/// the socket fails (the kernel shut it), every reply left, queued or still
+/// to come, is counted as answered: it goes nowhere (the kernel sent its
+/// request again elsewhere), and it must not stay counted in flight.
 async fn write_replies<W: AsyncWrite>(
     wr: W,
     mut rx: mpsc::UnboundedReceiver<Reply>,
@@ -211,24 +248,41 @@ async fn write_replies<W: AsyncWrite>(
             }
             next = if out.len() < 128 { rx.try_recv().ok() } else { None };
         }
-        while !out.is_empty() {
-            let slices: Vec<IoSlice> = out.iter().take(64).map(|b| IoSlice::new(b)).collect();
-            let mut n = wr.write_vectored(&slices).await?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
-            }
-            while n > 0 {
-                let front = out.front_mut().expect("written bytes were queued");
-                if n >= front.len() {
-                    n -= front.len();
-                    out.pop_front();
-                } else {
-                    front.advance(n);
-                    n = 0;
-                }
-            }
-        }
+        let written = write_out(wr.as_mut(), &mut out).await;
         stats.replies.fetch_add(replies, Relaxed);
+        if let Err(e) = written {
+            // Later sends fail (and count themselves); what is queued counts here.
+            rx.close();
+            while rx.try_recv().is_ok() {
+                stats.replies.fetch_add(1, Relaxed);
+            }
+            return Err(e);
+        }
     }
     wr.shutdown().await
+}
+
+/// Writes all of `out`, a vectored write at a time.
+async fn write_out<W: AsyncWrite>(
+    mut wr: std::pin::Pin<&mut W>,
+    out: &mut VecDeque<Bytes>,
+) -> io::Result<()> {
+    while !out.is_empty() {
+        let slices: Vec<IoSlice> = out.iter().take(64).map(|b| IoSlice::new(b)).collect();
+        let mut n = wr.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let front = out.front_mut().expect("written bytes were queued");
+            if n >= front.len() {
+                n -= front.len();
+                out.pop_front();
+            } else {
+                front.advance(n);
+                n = 0;
+            }
+        }
+    }
+    Ok(())
 }

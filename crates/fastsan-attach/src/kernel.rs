@@ -15,6 +15,7 @@ use std::io;
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -38,13 +39,26 @@ pub struct KernelOptions {
     /// Socket pairs (the kernel's hardware queues).
     pub queues: usize,
     pub interface: Interface,
-    /// How long the kernel lets a request run before it takes the socket
-    /// for dead. It must be longer than the initiator ever takes to answer
-    /// (it retries through target restarts up to its reconnect timeout):
-    /// with several queues, the kernel's default of 30 s would kill a queue
-    /// per stuck request, then the device.
-    pub timeout: Duration,
+    /// How long the kernel lets a request run before it takes its socket
+    /// for dead and sends it again on another (`--device-timeout`). Else
+    /// [`NETLINK_DEVICE_TIMEOUT`] through netlink, where a socket taken for
+    /// dead is replaced at once, and `initiator_longest` through the ioctls,
+    /// where it cannot be: there the kernel must wait out the initiator's
+    /// retries through a target restart, or it would kill a queue per stuck
+    /// request, then the device.
+    pub timeout: Option<Duration>,
+    /// The longest the initiator takes to answer a request.
+    pub initiator_longest: Duration,
 }
+
+/// The device timeout through netlink, unless told: the kernel's own
+/// default. A request past it is sent again on a fresh socket (the first
+/// copy still runs; a write's copy waits behind it), which also bounds what
+/// a request lost inside the kernel costs: once, in the kernel-attach guest,
+/// a READ the kernel had started but never sent to any socket (attach had
+/// answered all it received, and no socket held an unread byte) waited the
+/// whole timeout, then went through at once.
+pub const NETLINK_DEVICE_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
@@ -79,7 +93,117 @@ pub struct Device {
     pub stats: Arc<BridgeStats>,
     vol: Remote,
     control: Control,
-    bridges: Vec<JoinHandle<io::Result<()>>>,
+    queues: Arc<Queues>,
+}
+
+/// The bridges of a device's queues. Through netlink, a queue whose socket
+/// the kernel closes (it gives up on a request past the device's timeout,
+/// shuts that socket and sends the request again on another queue, or waits
+/// for a new socket when none is left) gets a new socket pair at once
+/// (NBD_CMD_RECONFIGURE), so that the device never runs out of queues. The
+/// old socket's requests still in flight are answered into the void, and
+/// their copies that the kernel sends again keep their order behind them
+/// (the session orders overlapping writes by when they were issued).
+struct Queues {
+    index: u32,
+    device: String,
+    vol: Remote,
+    stats: Arc<BridgeStats>,
+    /// Through netlink: the kernel takes new sockets.
+    renew: bool,
+    /// New sockets under way (a closed queue whose new bridge is not running yet).
+    renewing: AtomicUsize,
+    /// New sockets in a row that the kernel closed before they brought a request.
+    barren: AtomicU32,
+    /// Every bridge started (a closed queue's too: joined at the detach),
+    /// and whether the detach has begun (then no new bridge starts).
+    tasks: std::sync::Mutex<(bool, Vec<JoinHandle<io::Result<()>>>)>,
+}
+
+/// Seconds the kernel's requests wait for a new socket when every queue's is
+/// closed at once (attach gives new ones within milliseconds), instead of
+/// failing; and how soon they fail if attach itself is gone (killed).
+const DEAD_CONN_TIMEOUT: u64 = 10;
+
+/// New sockets in a row that bring no request before the kernel closes them
+/// too, after which no more are given (the kernel drops a socket it has no
+/// dead slot for, and says yes).
+const MAX_BARREN: u32 = 8;
+
+impl Queues {
+    fn start(self: &Arc<Self>, queue: usize, stream: tokio::net::UnixStream) {
+        let mut tasks = self.tasks.lock().expect("never poisoned");
+        if tasks.0 {
+            return; // detaching: the socket closes, the kernel is letting go
+        }
+        let me = self.clone();
+        let span = tracing::info_span!("nbd", device = %self.device, queue);
+        let closed = move |received| me.closed(queue, received);
+        let served = bridge::serve_with(stream, self.vol.clone(), self.stats.clone(), closed);
+        tasks.1.push(tokio::spawn(served.instrument(span)));
+    }
+
+    /// The kernel closed `queue`'s socket, which brought `received`
+    /// requests: give it a new one.
+    fn closed(self: &Arc<Self>, queue: usize, received: u64) {
+        if !self.renew || self.tasks.lock().expect("never poisoned").0 {
+            return;
+        }
+        let barren = match received {
+            0 => self.barren.fetch_add(1, SeqCst) + 1,
+            _ => {
+                self.barren.store(0, SeqCst);
+                0
+            }
+        };
+        if barren > MAX_BARREN {
+            warn!(device = %self.device, "the kernel closes every new socket at once: no more are given");
+            return;
+        }
+        self.renewing.fetch_add(1, SeqCst);
+        let me = self.clone();
+        tokio::spawn(async move {
+            if barren > 0 {
+                tokio::time::sleep(Duration::from_millis(50 << barren.min(5))).await;
+            }
+            let index = me.index;
+            let made = tokio::task::spawn_blocking(move || new_socket(index)).await.map_err(io::Error::other);
+            match made.and_then(|r| r).and_then(tokio::net::UnixStream::from_std) {
+                Ok(s) => {
+                    info!(device = %me.device, queue, "gave the kernel a new socket for the queue it closed");
+                    me.start(queue, s);
+                }
+                Err(e) => warn!(device = %me.device, queue, error = &e as &dyn std::error::Error,
+                                "the kernel took no new socket for the queue it closed"),
+            }
+            me.renewing.fetch_sub(1, SeqCst);
+        });
+    }
+
+    /// Whether every bridge ended and none is about to start.
+    fn finished(&self) -> bool {
+        let tasks = self.tasks.lock().expect("never poisoned");
+        self.renewing.load(SeqCst) == 0 && tasks.1.iter().all(|t| t.is_finished())
+    }
+
+    /// Starts the detach: no bridge starts after this; the ones there are.
+    fn detaching(&self) -> Vec<JoinHandle<io::Result<()>>> {
+        let mut tasks = self.tasks.lock().expect("never poisoned");
+        tasks.0 = true;
+        std::mem::take(&mut tasks.1)
+    }
+}
+
+/// A socket pair whose far end device `index` takes in place of a socket it
+/// closed (NBD_CMD_RECONFIGURE); the near end, non-blocking.
+fn new_socket(index: u32) -> io::Result<std::os::unix::net::UnixStream> {
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+    ours.set_nonblocking(true)?;
+    let mut nl = NbdNetlink::open()?.ok_or_else(|| io::Error::other("no NBD netlink family"))?;
+    nl.reconfigure(index, theirs.as_raw_fd())?;
+    // The kernel holds its own reference now.
+    drop(theirs);
+    Ok(ours)
 }
 
 enum Control {
@@ -173,8 +297,8 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
                 block_size: bs as u64,
                 server_flags: flags,
                 client_flags: 0,
-                timeout: opts.timeout.as_secs().max(1),
-                dead_conn_timeout: 0,
+                timeout: opts.timeout.unwrap_or(NETLINK_DEVICE_TIMEOUT).as_secs().max(1),
+                dead_conn_timeout: DEAD_CONN_TIMEOUT,
                 sockets: theirs.iter().map(|f| f.as_raw_fd()).collect(),
             };
             let index = nl.connect(&c).map_err(|e| match (e.raw_os_error(), wanted) {
@@ -190,7 +314,7 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
                 Some(i) => i,
                 None => free_device()?,
             };
-            let timeout = opts.timeout.as_secs().max(1);
+            let timeout = opts.timeout.unwrap_or(opts.initiator_longest).as_secs().max(1);
             let socks = theirs.drain(..).map(|f| f.into_raw_fd());
             let control = ioctl_connect(index, &vol, bs, flags, timeout, socks)?;
             (index, control)
@@ -199,18 +323,23 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
     // The kernel holds its ends now.
     drop(theirs);
     let path = PathBuf::from(format!("/dev/nbd{index}"));
-    let bridges = ours
-        .into_iter()
-        .enumerate()
-        .map(|(queue, s)| {
-            let span = tracing::info_span!("nbd", device = %path.display(), queue);
-            tokio::spawn(bridge::serve(s, vol.clone(), stats.clone()).instrument(span))
-        })
-        .collect();
+    let queues = Arc::new(Queues {
+        index,
+        device: path.display().to_string(),
+        vol: vol.clone(),
+        stats: stats.clone(),
+        renew: matches!(control, Control::Netlink(_)),
+        renewing: AtomicUsize::new(0),
+        barren: AtomicU32::new(0),
+        tasks: std::sync::Mutex::new((false, Vec::new())),
+    });
+    for (queue, s) in ours.into_iter().enumerate() {
+        queues.start(queue, s);
+    }
     info!(device = %path.display(), size = vol.size(), block_size = bs, queues = opts.queues,
           interface = match control { Control::Netlink(_) => "netlink", Control::Ioctl { .. } => "ioctl" },
           "NBD device connected");
-    Ok(Device { index, path, stats, vol, control, bridges })
+    Ok(Device { index, path, stats, vol, control, queues })
 }
 
 fn open_netlink() -> Result<Option<NbdNetlink>, AttachError> {
@@ -344,7 +473,7 @@ impl Device {
     /// Whether the kernel still serves the device (false once it was
     /// disconnected, by `detach`, `nbd-client -d`, or an error).
     pub fn finished(&self) -> bool {
-        self.bridges.iter().all(|b| b.is_finished())
+        self.queues.finished()
     }
 
     /// Claims the device for the detach: fails with [`DetachError::InUse`]
@@ -367,6 +496,7 @@ impl Device {
             Ok(f) => f,
             Err(e) => return Err((Some(self), e)),
         };
+        let bridges = self.queues.detaching();
         let r = match &mut self.control {
             Control::Netlink(nl) => nl.disconnect(self.index),
             Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
@@ -375,7 +505,7 @@ impl Device {
             // The kernel let go already.
             debug!(device = %self.path.display(), "disconnect: {e}");
         }
-        for b in std::mem::take(&mut self.bridges) {
+        for b in bridges {
             match tokio::time::timeout(Duration::from_secs(60), b).await {
                 Ok(Ok(Ok(()))) => {}
                 Ok(Ok(Err(e))) => debug!(device = %self.path.display(), "queue ended: {e}"),

@@ -1,5 +1,6 @@
 //! The kernel NBD driver's generic-netlink interface (`nbd-netlink.h`):
-//! connect a device to sockets, disconnect it, ask its status.
+//! connect a device to sockets, give it a new socket for one it closed,
+//! disconnect it, ask its status.
 //!
 //! Written by hand: three fixed messages of a simple TLV format. The
 //! `nbd-netlink` crate covers connect only (no device index, timeouts,
@@ -27,6 +28,7 @@ const CTRL_ATTR_FAMILY_NAME: u16 = 2;
 
 const NBD_CMD_CONNECT: u8 = 1;
 const NBD_CMD_DISCONNECT: u8 = 2;
+const NBD_CMD_RECONFIGURE: u8 = 3;
 const NBD_CMD_STATUS: u8 = 5;
 const NBD_ATTR_INDEX: u16 = 1;
 const NBD_ATTR_SIZE_BYTES: u16 = 2;
@@ -116,18 +118,23 @@ impl NbdNetlink {
         if c.dead_conn_timeout > 0 {
             put(&mut attrs, NBD_ATTR_DEAD_CONN_TIMEOUT, &c.dead_conn_timeout.to_ne_bytes());
         }
-        let mut socks = Vec::new();
-        for fd in &c.sockets {
-            let mut item = Vec::new();
-            put(&mut item, NBD_SOCK_FD, &(*fd as u32).to_ne_bytes());
-            put(&mut socks, NBD_SOCK_ITEM | NLA_F_NESTED, &item);
-        }
-        put(&mut attrs, NBD_ATTR_SOCKETS | NLA_F_NESTED, &socks);
+        put_sockets(&mut attrs, &c.sockets);
         let reply = self.request(NBD_CMD_CONNECT, 1, &attrs)?;
         find(&reply, NBD_ATTR_INDEX)
             .and_then(u32_of)
             .or(c.index)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "the kernel did not say which device"))
+    }
+
+    /// Gives connected device `index` a socket in place of one it took for
+    /// dead (a request past its timeout shuts that socket): the kernel puts
+    /// it in its first dead slot and starts reading replies there. With no
+    /// dead slot, the kernel drops the socket and still says yes.
+    pub fn reconfigure(&mut self, index: u32, socket: RawFd) -> io::Result<()> {
+        let mut attrs = Vec::new();
+        put(&mut attrs, NBD_ATTR_INDEX, &index.to_ne_bytes());
+        put_sockets(&mut attrs, &[socket]);
+        self.request(NBD_CMD_RECONFIGURE, 1, &attrs).map(drop)
     }
 
     /// Disconnects device `index`: the kernel sends NBD_CMD_DISC on its sockets.
@@ -219,6 +226,17 @@ impl NbdNetlink {
             }
         }
     }
+}
+
+/// NBD_ATTR_SOCKETS: one NBD_SOCK_ITEM holding NBD_SOCK_FD per socket.
+fn put_sockets(attrs: &mut Vec<u8>, sockets: &[RawFd]) {
+    let mut socks = Vec::new();
+    for fd in sockets {
+        let mut item = Vec::new();
+        put(&mut item, NBD_SOCK_FD, &(*fd as u32).to_ne_bytes());
+        put(&mut socks, NBD_SOCK_ITEM | NLA_F_NESTED, &item);
+    }
+    put(attrs, NBD_ATTR_SOCKETS | NLA_F_NESTED, &socks);
 }
 
 fn align(n: usize) -> usize {

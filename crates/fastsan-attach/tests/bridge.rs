@@ -250,6 +250,41 @@ async fn a_stuck_request_is_counted_in_flight_until_it_is_answered() {
     assert_eq!(stats.replies.load(Relaxed), 2);
 }
 
+/// The kernel closing a queue's socket without NBD_CMD_DISC (what its
+/// request timeout does) is reported at once, with the requests the socket
+/// brought, while a request still runs; that request's reply then goes
+/// nowhere, and it leaves the count of requests in flight all the same.
+#[tokio::test]
+async fn a_socket_closed_under_a_running_request_is_reported_and_the_request_still_leaves_the_count() {
+    let (base, _h) = target(&["slow=memory:4M,faults=read:stall"]).await;
+    let opts = Options {
+        request_timeout: Duration::from_millis(1000),
+        reconnect_timeout: Duration::ZERO,
+        ..Default::default()
+    };
+    let vol = Remote::connect(&format!("{base}/slow"), opts).await.unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let stats = Arc::new(BridgeStats::default());
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |n| {
+        let _ = closed_tx.send(n);
+    }));
+    let mut k = Kernel::new(b);
+    k.send(CMD_READ, 0, 0, 4096, &[]).await;
+    k.send(CMD_READ, 0, 4096, 4096, &[]).await;
+    while stats.requests.load(Relaxed) < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(k);
+    let told = tokio::time::timeout(Duration::from_millis(500), closed_rx).await;
+    assert_eq!(told.expect("told before the reads end").unwrap(), 2);
+    assert_eq!(stats.in_flight(), 2, "both reads still run");
+    // They fail by their timeout; their replies cannot be written.
+    let ended = tokio::time::timeout(Duration::from_secs(10), task).await.expect("the bridge ends");
+    assert!(ended.unwrap().is_err(), "its replies had nowhere to go");
+    assert_eq!(stats.in_flight(), 0);
+}
+
 /// An NBD export has no retries (no fence): when its server goes, requests
 /// fail with a clear error, at once and every time after, never hang.
 #[tokio::test]

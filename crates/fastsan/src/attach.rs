@@ -49,6 +49,13 @@ pub struct Args {
     /// How the NBD device is configured.
     #[arg(long, value_enum, default_value = "auto", value_name = "HOW", conflicts_with = "fuse")]
     interface: Interface,
+    /// Seconds the kernel lets a request of the device wait before it gives
+    /// up on that queue's socket and sends the request again on another.
+    /// Default: through netlink 30 (attach gives the kernel a new socket at
+    /// once); through the ioctls longer than the initiator ever takes,
+    /// 2 x (request + reconnect timeout) + 30 (no new socket can be given).
+    #[arg(long, value_name = "SECS", conflicts_with = "fuse")]
+    device_timeout: Option<u64>,
     /// Attach as a file in DIR over FUSE instead (DIR must exist).
     #[arg(long, value_name = "DIR")]
     fuse: Option<PathBuf>,
@@ -121,11 +128,19 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let queues =
         a.queues.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(4));
     anyhow::ensure!((1..=16).contains(&queues), "--queues must be 1..=16");
-    // The kernel must wait out the initiator's longest answer: a request
-    // may wait for an earlier overlapping write and then for its own
-    // retries, each bounded by the request and reconnect timeouts.
-    let timeout = (opts.request_timeout + opts.reconnect_timeout) * 2 + Duration::from_secs(30);
-    let kopts = KernelOptions { device: a.device, queues, interface: a.interface, timeout };
+    // The initiator's longest answer: a request may wait for an earlier
+    // overlapping write and then for its own retries, each bounded by the
+    // request and reconnect timeouts.
+    let initiator_longest = (opts.request_timeout + opts.reconnect_timeout) * 2 + Duration::from_secs(30);
+    let timeout = match a.device_timeout {
+        Some(s) => {
+            anyhow::ensure!((1..=86400).contains(&s), "--device-timeout must be 1..=86400 seconds");
+            Some(Duration::from_secs(s))
+        }
+        None => None,
+    };
+    let kopts =
+        KernelOptions { device: a.device, queues, interface: a.interface, timeout, initiator_longest };
     let driver = match a.fuse {
         None => Some(kernel::preflight(&kopts)?),
         Some(_) => None,

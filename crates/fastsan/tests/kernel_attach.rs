@@ -9,7 +9,10 @@
 //! The guest prints what it checked (`@@PASS`, `@@FAIL`); at `@@RESTART`
 //! the host kills the target with SIGKILL and starts it again 35 s later on
 //! the same port and file while the guest's direct writes wait. Meanwhile
-//! each reconnect meets `nc`'s own error text instead of a handshake.
+//! each reconnect meets `nc`'s own error text instead of a handshake. At
+//! `@@STOP` it stops the target (SIGSTOP) for 10 s, longer than the device
+//! timeout the guest attached with (3 s): the kernel gives up on its queues'
+//! sockets, and attach must give it new ones without losing a write.
 
 mod common;
 
@@ -47,6 +50,16 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
             t.child.wait().unwrap();
             std::thread::sleep(Duration::from_secs(35));
             target = Some(Served::start(&["--brp", &addr, "--volume", &spec]));
+        } else if event == "STOP" {
+            // Stopped, not killed: its connections stay, nothing answers
+            // for 10 s, longer than the guest's device timeout (3 s).
+            eprintln!("host: the target stops for 10 s");
+            std::thread::sleep(Duration::from_millis(500));
+            let pid = target.as_ref().unwrap().child.id() as libc::pid_t;
+            // SAFETY: signals to our own child process.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            std::thread::sleep(Duration::from_secs(10));
+            unsafe { libc::kill(pid, libc::SIGCONT) };
         } else if event == "END" {
             break;
         }
@@ -63,6 +76,7 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
         "fails with 'is not attached'",
         "reconnected",
         "SIGTERM detaches",
+        "queues renewed",
     ]);
     drop(target);
 }

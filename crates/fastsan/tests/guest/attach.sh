@@ -32,21 +32,29 @@ stalled() {
     sed 's/^/stall:   /' "$t/stack" 2>&1
   done
   # The kernel's own side: its workers for the device (a receiver per
-  # queue, "kworker/...+nbd0-recv", each reading its socket's replies; a
-  # queue without one reads no replies), and where each is.
+  # queue, "kworker/...+nbd0-recv", each reading its socket's replies, or
+  # the workqueue's rescuer "nbd0-recv" running one; a queue without one
+  # reads no replies), where each is, and the block layer's requests in
+  # flight per queue (busy: sent to the driver; dispatch: waiting for it).
   for p in /proc/[0-9]*; do
     case $(cat "$p/comm" 2>/dev/null) in
-      kworker*nbd*) echo "stall: kernel task $(basename "$p") $(cat "$p/comm") $(cut -d' ' -f3 "$p/stat")"
+      *nbd0-recv*) echo "stall: kernel task $(basename "$p") $(cat "$p/comm") $(cut -d' ' -f3 "$p/stat")"
              sed 's/^/stall:   /' "$p/stack" 2>&1 ;;
     esac
   done
+  [ -d /sys/kernel/debug/block ] || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+  for f in /sys/kernel/debug/block/nbd0/hctx*/busy /sys/kernel/debug/block/nbd0/hctx*/dispatch \
+           /sys/kernel/debug/block/nbd0/requeue_list; do
+    sed "s|^|stall: $f: |" "$f" 2>/dev/null
+  done
   echo w >/proc/sysrq-trigger
 }
-# Runs a check; one that takes more than 60 s (and again at 180 s) is
-# reported with what it waits for. (The watchdog leaves the working
-# directory at once: it must not hold /mnt busy.)
+# Runs a check; one that takes more than 25 s (and again at 180 s) is
+# reported with what it waits for: before the device's timeout (30 s)
+# sends a stuck request again. (The watchdog leaves the working directory
+# at once: it must not hold /mnt busy.)
 check() {
-  ( cd /; sleep 60; stalled 60 "$@"; sleep 120; stalled 180 "$@" ) &
+  ( cd /; sleep 25; stalled 25 "$@"; sleep 155; stalled 180 "$@" ) &
   dog=$!
   if "$@" >/tmp/check.out 2>&1; then say "PASS $*"; else say "FAIL $*: $(tail -3 /tmp/check.out)"; fi
   kill $dog 2>/dev/null
@@ -145,6 +153,25 @@ if attach --interface ioctl; then
   check umount /mnt
   kill -TERM $pid
   wait $pid && say "PASS SIGTERM detaches ($dev)" || say "FAIL SIGTERM: $(tail -5 /tmp/attach.log)"
+fi
+# 4. A device timeout (3 s) shorter than the target's absence (the host stops
+# it for 10 s during direct writes): the kernel gives up on the queues'
+# sockets, sends their requests again on another or waits for a new one;
+# attach gives it new sockets at once, and nothing is lost.
+if attach --device /dev/nbd0 --device-timeout 3; then
+  check mount /dev/nbd0 /mnt
+  verify
+  say "STOP"
+  check dd if=/dev/urandom of=/mnt/c bs=1M count=16 oflag=direct
+  (cd /mnt && sha256sum a b c >/tmp/sums)
+  check sync
+  fresh_mount
+  verify
+  check umount /mnt
+  check e2fsck -fn /dev/nbd0
+  if grep -q "gave the kernel a new socket" /tmp/attach.log; then say "PASS queues renewed"
+  else say "FAIL no new socket: $(tail -5 /tmp/attach.log)"; fi
+  detach
 fi
 say "END"
 poweroff -f
