@@ -26,10 +26,15 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, Semaphore};
 use tracing::{debug, warn};
 
-/// Requests of one queue executing at once. The kernel's own queue depth
-/// (128 per queue) stays below it, so it never waits here in practice; it
-/// bounds what a misbehaving peer can start.
-pub const MAX_IN_FLIGHT: usize = 256;
+/// Requests of one socket executing at once: as many as the kernel can have
+/// in flight on a whole device (128 per queue, at most 16 queues), since it
+/// sends a dead queue's requests to a live socket. So the reader never waits
+/// here in practice; it bounds what a misbehaving peer can start. It must
+/// not wait: a write left unread in the socket is not yet in the session's
+/// write order, and if the kernel gives up on the socket meanwhile and sends
+/// the write again elsewhere, the stale one read later would land after it,
+/// and after whatever the kernel wrote there since.
+pub const MAX_IN_FLIGHT: usize = 128 * 16;
 
 /// What the bridges of one device have done.
 #[derive(Debug, Default)]
@@ -52,10 +57,37 @@ impl BridgeStats {
     }
 }
 
-/// One reply: its 16-byte header, and a READ's data.
+/// One reply: its 16-byte header, and a READ's data. Counted as answered
+/// (`replies`) when it is dropped: once written, or when it cannot be
+/// (the socket failed, the writer ended), exactly once either way.
 struct Reply {
     head: [u8; 16],
     data: Bytes,
+    stats: Arc<BridgeStats>,
+}
+
+impl Reply {
+    /// A simple reply: `error` (0 or an errno), and a READ's data.
+    fn new(error: i32, cookie: u64, data: Bytes, stats: &Arc<BridgeStats>) -> Reply {
+        Reply { head: simple_reply(error as u32, cookie), data, stats: stats.clone() }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        self.stats.replies.fetch_add(1, Relaxed);
+    }
+}
+
+/// How a bridge's reading ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// NBD_CMD_DISC: the device is being disconnected.
+    Disconnect,
+    /// The socket closed or failed without NBD_CMD_DISC: the kernel gave up
+    /// on this queue (a request past the device's timeout shuts its socket),
+    /// after `received` requests.
+    Closed { received: u64 },
 }
 
 /// Serves the kernel's requests arriving on `stream` until the kernel
@@ -68,29 +100,28 @@ where
     serve_with(stream, vol, stats, |_| {}).await
 }
 
-/// [`serve`], calling `closed` as soon as the kernel closes the socket
-/// without NBD_CMD_DISC (it gave up on the queue: a request past the
-/// device's timeout), with the number of requests the socket brought; the
-/// requests already started are answered after that (their replies go
-/// nowhere), while the caller gives the kernel a new socket.
+/// [`serve`], telling `ended` how the reading ended as soon as it does:
+/// NBD_CMD_DISC, or the socket closing or failing without it (the kernel
+/// gave up on the queue); the requests already started are answered after
+/// that (into the void if the socket is gone), while the caller may give
+/// the kernel a new socket.
 pub async fn serve_with<S>(
     stream: S,
     vol: Remote,
     stats: Arc<BridgeStats>,
-    closed: impl FnOnce(u64),
+    ended: impl FnOnce(End),
 ) -> io::Result<()>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (mut rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::unbounded_channel::<Reply>();
-    let writer = tokio::spawn(write_replies(wr, rx, stats.clone()));
+    let writer = tokio::spawn(write_replies(wr, rx));
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let mut buf = BytesMut::with_capacity(256 * 1024);
     let mut skip = 0u64;
     let size = vol.size();
     let mut received = 0u64;
-    let mut closed = Some(closed);
     let read = loop {
         if skip > 0 {
             let n = skip.min(buf.len() as u64);
@@ -113,9 +144,6 @@ where
                         // queue (a request past the device's timeout shuts its
                         // socket), or it is going away. Said when it happens.
                         warn!(unread = buf.len(), "the kernel closed this queue without a disconnect");
-                        if let Some(f) = closed.take() {
-                            f(received);
-                        }
                         break Ok(());
                     }
                     Ok(_) => continue,
@@ -127,7 +155,8 @@ where
         let frame = buf.split_to(used).freeze();
         if req.command == CMD_DISC {
             debug!("the kernel disconnected");
-            break Ok(());
+            ended(End::Disconnect);
+            return finish(tx, writer, slots, Ok(())).await;
         }
         stats.requests.fetch_add(1, Relaxed);
         received += 1;
@@ -135,23 +164,19 @@ where
             // Larger than any WRITE the kernel sends: refused, its data discarded.
             skip = n as u64;
             stats.errors.fetch_add(1, Relaxed);
-            reply(
-                &tx,
-                &stats,
-                Reply { head: simple_reply(libc::EINVAL as u32, req.cookie), data: Bytes::new() },
-            );
+            reply(&tx, Reply::new(libc::EINVAL, req.cookie, Bytes::new(), &stats));
             continue;
         }
         if let Some(code) = refuse(&req, size) {
             stats.errors.fetch_add(1, Relaxed);
-            reply(&tx, &stats, Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() });
+            reply(&tx, Reply::new(code, req.cookie, Bytes::new(), &stats));
             continue;
         }
         let Ok(permit) = slots.clone().acquire_owned().await else { break Ok(()) };
         let (vol, tx, stats) = (vol.clone(), tx.clone(), stats.clone());
         tokio::spawn(async move {
             let reply = match execute(&vol, &req, frame.slice(REQUEST_LEN..)).await {
-                Ok(data) => Reply { head: simple_reply(0, req.cookie), data },
+                Ok(data) => Reply::new(0, req.cookie, data, &stats),
                 Err(e) => {
                     stats.errors.fetch_add(1, Relaxed);
                     // NBD's codes: EPERM for a read-only device.
@@ -166,16 +191,28 @@ where
                         length = req.length,
                         "a request of the kernel failed"
                     );
-                    Reply { head: simple_reply(code as u32, req.cookie), data: Bytes::new() }
+                    Reply::new(code, req.cookie, Bytes::new(), &stats)
                 }
             };
-            self::reply(&tx, &stats, reply);
+            self::reply(&tx, reply);
             drop(permit);
         });
     };
     if let Err(e) = &read {
         warn!(error = e as &dyn std::error::Error, "this queue of the device failed");
     }
+    ended(End::Closed { received });
+    finish(tx, writer, slots, read).await
+}
+
+/// The end of [`serve_with`], its reading done with `read`: waits for every
+/// request started to be answered, then for the writer.
+async fn finish(
+    tx: mpsc::UnboundedSender<Reply>,
+    writer: tokio::task::JoinHandle<io::Result<()>>,
+    slots: Arc<Semaphore>,
+    read: io::Result<()>,
+) -> io::Result<()> {
     // Every request started is answered (or its answer fails to send)
     // before this returns; then the writer ends after the last reply.
     let _all = slots.acquire_many(MAX_IN_FLIGHT as u32).await;
@@ -185,11 +222,9 @@ where
 }
 
 /// Hands a reply to the writer; one that cannot go (the writer ended: the
-/// socket failed) is answered all the same, into the void.
-fn reply(tx: &mpsc::UnboundedSender<Reply>, stats: &BridgeStats, r: Reply) {
-    if tx.send(r).is_err() {
-        stats.replies.fetch_add(1, Relaxed);
-    }
+/// socket failed) is dropped, answered into the void.
+fn reply(tx: &mpsc::UnboundedSender<Reply>, r: Reply) {
+    let _ = tx.send(r);
 }
 
 /// The largest READ served: twice what the kernel ever asks (its NBD driver
@@ -226,38 +261,26 @@ async fn execute(vol: &Remote, r: &Request, data: Bytes) -> Result<Bytes, Error>
     }
 }
 
-/// Sends replies as they come, every one that is ready in one write. Once
-/// the socket fails (the kernel shut it), every reply left, queued or still
-/// to come, is counted as answered: it goes nowhere (the kernel sent its
-/// request again elsewhere), and it must not stay counted in flight.
-async fn write_replies<W: AsyncWrite>(
-    wr: W,
-    mut rx: mpsc::UnboundedReceiver<Reply>,
-    stats: Arc<BridgeStats>,
-) -> io::Result<()> {
+/// Sends replies as they come, every one that is ready in one write. Each
+/// is dropped (counted as answered) once written; once the socket fails,
+/// those left go with the channel, answered into the void (the kernel sent
+/// their requests again elsewhere): none stays counted in flight.
+async fn write_replies<W: AsyncWrite>(wr: W, mut rx: mpsc::UnboundedReceiver<Reply>) -> io::Result<()> {
     tokio::pin!(wr);
     let mut out: VecDeque<Bytes> = VecDeque::new();
+    let mut batch: Vec<Reply> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
-        let mut replies = 0;
         while let Some(r) = next {
-            replies += 1;
             out.push_back(Bytes::copy_from_slice(&r.head));
             if !r.data.is_empty() {
-                out.push_back(r.data);
+                out.push_back(r.data.clone());
             }
+            batch.push(r);
             next = if out.len() < 128 { rx.try_recv().ok() } else { None };
         }
-        let written = write_out(wr.as_mut(), &mut out).await;
-        stats.replies.fetch_add(replies, Relaxed);
-        if let Err(e) = written {
-            // Later sends fail (and count themselves); what is queued counts here.
-            rx.close();
-            while rx.try_recv().is_ok() {
-                stats.replies.fetch_add(1, Relaxed);
-            }
-            return Err(e);
-        }
+        write_out(wr.as_mut(), &mut out).await?;
+        batch.clear();
     }
     wr.shutdown().await
 }

@@ -7,9 +7,10 @@
 //! I/O; the device stays configured (busy) until `fastsan detach` (or
 //! `nbd-client -d`) disconnects it.
 
-use crate::bridge::{self, BridgeStats};
+use crate::bridge::{self, BridgeStats, End};
 use crate::netlink::{self, NbdNetlink};
 use crate::Remote;
+use fastsan_initiator::remote::Single;
 use fastsan_nbd::consts::*;
 use std::io;
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
@@ -134,18 +135,27 @@ impl Queues {
     fn start(self: &Arc<Self>, queue: usize, stream: tokio::net::UnixStream) {
         let mut tasks = self.tasks.lock().expect("never poisoned");
         if tasks.0 {
-            return; // detaching: the socket closes, the kernel is letting go
+            return; // disconnecting: the socket closes, the kernel is letting go
         }
         let me = self.clone();
         let span = tracing::info_span!("nbd", device = %self.device, queue);
-        let closed = move |received| me.closed(queue, received);
-        let served = bridge::serve_with(stream, self.vol.clone(), self.stats.clone(), closed);
+        let ended = move |end| me.ended(queue, end);
+        let served = bridge::serve_with(stream, self.vol.clone(), self.stats.clone(), ended);
+        tasks.1.retain(|t| !t.is_finished());
         tasks.1.push(tokio::spawn(served.instrument(span)));
     }
 
-    /// The kernel closed `queue`'s socket, which brought `received`
-    /// requests: give it a new one.
-    fn closed(self: &Arc<Self>, queue: usize, received: u64) {
+    /// `queue`'s bridge stopped reading: on NBD_CMD_DISC (a disconnect,
+    /// ours or from elsewhere) no new socket is given any more; if the
+    /// kernel closed the socket without it, it gets a new one.
+    fn ended(self: &Arc<Self>, queue: usize, end: End) {
+        let received = match end {
+            End::Disconnect => {
+                self.tasks.lock().expect("never poisoned").0 = true;
+                return;
+            }
+            End::Closed { received } => received,
+        };
         if !self.renew || self.tasks.lock().expect("never poisoned").0 {
             return;
         }
@@ -165,6 +175,11 @@ impl Queues {
         tokio::spawn(async move {
             if barren > 0 {
                 tokio::time::sleep(Duration::from_millis(50 << barren.min(5))).await;
+            }
+            if me.tasks.lock().expect("never poisoned").0 {
+                // Disconnected meanwhile: a new socket would undo that.
+                me.renewing.fetch_sub(1, SeqCst);
+                return;
             }
             let index = me.index;
             let made = tokio::task::spawn_blocking(move || new_socket(index)).await.map_err(io::Error::other);
@@ -186,7 +201,8 @@ impl Queues {
         self.renewing.load(SeqCst) == 0 && tasks.1.iter().all(|t| t.is_finished())
     }
 
-    /// Starts the detach: no bridge starts after this; the ones there are.
+    /// Starts the detach: no bridge starts after this; the ones there are
+    /// (finished or not).
     fn detaching(&self) -> Vec<JoinHandle<io::Result<()>>> {
         let mut tasks = self.tasks.lock().expect("never poisoned");
         tasks.0 = true;
@@ -289,6 +305,13 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
     }
     let stats = Arc::new(BridgeStats::default());
     let flags = flags(&vol) as u64;
+    // The kernel's copy of a request past the timeout is safe only where the
+    // session keeps overlapping writes in order, with a fence for retries: a
+    // BRP volume. An NBD export (no fence) or a mirror waits it out instead.
+    let netlink_default = match &vol {
+        Remote::One(Single::Brp(_)) => NETLINK_DEVICE_TIMEOUT,
+        _ => opts.initiator_longest,
+    };
     let (index, control) = match nl {
         Some(mut nl) => {
             let c = netlink::Connect {
@@ -297,7 +320,7 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
                 block_size: bs as u64,
                 server_flags: flags,
                 client_flags: 0,
-                timeout: opts.timeout.unwrap_or(NETLINK_DEVICE_TIMEOUT).as_secs().max(1),
+                timeout: opts.timeout.unwrap_or(netlink_default).as_secs().max(1),
                 dead_conn_timeout: DEAD_CONN_TIMEOUT,
                 sockets: theirs.iter().map(|f| f.as_raw_fd()).collect(),
             };
@@ -474,6 +497,21 @@ impl Device {
     /// disconnected, by `detach`, `nbd-client -d`, or an error).
     pub fn finished(&self) -> bool {
         self.queues.finished()
+    }
+
+    /// Asks the kernel to let go of a device whose queues all ended without
+    /// a detach (a disconnect from elsewhere: then it has already; or every
+    /// socket closed and no new one taken: then it still holds the device,
+    /// which would stay busy until `nbd-client -d`). Errors are ignored.
+    pub fn release(&mut self) {
+        self.queues.detaching();
+        let r = match &mut self.control {
+            Control::Netlink(nl) => nl.disconnect(self.index),
+            Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
+        };
+        if let Err(e) = r {
+            debug!(device = %self.path.display(), "disconnect: {e}");
+        }
     }
 
     /// Claims the device for the detach: fails with [`DetachError::InUse`]

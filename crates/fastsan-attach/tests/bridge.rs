@@ -216,18 +216,24 @@ async fn the_socket_closing_ends_the_bridge() {
     tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap().unwrap();
 }
 
+/// A volume whose reads never finish (writes do), opened with a request
+/// timeout of `ms` and no reconnection: a read fails after its timeout.
+async fn stalling_reads(ms: u64) -> (Remote, fastsan_target::ServerHandle) {
+    let (base, h) = target(&["slow=memory:4M,faults=read:stall"]).await;
+    let opts = Options {
+        request_timeout: Duration::from_millis(ms),
+        reconnect_timeout: Duration::ZERO,
+        ..Default::default()
+    };
+    (Remote::connect(&format!("{base}/slow"), opts).await.unwrap(), h)
+}
+
 /// A request the volume does not answer stays counted in flight (what
 /// `attach --list` shows) until its answer, here the error its timeout
 /// gives, is written back; others go on meanwhile.
 #[tokio::test]
 async fn a_stuck_request_is_counted_in_flight_until_it_is_answered() {
-    let (base, _h) = target(&["v=memory:4M", "slow=memory:4M,faults=read:stall"]).await;
-    let opts = Options {
-        request_timeout: Duration::from_millis(1500),
-        reconnect_timeout: Duration::ZERO,
-        ..Default::default()
-    };
-    let vol = Remote::connect(&format!("{base}/slow"), opts).await.unwrap();
+    let (vol, _h) = stalling_reads(1500).await;
     let (a, b) = UnixStream::pair().unwrap();
     let stats = Arc::new(BridgeStats::default());
     let _task = tokio::spawn(bridge::serve(a, vol, stats.clone()));
@@ -256,18 +262,12 @@ async fn a_stuck_request_is_counted_in_flight_until_it_is_answered() {
 /// nowhere, and it leaves the count of requests in flight all the same.
 #[tokio::test]
 async fn a_socket_closed_under_a_running_request_is_reported_and_the_request_still_leaves_the_count() {
-    let (base, _h) = target(&["slow=memory:4M,faults=read:stall"]).await;
-    let opts = Options {
-        request_timeout: Duration::from_millis(1000),
-        reconnect_timeout: Duration::ZERO,
-        ..Default::default()
-    };
-    let vol = Remote::connect(&format!("{base}/slow"), opts).await.unwrap();
+    let (vol, _h) = stalling_reads(1000).await;
     let (a, b) = UnixStream::pair().unwrap();
     let stats = Arc::new(BridgeStats::default());
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |n| {
-        let _ = closed_tx.send(n);
+    let task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |end| {
+        let _ = closed_tx.send(end);
     }));
     let mut k = Kernel::new(b);
     k.send(CMD_READ, 0, 0, 4096, &[]).await;
@@ -277,12 +277,42 @@ async fn a_socket_closed_under_a_running_request_is_reported_and_the_request_sti
     }
     drop(k);
     let told = tokio::time::timeout(Duration::from_millis(500), closed_rx).await;
-    assert_eq!(told.expect("told before the reads end").unwrap(), 2);
+    assert_eq!(told.expect("told before the reads end").unwrap(), bridge::End::Closed { received: 2 });
     assert_eq!(stats.in_flight(), 2, "both reads still run");
     // They fail by their timeout; their replies cannot be written.
     let ended = tokio::time::timeout(Duration::from_secs(10), task).await.expect("the bridge ends");
     assert!(ended.unwrap().is_err(), "its replies had nowhere to go");
     assert_eq!(stats.in_flight(), 0);
+}
+
+/// The reader never stops reading for requests in flight, up to what a
+/// whole device can have (128 per queue, 16 queues; the kernel sends a dead
+/// queue's requests to a live socket): a write left unread would not be in
+/// the session's write order, and could land after its own copy sent again
+/// elsewhere. NBD_CMD_DISC is then reported as the end.
+#[tokio::test]
+async fn the_reader_takes_every_request_a_device_can_have_in_flight_and_reports_a_disconnect() {
+    let (vol, _h) = stalling_reads(3000).await;
+    let (a, b) = UnixStream::pair().unwrap();
+    let stats = Arc::new(BridgeStats::default());
+    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+    let _task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |end| {
+        let _ = end_tx.send(end);
+    }));
+    let mut k = Kernel::new(b);
+    let n = 4 * 128;
+    for i in 0..n {
+        k.send(CMD_READ, 0, (i % 512) * 4096, 4096, &[]).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while stats.requests.load(Relaxed) < n {
+        assert!(tokio::time::Instant::now() < deadline, "read {} of {n}", stats.requests.load(Relaxed));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stats.in_flight(), n, "all stalled, none answered yet");
+    k.send(CMD_DISC, 0, 0, 0, &[]).await;
+    let end = tokio::time::timeout(Duration::from_secs(2), end_rx).await.expect("reported at once");
+    assert_eq!(end.unwrap(), bridge::End::Disconnect);
 }
 
 /// An NBD export has no retries (no fence): when its server goes, requests

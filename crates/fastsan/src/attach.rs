@@ -239,6 +239,7 @@ async fn attach_kernel(
             if dev.finished() {
                 // Disconnected from outside (nbd-client -d, an error).
                 warn!(device = %base.device, "the kernel disconnected the device");
+                dev.release();
                 return finish(&vol, &base.device, reg, now("failed", &refused)).await;
             }
             continue;
