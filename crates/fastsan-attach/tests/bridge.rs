@@ -228,6 +228,25 @@ async fn stalling_reads(ms: u64) -> (Remote, fastsan_target::ServerHandle) {
     (Remote::connect(&format!("{base}/slow"), opts).await.unwrap(), h)
 }
 
+/// A bridge on `vol` whose end (how its reading ended) comes on the receiver.
+#[allow(clippy::type_complexity)]
+fn bridged_telling_its_end(
+    vol: Remote,
+) -> (
+    Kernel,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    Arc<BridgeStats>,
+    tokio::sync::oneshot::Receiver<bridge::End>,
+) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let stats = Arc::new(BridgeStats::default());
+    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |end| {
+        let _ = end_tx.send(end);
+    }));
+    (Kernel::new(b), task, stats, end_rx)
+}
+
 /// A request the volume does not answer stays counted in flight (what
 /// `attach --list` shows) until its answer, here the error its timeout
 /// gives, is written back; others go on meanwhile.
@@ -263,13 +282,7 @@ async fn a_stuck_request_is_counted_in_flight_until_it_is_answered() {
 #[tokio::test]
 async fn a_socket_closed_under_a_running_request_is_reported_and_the_request_still_leaves_the_count() {
     let (vol, _h) = stalling_reads(1000).await;
-    let (a, b) = UnixStream::pair().unwrap();
-    let stats = Arc::new(BridgeStats::default());
-    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |end| {
-        let _ = closed_tx.send(end);
-    }));
-    let mut k = Kernel::new(b);
+    let (mut k, task, stats, closed_rx) = bridged_telling_its_end(vol);
     k.send(CMD_READ, 0, 0, 4096, &[]).await;
     k.send(CMD_READ, 0, 4096, 4096, &[]).await;
     while stats.requests.load(Relaxed) < 2 {
@@ -293,13 +306,7 @@ async fn a_socket_closed_under_a_running_request_is_reported_and_the_request_sti
 #[tokio::test]
 async fn the_reader_takes_every_request_a_device_can_have_in_flight_and_reports_a_disconnect() {
     let (vol, _h) = stalling_reads(3000).await;
-    let (a, b) = UnixStream::pair().unwrap();
-    let stats = Arc::new(BridgeStats::default());
-    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
-    let _task = tokio::spawn(bridge::serve_with(a, vol, stats.clone(), move |end| {
-        let _ = end_tx.send(end);
-    }));
-    let mut k = Kernel::new(b);
+    let (mut k, _task, stats, end_rx) = bridged_telling_its_end(vol);
     let n = 4 * 128;
     for i in 0..n {
         k.send(CMD_READ, 0, (i % 512) * 4096, 4096, &[]).await;
