@@ -183,7 +183,7 @@ impl Queues {
             }
             let index = me.index;
             let made = tokio::task::spawn_blocking(move || new_socket(index)).await.map_err(io::Error::other);
-            match made.and_then(|r| r).and_then(tokio::net::UnixStream::from_std) {
+            match made.and_then(|r| r) {
                 Ok(s) => {
                     info!(device = %me.device, queue, "gave the kernel a new socket for the queue it closed");
                     me.start(queue, s);
@@ -210,11 +210,18 @@ impl Queues {
     }
 }
 
-/// A socket pair whose far end device `index` takes in place of a socket it
-/// closed (NBD_CMD_RECONFIGURE); the near end, non-blocking.
-fn new_socket(index: u32) -> io::Result<std::os::unix::net::UnixStream> {
+/// A socket pair for one queue: this process's end (a bridge serves it)
+/// and the end the kernel is given.
+fn socket_pair() -> io::Result<(tokio::net::UnixStream, OwnedFd)> {
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
     ours.set_nonblocking(true)?;
+    Ok((tokio::net::UnixStream::from_std(ours)?, theirs.into()))
+}
+
+/// A socket pair whose far end device `index` takes in place of a socket it
+/// closed (NBD_CMD_RECONFIGURE); the near end.
+fn new_socket(index: u32) -> io::Result<tokio::net::UnixStream> {
+    let (ours, theirs) = socket_pair()?;
     let mut nl = NbdNetlink::open()?.ok_or_else(|| io::Error::other("no NBD netlink family"))?;
     nl.reconfigure(index, theirs.as_raw_fd())?;
     // The kernel holds its own reference now.
@@ -298,10 +305,9 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
     let mut ours = Vec::new();
     let mut theirs: Vec<OwnedFd> = Vec::new();
     for _ in 0..opts.queues {
-        let (a, b) = std::os::unix::net::UnixStream::pair().map_err(io_err("cannot make a socket pair"))?;
-        a.set_nonblocking(true).map_err(io_err("socket pair"))?;
-        ours.push(tokio::net::UnixStream::from_std(a).map_err(io_err("socket pair"))?);
-        theirs.push(b.into());
+        let (a, b) = socket_pair().map_err(io_err("cannot make a socket pair"))?;
+        ours.push(a);
+        theirs.push(b);
     }
     let stats = Arc::new(BridgeStats::default());
     let flags = flags(&vol) as u64;
@@ -505,6 +511,12 @@ impl Device {
     /// which would stay busy until `nbd-client -d`). Errors are ignored.
     pub fn release(&mut self) {
         self.queues.detaching();
+        self.disconnect();
+    }
+
+    /// Tells the kernel to disconnect the device (it sends NBD_CMD_DISC on
+    /// every live socket); an error means it let go already.
+    fn disconnect(&mut self) {
         let r = match &mut self.control {
             Control::Netlink(nl) => nl.disconnect(self.index),
             Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
@@ -535,14 +547,7 @@ impl Device {
             Err(e) => return Err((Some(self), e)),
         };
         let bridges = self.queues.detaching();
-        let r = match &mut self.control {
-            Control::Netlink(nl) => nl.disconnect(self.index),
-            Control::Ioctl { file, .. } => ioctl(file.as_raw_fd(), NBD_DISCONNECT, 0),
-        };
-        if let Err(e) = r {
-            // The kernel let go already.
-            debug!(device = %self.path.display(), "disconnect: {e}");
-        }
+        self.disconnect();
         for b in bridges {
             match tokio::time::timeout(Duration::from_secs(60), b).await {
                 Ok(Ok(Ok(()))) => {}
