@@ -93,6 +93,13 @@ pub enum Error {
     /// the volume, as with any block device whose transport fails.
     #[error("{}", unreachable_text(cause.as_deref(), *reconnect))]
     Unreachable { cause: Option<String>, reconnect: std::time::Duration },
+    /// An NBD or NVMe/TCP connection ended (`0`: why: no reply within the
+    /// request timeout, the server closing it, a reset...) before the
+    /// request's reply came; those clients do not reconnect (neither
+    /// protocol has a fence), so a write that fails so may or may not have
+    /// reached the volume.
+    #[error("connection lost: {0}")]
+    Lost(String),
     #[error("data digest mismatch in a reply")]
     DigestMismatch,
     #[error("protocol error")]
@@ -130,7 +137,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             // The request may not have reached the target; the session reconnects.
-            Error::ConnectionLost | Error::Unreachable { .. } => true,
+            Error::ConnectionLost | Error::Unreachable { .. } | Error::Lost(_) => true,
             // Corruption in transit; the next try usually arrives whole.
             Error::DigestMismatch => true,
             // The target was not there or not ready; it may be soon.
@@ -178,6 +185,41 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Why a connection of the NBD or NVMe/TCP client ended, set once by its
+/// reader before it fails the requests in flight; read by those and by every
+/// request that comes after ([`Error::Lost`]).
+#[derive(Default)]
+pub(crate) struct Cause(std::sync::OnceLock<String>);
+
+impl Cause {
+    /// Records why the reader's connection ended: `e` as the reader met it
+    /// (`ours`: this side closed it), `timeout` the request timeout. The
+    /// first end recorded stays.
+    pub(crate) fn set_io(&self, e: &io::Error, timeout: std::time::Duration, ours: bool) {
+        // Overdue first: the reader that found it cut the connection itself.
+        let why = if crate::overdue::is_overdue(e) {
+            format!("no reply within the request timeout ({timeout:?})")
+        } else if ours {
+            "this side closed the volume".to_string()
+        } else if e.kind() == io::ErrorKind::UnexpectedEof {
+            "the server closed the connection".to_string()
+        } else {
+            e.to_string()
+        };
+        self.set(why);
+    }
+
+    /// Records why the connection ended, in words.
+    pub(crate) fn set(&self, why: String) {
+        let _ = self.0.set(why);
+    }
+
+    /// The error of a request the connection's end failed.
+    pub(crate) fn error(&self) -> Error {
+        Error::Lost(self.0.get().cloned().unwrap_or_else(|| "the connection ended".to_string()))
+    }
+}
+
 fn replaced_text(volume: &str, restarted: bool, volatile: bool) -> String {
     match (restarted, volatile) {
         (true, true) => format!(
@@ -212,6 +254,41 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_connection_says_why() {
+        let why = |e: io::Error, ours| {
+            let c = Cause::default();
+            c.set_io(&e, std::time::Duration::from_millis(300), ours);
+            c.error().to_string()
+        };
+        let overdue = io::Error::new(io::ErrorKind::TimedOut, crate::overdue::Overdue);
+        assert_eq!(why(overdue, false), "connection lost: no reply within the request timeout (300ms)");
+        assert_eq!(
+            why(io::ErrorKind::UnexpectedEof.into(), false),
+            "connection lost: the server closed the connection"
+        );
+        let reset = io::Error::from_raw_os_error(libc::ECONNRESET);
+        assert_eq!(
+            why(reset, false),
+            format!("connection lost: {}", io::Error::from_raw_os_error(libc::ECONNRESET))
+        );
+        assert_eq!(
+            why(io::Error::other("bad NBD reply magic"), false),
+            "connection lost: bad NBD reply magic"
+        );
+        assert_eq!(
+            why(io::ErrorKind::UnexpectedEof.into(), true),
+            "connection lost: this side closed the volume"
+        );
+        // The first end counts: a later one does not overwrite it.
+        let c = Cause::default();
+        c.set_io(&io::ErrorKind::UnexpectedEof.into(), std::time::Duration::ZERO, false);
+        c.set_io(&io::Error::other("later"), std::time::Duration::ZERO, false);
+        c.set("later still".into());
+        assert_eq!(c.error().to_string(), "connection lost: the server closed the connection");
+        assert_eq!(Cause::default().error().to_string(), "connection lost: the connection ended");
+    }
+
+    #[test]
     fn retry_decisions() {
         assert!(Error::ConnectionLost.is_retryable());
         let gone = |cause: Option<&str>, secs| Error::Unreachable {
@@ -229,6 +306,7 @@ mod tests {
             "no connection to the target within the reconnect timeout (2s)"
         );
         assert_eq!(gone(None, 0).to_string(), "connection lost (reconnection is off)");
+        assert!(Error::Lost("x".into()).is_retryable());
         assert!(Error::Refused { status: Status::BUSY, message: String::new() }.is_retryable());
         assert!(!Error::Refused { status: Status::AUTH_FAILED, message: String::new() }.is_retryable());
         assert!(!Error::BadVersion(9).is_retryable());

@@ -12,15 +12,16 @@
 //! No reconnection: NBD has no fence (nothing tells when a lost
 //! connection's writes have all landed), so resending a write could let an
 //! older one land after a newer one. A request whose connection is lost
-//! fails with [`Error::ConnectionLost`], as with `nbd-client`; so does one
-//! without a reply within the request timeout (the connection is then cut,
-//! since nobody can tell whether it landed).
+//! fails with [`Error::Lost`], which says why, as with `nbd-client`; so
+//! does one without a reply within the request timeout (the connection is
+//! then cut, since nobody can tell whether it landed).
 //!
 //! Frames go out through one writer task, whole: a caller that gives up (a
 //! dropped future) never leaves half a request on the wire. A request split
 //! in pieces reports its outcome only once every piece is answered, so no
 //! piece of a write reported failed lands after the report.
 
+use crate::error::Cause;
 use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::session::{all, chunks, read_pieces};
@@ -60,6 +61,8 @@ pub struct NbdVolume {
     next: AtomicU64,
     /// False once the connection ended.
     up: Arc<AtomicBool>,
+    /// Why it ended, for the requests that fail.
+    cause: Arc<Cause>,
     /// Its request clock: the reader cuts the connection when a request
     /// waits past the request timeout ([`crate::overdue`]).
     clock: Arc<Clock>,
@@ -176,12 +179,14 @@ impl NbdVolume {
         let (rd, wr) = s.into_split();
         let pending: Pending = Arc::default();
         let up = Arc::new(AtomicBool::new(true));
+        let cause = Arc::new(Cause::default());
         let clock = Arc::new(Clock::default());
         let (frames, rx) = mpsc::unbounded_channel();
         let reader = Reader {
             url: url.to_owned(),
             pending: pending.clone(),
             up: up.clone(),
+            cause: cause.clone(),
             clock: clock.clone(),
             timeout: request_timeout,
         };
@@ -194,6 +199,7 @@ impl NbdVolume {
             pending,
             next: AtomicU64::new(1),
             up,
+            cause,
             clock,
             size,
             flags,
@@ -245,7 +251,7 @@ impl NbdVolume {
         // cleared `up`, so a request it did not fail sees `up` false here.
         if !self.up.load(Relaxed) {
             self.pending.lock().remove(&cookie);
-            return Err(Error::ConnectionLost);
+            return Err(self.cause.error());
         }
         let h = Request { flags, command, cookie, offset, length }.encode();
         let mut frame = BytesMut::with_capacity(h.len() + payload.len());
@@ -253,11 +259,11 @@ impl NbdVolume {
         frame.extend_from_slice(payload);
         if self.frames.send(Some(frame.freeze())).is_err() {
             self.pending.lock().remove(&cookie);
-            return Err(Error::ConnectionLost);
+            return Err(self.cause.error());
         }
         // A reply that does not come in time: the reader cuts the
         // connection, and every request on it fails.
-        rx.await.map_err(|_| Error::ConnectionLost)?
+        rx.await.map_err(|_| self.cause.error())?
     }
 
     /// Reads `len` bytes at `offset`.
@@ -366,22 +372,24 @@ struct Reader {
     url: String,
     pending: Pending,
     up: Arc<AtomicBool>,
+    cause: Arc<Cause>,
     clock: Arc<Clock>,
     timeout: Duration,
 }
 
 /// Ends a reader's connection however the reader ends (by a panic too):
-/// `up` cleared, and every request still waiting failed.
+/// `up` cleared, and every request still waiting failed with its `cause`.
 struct Ending<'a> {
     pending: &'a Pending,
     up: &'a AtomicBool,
+    cause: &'a Cause,
 }
 
 impl Drop for Ending<'_> {
     fn drop(&mut self) {
         self.up.store(false, Relaxed);
         for (_, (_, _, tx)) in self.pending.lock().drain() {
-            let _ = tx.send(Err(Error::ConnectionLost));
+            let _ = tx.send(Err(self.cause.error()));
         }
     }
 }
@@ -391,8 +399,8 @@ impl Drop for Ending<'_> {
 /// timeout cuts the connection (the socket shut down, and the writer told
 /// through `frames`).
 async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboundedSender<Option<Bytes>>) {
-    let Reader { url, pending, up, clock, timeout } = r;
-    let ending = Ending { pending: &pending, up: &up };
+    let Reader { url, pending, up, cause, clock, timeout } = r;
+    let ending = Ending { pending: &pending, up: &up, cause: &cause };
     let mut buf = BytesMut::with_capacity(1 << 20);
     let recycler = Arc::new(Recycler::default());
     let mut ticker = Ticker::new(timeout);
@@ -455,11 +463,15 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).
-    let ours = !up.swap(false, Relaxed);
-    match r {
-        Err(e) if ours || timed_out => tracing::debug!(%url, "the NBD connection closed: {e}"),
-        Err(e) => tracing::warn!(%url, "the NBD connection ended: {e}"),
-        Ok(()) => {}
+    let ours = !up.load(Relaxed);
+    if let Err(e) = &r {
+        // Before `up` is cleared and `ending` fails the requests: each says why.
+        cause.set_io(e, timeout, ours);
+        match ours || timed_out {
+            true => tracing::debug!(%url, "the NBD connection closed: {e}"),
+            false => tracing::warn!(%url, "the NBD connection ended: {e}"),
+        }
     }
+    up.store(false, Relaxed);
     drop(ending);
 }

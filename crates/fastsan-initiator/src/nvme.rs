@@ -14,7 +14,7 @@
 //! As with [`crate::nbd`], there is no reconnection: a lost connection's
 //! commands cannot be fenced, so resending a write could let an older one
 //! land after a newer one. A command whose connection is lost fails with
-//! [`Error::ConnectionLost`]; so does one without a completion within the
+//! [`Error::Lost`], which says why; so does one without a completion within the
 //! request timeout (the connection is then cut: nobody can tell whether it
 //! landed). A controller that breaks the protocol (a malformed PDU, a
 //! digest mismatch, data or an R2T for no command, a C2HTermReq) has its
@@ -33,6 +33,7 @@
 //! reader task answers R2Ts itself, from the data the command keeps, so a
 //! write whose caller went away still finishes as the controller expects.
 
+use crate::error::Cause;
 use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
@@ -362,6 +363,8 @@ struct QueueState {
     freed: Notify,
     /// False once the connection ended.
     up: AtomicBool,
+    /// Why it ended, for the commands that fail.
+    cause: Cause,
     /// Its command clock: the reader cuts the connection when a command
     /// waits past the request timeout ([`crate::overdue`]).
     clock: Clock,
@@ -484,7 +487,7 @@ impl std::future::Future for Call<'_> {
         // A completion that does not come in time: the reader cuts the
         // connection, and every command on it fails.
         let (cqe, data) = ready!(std::pin::Pin::new(&mut this.completion).poll(cx))
-            .map_err(|_| Error::ConnectionLost)??;
+            .map_err(|_| Error::Lost("the connection ended".into()))??;
         if let Some(command) = this.check {
             check(command, &cqe)?;
         }
@@ -556,6 +559,7 @@ impl Queue {
             slots: Mutex::new(Slots::new(depth)),
             freed: Notify::new(),
             up: AtomicBool::new(true),
+            cause: Cause::default(),
             clock: Clock::default(),
             digests,
             maxh2cdata: r.maxh2cdata,
@@ -641,7 +645,7 @@ impl Queue {
             // after it cleared `up`) wakes it even if it comes next.
             let freed = st.freed.notified();
             if !st.up.load(Relaxed) {
-                return Err(Error::ConnectionLost);
+                return Err(st.cause.error());
             }
             freed.await;
         }
@@ -654,7 +658,7 @@ impl Queue {
         // cleared `up`, so a command it did not fail sees `up` false here.
         if !st.up.load(Relaxed) {
             st.slots.lock().finish(cid);
-            return Err(Error::ConnectionLost);
+            return Err(st.cause.error());
         }
         sqe.cid = cid;
         // Exactly the PDU's length: a Vec with spare room becomes a Bytes
@@ -664,7 +668,7 @@ impl Queue {
         pdu::encode(&capsule, 0, icd, st.digests, 0, &mut frame);
         if self.frames.send(Some(frame.into())).is_err() {
             st.slots.lock().finish(cid);
-            return Err(Error::ConnectionLost);
+            return Err(st.cause.error());
         }
         Ok(())
     }
@@ -1226,17 +1230,22 @@ async fn read_pdus(
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).
-    let ours = !state.up.swap(false, Relaxed);
+    let ours = !state.up.load(Relaxed);
+    // The cause is recorded before `up` is cleared and `ending` fails the
+    // commands: each says why.
     ending.why = match ended {
         Ended::Io(e) if ours || is_overdue(&e) => {
+            state.cause.set_io(&e, timeout, ours);
             tracing::debug!(queue = %state.name, "the NVMe/TCP connection closed: {e}");
             None
         }
         Ended::Io(e) => {
+            state.cause.set_io(&e, timeout, ours);
             tracing::warn!(queue = %state.name, "the NVMe/TCP connection ended: {e}");
             None
         }
         Ended::Violation(v) => {
+            state.cause.set(format!("the controller broke the protocol: {}", v.why));
             tracing::warn!(queue = %state.name, "the NVMe/TCP controller broke the protocol: {}", v.why);
             if let Some(tx) = frames.upgrade() {
                 if let Some((code, fei, header)) = v.term {
@@ -1250,12 +1259,13 @@ async fn read_pdus(
             Some(v.why)
         }
     };
+    state.up.store(false, Relaxed);
 }
 
 /// Ends a queue's connection however its reader ends (by a panic too):
 /// `up` cleared, the callers waiting for an identifier woken, and every
 /// command still waiting failed: with the controller's protocol violation
-/// (`why`) if that ended it, else as a lost connection.
+/// (`why`) if that ended it, else as a lost connection, with its cause.
 struct Ending<'a> {
     state: &'a QueueState,
     why: Option<String>,
@@ -1268,7 +1278,7 @@ impl Drop for Ending<'_> {
         state.freed.notify_waiters();
         let err = || match &self.why {
             Some(why) => Error::NvmeTcp(format!("{}: {why}", state.name)),
-            None => Error::ConnectionLost,
+            None => state.cause.error(),
         };
         for cmd in state.slots.lock().drain() {
             let _ = cmd.tx.send(Err(err()));
@@ -2064,8 +2074,12 @@ mod tests {
             let e = v.read(0, 4096).await.unwrap_err();
             assert!(matches!(&e, Error::NvmeTcp(m) if m.contains(why)), "{misbehave:?}: {e:?}");
             assert!(!v.io[0].connected(), "{misbehave:?}");
+            // Commands after it say what ended the connection.
             let e = v.read(0, 4096).await.unwrap_err();
-            assert!(matches!(e, Error::ConnectionLost), "{misbehave:?}: {e:?}");
+            assert!(
+                matches!(&e, Error::Lost(m) if m.starts_with("the controller broke the protocol") && m.contains(why)),
+                "{misbehave:?}: {e:?}"
+            );
         }
         let (_fake, addr) = serve(Fake { misbehave: Misbehave::NoDigests, ..Default::default() }).await;
         let e =
@@ -2080,8 +2094,11 @@ mod tests {
         let v = NvmeVolume::connect(&format!("nvme+tcp://{addr}/{NQN}"), &o, 1).await.unwrap();
         let both = async { tokio::join!(v.read(0, 4096), v.read(4096, 4096)) };
         let (a, b) = tokio::time::timeout(Duration::from_secs(10), both).await.expect("given up on in time");
-        assert!(matches!(a, Err(Error::ConnectionLost)), "{a:?}");
-        assert!(matches!(b, Err(Error::ConnectionLost)), "{b:?}");
+        for r in [a, b] {
+            let e = r.unwrap_err();
+            assert_eq!(e.to_string(), "connection lost: no reply within the request timeout (300ms)");
+            assert!(e.is_retryable());
+        }
         for _ in 0..100 {
             if !v.connected() {
                 break;
@@ -2089,6 +2106,8 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(!v.connected());
+        let e = v.read(0, 4096).await.unwrap_err();
+        assert_eq!(e.to_string(), "connection lost: no reply within the request timeout (300ms)");
     }
 
     #[tokio::test]
