@@ -114,8 +114,10 @@ struct Queues {
     renew: bool,
     /// New sockets under way (a closed queue whose new bridge is not running yet).
     renewing: AtomicUsize,
-    /// New sockets in a row that the kernel closed before they brought a request.
-    barren: AtomicU32,
+    /// Per queue: new sockets in a row that the kernel closed before they
+    /// brought a request. Per queue, so that many queues closed at once, idle,
+    /// are each renewed.
+    barren: Vec<AtomicU32>,
     /// Every bridge started (a closed queue's too: joined at the detach),
     /// and whether the detach has begun (then no new bridge starts).
     tasks: std::sync::Mutex<(bool, Vec<JoinHandle<io::Result<()>>>)>,
@@ -159,15 +161,16 @@ impl Queues {
         if !self.renew || self.tasks.lock().expect("never poisoned").0 {
             return;
         }
+        let Some(streak) = self.barren.get(queue) else { return };
         let barren = match received {
-            0 => self.barren.fetch_add(1, SeqCst) + 1,
+            0 => streak.fetch_add(1, SeqCst) + 1,
             _ => {
-                self.barren.store(0, SeqCst);
+                streak.store(0, SeqCst);
                 0
             }
         };
         if barren > MAX_BARREN {
-            warn!(device = %self.device, "the kernel closes every new socket at once: no more are given");
+            warn!(device = %self.device, queue, "the kernel closes every new socket of this queue at once: no more are given");
             return;
         }
         self.renewing.fetch_add(1, SeqCst);
@@ -359,7 +362,7 @@ pub async fn attach(vol: Remote, driver: Driver, opts: &KernelOptions) -> Result
         stats: stats.clone(),
         renew: matches!(control, Control::Netlink(_)),
         renewing: AtomicUsize::new(0),
-        barren: AtomicU32::new(0),
+        barren: (0..ours.len()).map(|_| AtomicU32::new(0)).collect(),
         tasks: std::sync::Mutex::new((false, Vec::new())),
     });
     for (queue, s) in ours.into_iter().enumerate() {
