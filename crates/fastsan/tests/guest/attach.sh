@@ -12,6 +12,19 @@ mount -t tmpfs tmp /tmp
 mount -t tmpfs run /run
 ip link set lo up
 URL=brp://10.0.2.100:10810/v
+# The kernel's NBD tracepoints (each request handed to a socket, its header
+# sent, each reply's header received) and the block layer's issues and
+# requeues, kept in a ring buffer for the stall report: they tell a request
+# the kernel never sent from one the bridge read and did not answer.
+# (Turned on once nbd.ko is loaded: its events come with it.)
+T=/sys/kernel/tracing
+trace_on() {
+  mount -t tracefs tracefs $T 2>/dev/null
+  echo 8192 >$T/buffer_size_kb
+  echo 1 >$T/events/nbd/enable
+  echo 1 >$T/events/block/block_rq_issue/enable
+  echo 1 >$T/events/block/block_rq_requeue/enable
+}
 say() { echo "@@$*"; }
 # What the kernel and attach are doing, for a check that takes too long:
 # the device's requests in flight (reads, writes) as the kernel counts them;
@@ -48,6 +61,8 @@ stalled() {
     sed "s|^|stall: $f: |" "$f" 2>/dev/null
   done
   echo w >/proc/sysrq-trigger
+  # The last requests through the device, as the kernel traced them.
+  tail -n 120 $T/trace 2>/dev/null | sed 's/^/stall: trace: /'
 }
 # Runs a check; one that takes more than 25 s (and again at 180 s) is
 # reported with what it waits for: before the device's timeout (30 s)
@@ -108,6 +123,7 @@ ip addr add 10.0.2.15/24 dev eth0
 # Before the driver is loaded: a clear error.
 fails_with "no NBD driver" timeout 60 fastsan attach "$URL"
 insmod /lib/modules/nbd.ko || say "FAIL insmod nbd"
+trace_on || echo "no kernel tracing: the stall report will lack the trace"
 
 # 1. attach, ext4, 64 MiB, remount, verify, fsck clean, detach.
 if attach --device /dev/nbd0 --queues 2; then
@@ -173,5 +189,7 @@ if attach --device /dev/nbd0 --device-timeout 3; then
   else say "FAIL no new socket: $(tail -5 /tmp/attach.log)"; fi
   detach
 fi
+# The tracing the stall report relies on worked (requests in the ring buffer).
+echo "trace: $(grep -c nbd_header_sent $T/trace 2>/dev/null) NBD headers sent in the ring buffer"
 say "END"
 poweroff -f
