@@ -13,11 +13,11 @@
 use crate::access::Who;
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
-use crate::pipeline::{read_room, ConnEnv, Dispatcher, READ_CHUNK};
+use crate::pipeline::{ConnEnv, Dispatcher, ReadPlan, READ_CHUNK};
 use crate::server::HandshakeTicket;
 use crate::stats::Stats;
 use crate::tls::{cert_identity, MaybeTls, Prefixed};
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use futures::FutureExt;
 use std::io;
 use std::sync::Arc;
@@ -353,6 +353,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     tokio::pin!(stopped, shutdown);
     let volumes = conn.volumes().to_vec();
     let mut poll = BusyPoll::new(env.poll_window);
+    let mut plan = ReadPlan::default();
     loop {
         let mut requests = 0u32;
         let need = loop {
@@ -394,18 +395,20 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         if env.shutdown.is_cancelled() {
             return End::Shutdown;
         }
-        buf.reserve(read_room(buf.len(), need));
+        let (room, most) = plan.next(buf.len(), need);
+        buf.reserve(room);
+        let mut into = (&mut buf).limit(most);
         // What the peer sent meanwhile, without waiting; else spin for it a
         // while if the connection goes request by request (BusyPoll), else
         // sleep until it comes.
-        let mut got = rd.read_buf(&mut buf).now_or_never();
+        let mut got = rd.read_buf(&mut into).now_or_never();
         let wait = poll.served(requests, got.is_none());
         if wait.spin {
             let until = Instant::now() + poll.window;
             while got.is_none() && Instant::now() < until && !activity.is_stopped() {
                 // Lets the runtime look at its sockets (and run other tasks) in between.
                 tokio::task::yield_now().await;
-                got = rd.read_buf(&mut buf).now_or_never();
+                got = rd.read_buf(&mut into).now_or_never();
             }
             if got.is_some() {
                 Stats::add(&env.stats.polled, 1);
@@ -414,7 +417,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         let n = match got {
             Some(r) => r,
             None => tokio::select! {
-                r = rd.read_buf(&mut buf) => r,
+                r = rd.read_buf(&mut into) => r,
                 _ = &mut shutdown => return End::Shutdown,
                 _ = &mut stopped => return End::Stopped,
             },
