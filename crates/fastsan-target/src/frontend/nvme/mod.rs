@@ -43,9 +43,15 @@ use tracing::{info, warn};
 
 /// The well-known NQN of discovery controllers.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
-/// In-capsule data on I/O queues (IOCCSZ): a 4 KiB or 8 KiB write travels
-/// with its command, no R2T round trip.
-pub const IN_CAPSULE: u32 = 8192;
+/// In-capsule data on I/O queues (IOCCSZ): every write a host can send
+/// (MDTS) travels with its command, no R2T round trip. Targets that keep a
+/// buffer per queue entry keep this small (Linux's nvmet 16 KiB, SPDK 4 KiB);
+/// here the data lands in the connection's read buffer, and what a host may
+/// send unasked is bounded as with NBD's writes: by the connection's credits
+/// and byte budget (the target stops reading). At 8 KiB, 1 MiB writes by
+/// R2T ran 10-18% slower than in the capsule and 128 KiB writes 9-26%
+/// (docs/benchmarks.md, "NVMe/TCP writes in the capsule").
+pub const IN_CAPSULE: u32 = MAX_TRANSFER;
 /// In-capsule data on the admin queue and for Connect (the Linux host's 8 KiB).
 pub const ADMIN_IN_CAPSULE: u32 = 8192;
 /// Most data in one H2CData PDU (MAXH2CDATA).
