@@ -55,6 +55,7 @@ pub mod nvme;
 pub mod options;
 mod order;
 mod overdue;
+pub mod read_plan;
 mod recycle;
 pub mod remote;
 pub mod session;

@@ -35,9 +35,10 @@
 
 use crate::error::Cause;
 use crate::overdue::{is_overdue, overdue, Clock, Ticker};
+use crate::read_plan::ReadPlan;
 use crate::session::{all, chunks, read_pieces};
 use crate::{Error, Options, Status};
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, Cqe, SglDesc, Sqe, Status as NvmeStatus, OPC_FABRICS};
 use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Frame, Header, IcReq, R2t, TermReq};
 use futures::FutureExt;
@@ -1296,6 +1297,7 @@ async fn receive(
 ) -> Ended {
     let mut ticker = Ticker::new(timeout);
     let any_overdue = |now| state.slots.lock().pending.iter().flatten().any(|c| overdue(now, c.sent));
+    let mut plan = ReadPlan::new(RECEIVE_ROOM, RECEIVE_BUFFER);
     loop {
         loop {
             // Framed only: `handle` decodes what each type needs (no Pdu built and moved).
@@ -1310,13 +1312,15 @@ async fn receive(
                 Err(e) => return Ended::Violation(malformed(e, &buf)),
             }
         }
-        // A PDU under way: its length (checked by parse) says how much to make room for.
+        // A PDU under way: its length (checked by parse) says how much to
+        // make room for; a large one is read to its end (see ReadPlan).
         let need = match buf.get(4..8) {
             Some(p) => u32::from_le_bytes(p.try_into().expect("4 bytes")) as usize,
             None => 0,
         };
-        buf.reserve(need.saturating_sub(buf.len()).max(RECEIVE_ROOM));
-        match ticker.read(rd, &mut buf, &state.clock, any_overdue).await {
+        let (room, most) = plan.next(buf.len(), need);
+        buf.reserve(room);
+        match ticker.read(rd, &mut (&mut buf).limit(most), &state.clock, any_overdue).await {
             Ok(0) => return Ended::Io(io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => {}
             Err(e) => return Ended::Io(e),

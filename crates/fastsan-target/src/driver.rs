@@ -13,11 +13,12 @@
 use crate::access::Who;
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
-use crate::pipeline::{ConnEnv, Dispatcher, ReadPlan, READ_CHUNK};
+use crate::pipeline::{ConnEnv, Dispatcher, READ_CHUNK, READ_GROWTH};
 use crate::server::HandshakeTicket;
 use crate::stats::Stats;
 use crate::tls::{cert_identity, MaybeTls, Prefixed};
 use bytes::{BufMut, Bytes, BytesMut};
+use fastsan_initiator::read_plan::ReadPlan;
 use futures::FutureExt;
 use std::io;
 use std::sync::Arc;
@@ -353,7 +354,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     tokio::pin!(stopped, shutdown);
     let volumes = conn.volumes().to_vec();
     let mut poll = BusyPoll::new(env.poll_window);
-    let mut plan = ReadPlan::default();
+    let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     loop {
         let mut requests = 0u32;
         let need = loop {
