@@ -405,6 +405,11 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
     let recycler = Arc::new(Recycler::default());
     let mut ticker = Ticker::new(timeout);
     let any_overdue = |now| pending.lock().values().any(|(_, sent, _)| overdue(now, *sent));
+    // Once large replies come, a read into the shared buffer takes at most
+    // LARGE_REPLY: a large reply's data then mostly goes straight from the
+    // socket into its own buffer, instead of most of it landing here first
+    // and being copied over (27% of the client's CPU under 1M reads).
+    let mut most = usize::MAX;
     let r: io::Result<()> = async {
         loop {
             while buf.len() >= SIMPLE_REPLY_LEN {
@@ -422,6 +427,7 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
                     // Its data goes into a buffer of its own: what is here
                     // already, then straight from the socket.
                     buf.advance(SIMPLE_REPLY_LEN);
+                    most = LARGE_REPLY as usize;
                     let mut data = recycler.begin(&mut buf, data_len);
                     while data.len() < data_len {
                         let room = data_len - data.len();
@@ -448,7 +454,7 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
                 }
             }
             buf.reserve(64 * 1024);
-            if ticker.read(&mut rd, &mut buf, &clock, any_overdue).await? == 0 {
+            if ticker.read(&mut rd, &mut (&mut buf).limit(most), &clock, any_overdue).await? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
