@@ -33,7 +33,7 @@ use fastsan_nbd::transmission::{Request, SIMPLE_REPLY_LEN};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -192,7 +192,8 @@ impl NbdVolume {
         };
         tokio::spawn(read_replies(rd, reader, frames.downgrade()));
         let (p, u) = (pending.clone(), up.clone());
-        tokio::spawn(async move { crate::writer::run(wr, rx, &u, || p.lock().len()).await });
+        let c = cause.clone();
+        tokio::spawn(async move { crate::writer::run(wr, rx, &u, &c, || p.lock().len()).await });
         Ok(NbdVolume {
             url: url.to_owned(),
             frames,
@@ -249,7 +250,7 @@ impl NbdVolume {
         self.pending.lock().insert(cookie, (reply_len, self.clock.now(), tx));
         // After the insert: a reader that ended drained the map after it
         // cleared `up`, so a request it did not fail sees `up` false here.
-        if !self.up.load(Relaxed) {
+        if !self.up.load(Acquire) {
             self.pending.lock().remove(&cookie);
             return Err(self.cause.error());
         }
@@ -461,15 +462,17 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
     }
     .await;
     let timed_out = r.as_ref().is_err_and(is_overdue);
-    if timed_out {
+    if let (true, Err(e)) = (timed_out, &r) {
         // Whether it landed is unknown: the connection is cut, and every
-        // request on it fails.
+        // request on it fails. Why, first: the cut clears `up` (the writer
+        // ends), and a request that sees that must find the cause.
+        cause.set_io(e, timeout, false);
         tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
         crate::writer::cut(&rd, &frames);
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).
-    let ours = !up.load(Relaxed);
+    let ours = !up.load(Acquire);
     if let Err(e) = &r {
         // Before `up` is cleared and `ending` fails the requests: each says why.
         cause.set_io(e, timeout, ours);
@@ -478,6 +481,6 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
             false => tracing::warn!(%url, "the NBD connection ended: {e}"),
         }
     }
-    up.store(false, Relaxed);
+    up.store(false, Release);
     drop(ending);
 }

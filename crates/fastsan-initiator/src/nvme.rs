@@ -44,7 +44,7 @@ use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Frame, Header, IcR
 use futures::FutureExt;
 use parking_lot::Mutex;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -571,7 +571,9 @@ impl Queue {
         rbuf.extend_from_slice(&buf);
         tokio::spawn(read_pdus(rd, rbuf, state.clone(), frames.downgrade(), max_data, timeout));
         let st = state.clone();
-        tokio::spawn(async move { crate::writer::run(wr, rx, &st.up, || st.slots.lock().in_flight()).await });
+        tokio::spawn(async move {
+            crate::writer::run(wr, rx, &st.up, &st.cause, || st.slots.lock().in_flight()).await
+        });
         Ok(Queue { frames, state })
     }
 
@@ -645,7 +647,7 @@ impl Queue {
             // Made before `up` is read: the reader's end (`notify_waiters`,
             // after it cleared `up`) wakes it even if it comes next.
             let freed = st.freed.notified();
-            if !st.up.load(Relaxed) {
+            if !st.up.load(Acquire) {
                 return Err(st.cause.error());
             }
             freed.await;
@@ -657,7 +659,7 @@ impl Queue {
         let st = &self.state;
         // After the insert: a reader that ended drained the table after it
         // cleared `up`, so a command it did not fail sees `up` false here.
-        if !st.up.load(Relaxed) {
+        if !st.up.load(Acquire) {
             st.slots.lock().finish(cid);
             return Err(st.cause.error());
         }
@@ -1223,15 +1225,20 @@ async fn read_pdus(
 ) {
     let mut ending = Ending { state: &state, why: None };
     let ended = receive(&mut rd, buf, &state, &frames, max_data, timeout).await;
-    if matches!(&ended, Ended::Io(e) if is_overdue(e)) {
+    if let Some(e) = match &ended {
+        Ended::Io(e) if is_overdue(e) => Some(e),
+        _ => None,
+    } {
         // Whether it landed is unknown: the connection is cut, and every
-        // command on it fails.
+        // command on it fails. Why, first: the cut clears `up` (the writer
+        // ends), and a command that sees that must find the cause.
+        state.cause.set_io(e, timeout, false);
         tracing::warn!(queue = %state.name, ?timeout, "an NVMe command got no completion in time; cutting the connection");
         crate::writer::cut(&rd, &frames);
     }
     // The writer clears `up` first when this side closed the connection
     // (the volume was dropped).
-    let ours = !state.up.load(Relaxed);
+    let ours = !state.up.load(Acquire);
     // The cause is recorded before `up` is cleared and `ending` fails the
     // commands: each says why.
     ending.why = match ended {
@@ -1260,7 +1267,7 @@ async fn read_pdus(
             Some(v.why)
         }
     };
-    state.up.store(false, Relaxed);
+    state.up.store(false, Release);
 }
 
 /// Ends a queue's connection however its reader ends (by a panic too):

@@ -16,9 +16,9 @@
 //!   arrive), and the read stops at its end: the next frame starts at the
 //!   front of fresh room;
 //! - between frames, the buffer keeps room for the largest frame seen
-//!   (capped) plus a chunk, and a read takes at most the largest frame's
-//!   worth, so that a large frame starting within the first chunk ends
-//!   within the room.
+//!   lately (capped) plus a chunk, and a read takes at most the largest
+//!   frame's worth, so that a large frame starting within the first chunk
+//!   ends within the room.
 
 /// A frame this large is read to its end and no further, and the read
 /// buffer keeps room for the largest such frame seen.
@@ -29,14 +29,21 @@ pub struct ReadPlan {
     chunk: usize,
     /// The most the buffer grows by ahead of what arrived.
     growth: usize,
-    /// The largest frame over [`LARGE_FRAME`] announced on the connection
-    /// (capped at `growth + LARGE_FRAME`).
+    /// The largest frame over [`LARGE_FRAME`] announced lately (capped at
+    /// `growth + LARGE_FRAME`): forgotten after [`FORGET_AFTER`] reads
+    /// without one, so that a connection back to small frames holds
+    /// buffers of a chunk again, not of a large frame.
     large: usize,
+    /// Reads since the last large frame.
+    since: u32,
 }
+
+/// Reads without a large frame after which the plan forgets it.
+const FORGET_AFTER: u32 = 64;
 
 impl ReadPlan {
     pub fn new(chunk: usize, growth: usize) -> ReadPlan {
-        ReadPlan { chunk, growth, large: 0 }
+        ReadPlan { chunk, growth, large: 0, since: 0 }
     }
 
     /// The room to reserve before the next read and the most it may take,
@@ -44,9 +51,14 @@ impl ReadPlan {
     /// in all (0 or at most `buffered`: not known yet).
     pub fn next(&mut self, buffered: usize, need: usize) -> (usize, usize) {
         if need >= LARGE_FRAME && need > buffered {
+            self.since = 0;
             self.large = self.large.max(need.min(self.growth + LARGE_FRAME));
             let grown = need.min(buffered + buffered.max(self.growth));
             return (grown - buffered, need - buffered);
+        }
+        self.since += 1;
+        if self.since > FORGET_AFTER {
+            self.large = 0;
         }
         let room = (self.chunk + self.large).max(need).saturating_sub(buffered).max(4096);
         // Once large frames come, a read takes at most one's worth.
@@ -133,5 +145,13 @@ mod tests {
         assert!(room <= CHUNK + GROWTH + LARGE_FRAME, "{room}");
         // Small frames: a chunk, every byte that comes.
         assert_eq!(ReadPlan::new(CHUNK, GROWTH).next(10, 72), (CHUNK - 10, usize::MAX));
+        // Back to small frames after large ones: the large room is kept a
+        // while (large frames come between small ones), then forgotten.
+        let mut p = ReadPlan::new(CHUNK, GROWTH);
+        p.next(100, 1048600);
+        for _ in 0..FORGET_AFTER {
+            assert_eq!(p.next(0, 72).0, CHUNK + 1048600);
+        }
+        assert_eq!(p.next(0, 72), (CHUNK, usize::MAX));
     }
 }

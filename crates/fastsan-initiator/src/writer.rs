@@ -10,6 +10,7 @@
 //! frames stay what they are (no protocol change); at light load (fewer
 //! than [`LINGER_LOAD`] requests in flight) a frame leaves at once.
 
+use crate::error::Cause;
 use bytes::Bytes;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -37,6 +38,7 @@ pub(crate) async fn run(
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<Option<Bytes>>,
     up: &AtomicBool,
+    cause: &Cause,
     in_flight: impl Fn() -> usize,
 ) {
     /// Clears `up` when dropped: declared after `wr`, it goes first, also
@@ -53,8 +55,12 @@ pub(crate) async fn run(
         Ok(()) => drop(ending),
         // The connection broke under a write (and the kernel cleared the
         // socket's error as it reported it): the reader must still see a
-        // lost connection, not this side's close.
-        Err(_) => std::mem::forget(ending),
+        // lost connection, not this side's close, and its requests must
+        // say why (the reader then meets only the end of the stream).
+        Err(e) => {
+            cause.set_io(&e, std::time::Duration::ZERO, false);
+            std::mem::forget(ending)
+        }
     }
     let _ = socket2::SockRef::from(wr.as_ref()).shutdown(std::net::Shutdown::Both);
 }
@@ -187,7 +193,7 @@ mod tests {
                 let u = up.clone();
                 tokio::spawn(async move {
                     let _rd = rd;
-                    run(wr, rx, &u, || 0).await
+                    run(wr, rx, &u, &Cause::default(), || 0).await
                 });
                 tx.send(Some(Bytes::from_static(b"one frame"))).unwrap();
                 let peer = peer.into_std().unwrap();
@@ -224,7 +230,9 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         let (rd, wr) = c.into_split();
         let u = up.clone();
-        let writer = tokio::spawn(async move { run(wr, rx, &u, || 0).await });
+        let cause = std::sync::Arc::new(Cause::default());
+        let c = cause.clone();
+        let writer = tokio::spawn(async move { run(wr, rx, &u, &c, || 0).await });
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
         while !writer.is_finished() {
             assert!(tokio::time::Instant::now() < deadline, "the writer never saw the broken connection");
@@ -233,5 +241,10 @@ mod tests {
         }
         drop(rd);
         assert!(up.load(Relaxed), "a broken connection is not this side's close");
+        // And its requests will say why: the write's own error, not the end
+        // of the stream the reader meets after it.
+        let why = cause.error().to_string();
+        assert!(why.starts_with("connection lost: ") && !why.contains("closed the connection"), "{why}");
+        assert_ne!(why, "connection lost: the connection ended");
     }
 }
