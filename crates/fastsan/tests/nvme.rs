@@ -271,6 +271,9 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         assert_eq!(u16::from_le_bytes([id[78], id[79]]), cntlid, "Identify's CNTLID is Connect's");
         assert!(id[768..].starts_with(NQN.as_bytes()));
         assert_eq!(u32::from_le_bytes(id[516..520].try_into().unwrap()), 3, "NN: one namespace per volume");
+        // IOCCSZ (16-byte units): the command and the largest transfer, 2^MDTS pages.
+        let ioccsz = u32::from_le_bytes(id[1792..1796].try_into().unwrap()) as usize;
+        assert_eq!((ioccsz * 16 - 64, 4096 << id[77]), (1 << 20, 1 << 20), "every write fits in the capsule");
         // The active namespaces, and each one's size and LBA format.
         let (_, list) = admin.fetch(sqe(0x06).with(|s| s.cdw10 = 2), 4096);
         assert_eq!(&list[..16], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
@@ -309,6 +312,12 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
             // By R2T: one H2CData PDU, then several.
             assert!(io2.write_r2t(nsid, 64, &big, 256 << 10).status.is_success());
             assert!(io.write_r2t(nsid, 1024, &big, 24 << 10).status.is_success());
+            // In the capsule, up to the largest transfer (IOCCSZ offers 1 MiB).
+            let huge = pattern(nsid as u8 + 50, 1 << 20);
+            assert!(io.write(nsid, 4096, &huge).status.is_success());
+            let (cqe, back) = io2.read(nsid, 4096, 2048);
+            assert!(cqe.status.is_success());
+            assert!(back == huge, "the 1 MiB in-capsule write reads back");
             let (cqe, back) = io2.read(nsid, 8, 8);
             assert!(cqe.status.is_success());
             assert_eq!(back, small);
@@ -654,14 +663,16 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
 fn bench_over_nvme_tcp_verifies_its_reads_and_closes_quietly() {
     let t = nvme_target(&["--volume", "v=memory:16M"]);
     let url = format!("nvme+tcp://{}/{NQN}", t.nvme);
-    for _ in 0..3 {
+    // Small blocks, and megabyte ones: writes of 1 MiB in the capsule, reads
+    // of 1 MiB each as one C2HData PDU (the host's read plan).
+    for bs in ["4k", "4k", "1m"] {
         let out = fastsan(&[
             "bench",
             &url,
             "--rw",
             "randrw",
             "--bs",
-            "4k",
+            bs,
             "--iodepth",
             "4",
             "--jobs",
