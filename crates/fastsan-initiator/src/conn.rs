@@ -10,6 +10,7 @@
 use crate::handshake::Handshake;
 use crate::options::MergeMode;
 use crate::overdue::{is_overdue, overdue, Clock, Ticker};
+use crate::read_plan::ReadPlan;
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::stats::Stats;
 use crate::transport::Stream;
@@ -520,6 +521,7 @@ async fn recv_loop<R: AsyncRead + Unpin>(
 ) -> Error {
     let mut ticker = Ticker::new(timeout);
     let recycler = Arc::new(Recycler::default());
+    let mut plan = ReadPlan::new(256 * 1024, 1 << 20);
     loop {
         loop {
             let f = match parse_reply(&buf, digests) {
@@ -573,9 +575,11 @@ async fn recv_loop<R: AsyncRead + Unpin>(
             continue;
         }
         let need = head.map_or(0, |h| ReplyHeader::wire_len(digests) + h.payload_len as usize + DIGEST_LEN);
-        // Grow toward a reply a megabyte at a time, as its bytes arrive.
-        buf.reserve(need.min(buf.len() + (1 << 20)).max(256 * 1024).saturating_sub(buf.len()).max(4096));
-        if let Err(e) = read_some(&mut rd, &mut buf, &mut ticker, inflight, timeout).await {
+        // Room toward the reply as its bytes arrive (large ones went above).
+        let (room, most) = plan.next(buf.len(), need);
+        buf.reserve(room);
+        if let Err(e) = read_some(&mut rd, &mut (&mut buf).limit(most), &mut ticker, inflight, timeout).await
+        {
             return e;
         }
     }

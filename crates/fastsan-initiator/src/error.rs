@@ -214,7 +214,8 @@ impl Cause {
         let _ = self.0.set(why);
     }
 
-    /// The error of a request the connection's end failed.
+    /// The error of a request the connection's end failed (with a cause
+    /// not recorded, or none to record: "the connection ended").
     pub(crate) fn error(&self) -> Error {
         Error::Lost(self.0.get().cloned().unwrap_or_else(|| "the connection ended".to_string()))
     }

@@ -461,25 +461,24 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
         }
     }
     .await;
-    let timed_out = r.as_ref().is_err_and(is_overdue);
-    if let (true, Err(e)) = (timed_out, &r) {
-        // Whether it landed is unknown: the connection is cut, and every
-        // request on it fails. Why, first: the cut clears `up` (the writer
-        // ends), and a request that sees that must find the cause.
-        cause.set_io(e, timeout, false);
-        tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
-        crate::writer::cut(&rd, &frames);
-    }
-    // The writer clears `up` first when this side closed the connection
-    // (the volume was dropped).
+    // Read before the cut below: the writer clears `up` first only when this
+    // side closed the connection (the volume was dropped).
     let ours = !up.load(Acquire);
+    let timed_out = r.as_ref().is_err_and(is_overdue);
     if let Err(e) = &r {
-        // Before `up` is cleared and `ending` fails the requests: each says why.
+        // Why, first: before the cut (the writer then clears `up`) and
+        // before `ending` fails the requests, so that each says why.
         cause.set_io(e, timeout, ours);
         match ours || timed_out {
             true => tracing::debug!(%url, "the NBD connection closed: {e}"),
             false => tracing::warn!(%url, "the NBD connection ended: {e}"),
         }
+    }
+    if timed_out {
+        // Whether it landed is unknown: the connection is cut, and every
+        // request on it fails.
+        tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
+        crate::writer::cut(&rd, &frames);
     }
     up.store(false, Release);
     drop(ending);

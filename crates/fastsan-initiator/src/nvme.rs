@@ -488,7 +488,7 @@ impl std::future::Future for Call<'_> {
         // A completion that does not come in time: the reader cuts the
         // connection, and every command on it fails.
         let (cqe, data) = ready!(std::pin::Pin::new(&mut this.completion).poll(cx))
-            .map_err(|_| Error::Lost("the connection ended".into()))??;
+            .map_err(|_| Cause::default().error())??;
         if let Some(command) = this.check {
             check(command, &cqe)?;
         }
@@ -1225,30 +1225,26 @@ async fn read_pdus(
 ) {
     let mut ending = Ending { state: &state, why: None };
     let ended = receive(&mut rd, buf, &state, &frames, max_data, timeout).await;
-    if let Some(e) = match &ended {
-        Ended::Io(e) if is_overdue(e) => Some(e),
-        _ => None,
-    } {
+    // Read before the cut below: the writer clears `up` first only when this
+    // side closed the connection (the volume was dropped).
+    let ours = !state.up.load(Acquire);
+    // Why, first: before the cut (the writer then clears `up`) and before
+    // `ending` fails the commands, so that each says why.
+    if let Ended::Io(e) = &ended {
+        state.cause.set_io(e, timeout, ours);
+    }
+    if matches!(&ended, Ended::Io(e) if is_overdue(e)) {
         // Whether it landed is unknown: the connection is cut, and every
-        // command on it fails. Why, first: the cut clears `up` (the writer
-        // ends), and a command that sees that must find the cause.
-        state.cause.set_io(e, timeout, false);
+        // command on it fails.
         tracing::warn!(queue = %state.name, ?timeout, "an NVMe command got no completion in time; cutting the connection");
         crate::writer::cut(&rd, &frames);
     }
-    // The writer clears `up` first when this side closed the connection
-    // (the volume was dropped).
-    let ours = !state.up.load(Acquire);
-    // The cause is recorded before `up` is cleared and `ending` fails the
-    // commands: each says why.
     ending.why = match ended {
         Ended::Io(e) if ours || is_overdue(&e) => {
-            state.cause.set_io(&e, timeout, ours);
             tracing::debug!(queue = %state.name, "the NVMe/TCP connection closed: {e}");
             None
         }
         Ended::Io(e) => {
-            state.cause.set_io(&e, timeout, ours);
             tracing::warn!(queue = %state.name, "the NVMe/TCP connection ended: {e}");
             None
         }

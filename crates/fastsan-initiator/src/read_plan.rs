@@ -1,6 +1,7 @@
-//! How a connection's read buffer grows, for the target's driver and the
-//! NVMe/TCP host alike: how much room to reserve before each read, and how
-//! much that read may take.
+//! How a connection's read buffer grows, for the target's driver, the
+//! NVMe/TCP host and the BRP initiator alike (each had its own formula):
+//! how much room to reserve before each read, and how much that read may
+//! take.
 //!
 //! A frame must lie whole in one buffer to be decoded, so a frame that a
 //! read leaves cut at the end of the buffer's room is copied, all of the

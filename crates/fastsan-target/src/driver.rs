@@ -3,8 +3,9 @@
 //! state machine, then the transmission loop: one read brings as many bytes
 //! as the socket has (within the room a [`ReadPlan`] gives: a large frame is
 //! read to its end, so that growing the buffer never copies it), the front
-//! end **decodes** every complete request in them, the [`Dispatcher`] checks, executes and answers each, and the
-//! replies of one read leave together. It waits for credits, stops at
+//! end **decodes** every complete request in them, the [`Dispatcher`]
+//! checks, executes and answers each, and the replies of one read leave
+//! together. It waits for credits, stops at
 //! shutdown, tells end-of-stream in the middle of a frame (an error) from a
 //! clean close, and logs how every connection ended, with its peer.
 //!
