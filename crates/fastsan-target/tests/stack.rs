@@ -252,3 +252,45 @@ async fn large_reads_are_lent_and_a_write_after_them_never_reaches_their_reply()
     }
     srv.stop().await;
 }
+
+/// 4 KiB reads are lent too (each holds its whole 256 KiB chunk): in one
+/// burst, reads, writes over them and reads again of the same chunk, each
+/// write copying the chunk its read still holds. Every first read has the
+/// old bytes, every second the new, and the volume ends with every write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_reads_are_lent_and_a_write_in_the_same_burst_never_reaches_their_reply() {
+    let srv = TestServer::start(&["v=memory:64M"], |_| {}).await;
+    let (at, block, n) = (512u64 << 10, 4096usize, 32u64);
+    let url = srv.url("v");
+    let vol = Volume::connect(&url, Options { connections: 1, ..Default::default() }).await.unwrap();
+    let old = pattern(1, at, n as usize * block);
+    vol.write_at(&old, at, false).await.unwrap();
+    for features in [0, fastsan_brp::FEATURE_DIGEST] {
+        let now = vol.read(at, n * block as u64).await.unwrap().to_vec();
+        let (mut b, _) = Raw::open_with(srv.addr, "v", features).await;
+        let mut wire = Vec::new();
+        let mut new = Vec::new();
+        for i in 0..n {
+            let off = at + i * block as u64;
+            let data = pattern(100 + i + features as u64, off, block);
+            wire.extend(b.frame(RequestHeader::new(Command::Read, 0, 3 * i, off, block as u32), &[]));
+            wire.extend(b.frame(RequestHeader::new(Command::Write, 0, 3 * i + 1, off, block as u32), &data));
+            wire.extend(b.frame(RequestHeader::new(Command::Read, 0, 3 * i + 2, off, block as u32), &[]));
+            new.push(data);
+        }
+        b.send(&wire).await;
+        let mut got = std::collections::BTreeMap::new();
+        for _ in 0..3 * n {
+            let (h, data) = b.reply().await;
+            assert_eq!(h.status, Status::OK, "tag {}", h.tag);
+            got.insert(h.tag, data);
+        }
+        for i in 0..n {
+            let before = &now[i as usize * block..(i as usize + 1) * block];
+            assert!(got[&(3 * i)] == before, "features {features}: read {i} saw the write after it");
+            assert!(got[&(3 * i + 2)] == new[i as usize], "features {features}: read {i} missed the write");
+        }
+        assert!(vol.read(at, n * block as u64).await.unwrap() == new.concat(), "the volume has every write");
+    }
+    srv.stop().await;
+}

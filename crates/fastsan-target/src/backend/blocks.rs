@@ -18,10 +18,20 @@
 //! gives as zeros; a region whose blocks are all free is unmapped. (The
 //! huge page under a region with a block given back is split; the kernel
 //! may merge it again later.)
+//!
+//! Except a block replaced by its copy (copy on write: a write to a chunk
+//! a reply still reads from, [`Block::retire`]): up to [`SPARES`] of those
+//! are kept as they are, for the next copy ([`Pool::spare`]), which
+//! overwrites every byte. A copy into a block given back to the kernel paid
+//! a page fault and a page clear per 4 KiB, and the give-back a TLB
+//! shootdown on every CPU: under 4K random reads and writes mixed, when
+//! every 4K read lent its chunk, most of the target's time
+//! (docs/benchmarks.md, "4K reads sent from the volume's memory").
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// Bytes per block (one chunk of a memory volume).
@@ -34,10 +44,15 @@ const REGION: usize = 2 << 20;
 const PER_REGION: usize = REGION / BLOCK;
 const ALL_FREE: u8 = ((1u16 << PER_REGION) - 1) as u8;
 
+/// Retired blocks kept resident for the next copy on write (4 MiB).
+pub const SPARES: usize = 16;
+
 /// Where a volume's blocks come from. Blocks hold it (an `Arc`), so it
 /// lives until the last block a reply still holds is gone.
 pub struct Pool {
     regions: Mutex<Regions>,
+    /// Bytes of blocks lent to replies ([`Pool::lend`]).
+    lent: AtomicU64,
 }
 
 #[derive(Default)]
@@ -46,11 +61,38 @@ struct Regions {
     map: BTreeMap<usize, u8>,
     /// Regions with a free block.
     partial: BTreeSet<usize>,
+    /// Retired blocks, still resident, their bytes stale (at most [`SPARES`]);
+    /// in use as far as their regions know.
+    spares: Vec<usize>,
 }
 
 impl Pool {
     pub fn new() -> Arc<Pool> {
-        Arc::new(Pool { regions: Mutex::new(Regions::default()) })
+        Arc::new(Pool { regions: Mutex::new(Regions::default()), lent: AtomicU64::new(0) })
+    }
+
+    /// Counts `bytes` of blocks as lent to a reply, unless that would make
+    /// more than `most`: a write to a lent block copies it, so what is lent
+    /// bounds the RAM that copies can add (a reply may hold a whole block
+    /// for 4 KiB of it, and a client that stops reading holds its replies).
+    pub fn lend(&self, bytes: u64, most: u64) -> bool {
+        let before = self.lent.fetch_add(bytes, Relaxed);
+        if before.saturating_add(bytes) <= most {
+            return true;
+        }
+        self.lent.fetch_sub(bytes, Relaxed);
+        false
+    }
+
+    /// The reply holding `bytes` of [`Pool::lend`] let go of them.
+    pub fn unlend(&self, bytes: u64) {
+        self.lent.fetch_sub(bytes, Relaxed);
+    }
+
+    /// Bytes lent now.
+    #[cfg(test)]
+    pub fn lent(&self) -> u64 {
+        self.lent.load(Relaxed)
     }
 
     /// A block, all zero (fresh from the kernel, or given back to it).
@@ -72,12 +114,27 @@ impl Pool {
             r.partial.remove(&base);
         }
         let ptr = NonNull::new((base + i * BLOCK) as *mut u8).expect("mapped");
-        Block { ptr, pool: self.clone() }
+        Block { ptr, pool: self.clone(), retired: AtomicBool::new(false) }
     }
 
-    /// `ptr`'s block is free again: its memory goes back to the kernel, and
-    /// its region too when none of its blocks is in use.
-    fn give(&self, ptr: usize) {
+    /// A block whose bytes are unspecified, for a copy that overwrites them
+    /// all: a spare if there is one (no page faults), else a new one.
+    pub fn spare(self: &Arc<Pool>) -> Block {
+        let Some(at) = self.regions.lock().spares.pop() else { return self.take() };
+        let ptr = NonNull::new(at as *mut u8).expect("a spare is mapped");
+        Block { ptr, pool: self.clone(), retired: AtomicBool::new(false) }
+    }
+
+    /// `ptr`'s block is free again: kept as a spare if it was `retired` and
+    /// there is room, else its memory goes back to the kernel, and its region
+    /// too when none of its blocks is in use.
+    fn give(&self, ptr: usize, retired: bool) {
+        if retired {
+            let mut r = self.regions.lock();
+            if r.spares.len() < SPARES {
+                return r.spares.push(ptr);
+            }
+        }
         // Before it is marked free: once it is, another thread may take it
         // and write, and a discard after that would lose those bytes.
         discard(ptr, BLOCK);
@@ -174,6 +231,20 @@ fn unmap(at: usize, len: usize) {
 pub struct Block {
     ptr: NonNull<u8>,
     pool: Arc<Pool>,
+    /// Replaced by a copy ([`Block::retire`]).
+    retired: AtomicBool,
+}
+
+impl Block {
+    /// Marks a block that a copy replaces while readers still hold it: when
+    /// the last of them drops it, it becomes a [`Pool::spare`].
+    pub fn retire(&self) {
+        self.retired.store(true, Relaxed);
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
 }
 
 // SAFETY: a block owns its bytes alone (the pool hands each out once until it
@@ -198,10 +269,10 @@ impl std::ops::DerefMut for Block {
     }
 }
 
-/// A copy in a new block of the same pool (copy on write).
+/// A copy in another block of the same pool (copy on write).
 impl Clone for Block {
     fn clone(&self) -> Block {
-        let mut b = self.pool.take();
+        let mut b = self.pool.spare();
         b.copy_from_slice(self);
         b
     }
@@ -209,7 +280,9 @@ impl Clone for Block {
 
 impl Drop for Block {
     fn drop(&mut self) {
-        self.pool.give(self.ptr.as_ptr() as usize);
+        // The last reference's drop follows the retiring store (`Arc`'s count
+        // orders them): relaxed is enough.
+        self.pool.give(self.ptr.as_ptr() as usize, self.retired.load(Relaxed));
     }
 }
 
@@ -263,6 +336,49 @@ mod tests {
         assert_eq!(resident(), BLOCK / page, "written, every page is in RAM");
         drop(first);
         assert_eq!(resident(), 0, "given back, none is");
+    }
+
+    #[test]
+    fn a_retired_block_comes_back_as_a_spare_and_only_so_many() {
+        let pool = Pool::new();
+        let _keep = pool.take();
+        let mut retired: Vec<Block> = (0..SPARES + 1).map(|_| pool.take()).collect();
+        for (i, b) in retired.iter_mut().enumerate() {
+            b.fill(i as u8 + 1);
+            b.retire();
+        }
+        let at: Vec<usize> = retired.iter().map(|b| b.as_ptr() as usize).collect();
+        drop(retired);
+        // The first SPARES kept as they are; the last went back to the kernel.
+        let mut spares: Vec<Block> = (0..SPARES).map(|_| pool.spare()).collect();
+        let mut got: Vec<usize> = spares.iter().map(|b| b.as_ptr() as usize).collect();
+        got.sort();
+        let mut kept = at[..SPARES].to_vec();
+        kept.sort();
+        assert_eq!(got, kept, "the spares are the retired blocks");
+        for b in &spares {
+            let i = at.iter().position(|&a| a == b.as_ptr() as usize).unwrap();
+            assert!(b.iter().all(|&x| x == i as u8 + 1), "a spare keeps its bytes: nothing cleared it");
+        }
+        // With no spare left, a new block (given back to the kernel: zeros).
+        let fresh = pool.spare();
+        assert_eq!(fresh.as_ptr() as usize, at[SPARES], "the block not kept was free");
+        assert!(fresh.iter().all(|&x| x == 0), "and went back to the kernel");
+        // A spare handed out is an ordinary block again: not retired, it goes
+        // back to the kernel, and what comes next is zeros.
+        spares.remove(0);
+        assert!(pool.spare().iter().all(|&x| x == 0), "a block not retired is no spare");
+    }
+
+    #[test]
+    fn lending_stops_at_its_limit_and_comes_back() {
+        let pool = Pool::new();
+        assert!(pool.lend(3 * BLOCK as u64, 4 * BLOCK as u64));
+        assert!(!pool.lend(2 * BLOCK as u64, 4 * BLOCK as u64), "past the limit");
+        assert_eq!(pool.lent(), 3 * BLOCK as u64, "a refusal counts nothing");
+        assert!(pool.lend(BLOCK as u64, 4 * BLOCK as u64), "up to the limit");
+        pool.unlend(4 * BLOCK as u64);
+        assert_eq!(pool.lent(), 0);
     }
 
     #[test]

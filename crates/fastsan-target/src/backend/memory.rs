@@ -3,11 +3,15 @@
 //! so a large volume costs nothing until used, readers of different chunks
 //! never contend, and trimmed or zeroed whole chunks are freed again.
 //!
-//! A chunk is reference-counted so that a large read can be sent straight
-//! from it ([`Backend::read_shared`]) instead of being copied into a reply
-//! buffer first. Lent bytes never change: a write to a chunk that a reply
-//! still holds copies the chunk first and writes the copy (copy on write), so
-//! a reply carries exactly what the volume held when the read ran.
+//! A chunk is reference-counted so that a read (of 4 KiB or more) can be
+//! sent straight from it ([`Backend::read_shared`]) instead of being copied
+//! into a reply buffer first. Lent bytes never change: a write to a chunk
+//! that a reply still holds copies the chunk first and writes the copy (copy
+//! on write), so a reply carries exactly what the volume held when the read
+//! ran. The copy goes into a spare block, the one an earlier copy replaced
+//! ([`super::blocks`]), and at most [`LEND_AT_MOST`] bytes of chunks are lent
+//! at once (past that, reads are copied), which bounds the RAM that copies
+//! can add.
 //!
 //! Chunks come from a [`Pool`] of their own, in regions the kernel can back
 //! with huge pages (see [`super::blocks`]).
@@ -23,11 +27,23 @@ const CHUNK: u64 = BLOCK as u64;
 
 type Chunk = Arc<Block>;
 
-/// A piece of a chunk, lent to a reply.
+/// Most bytes of chunks lent to replies at once, per volume
+/// ([`Pool::lend`]); past that, reads are copied. A 4K read lends its whole
+/// 256 KiB chunk, so this is 512 small reads in flight, and the most RAM
+/// that copies on write can add while they are.
+const LEND_AT_MOST: u64 = 128 << 20;
+
+/// A piece of a chunk, lent to a reply (counted as a whole chunk).
 struct Lent {
     chunk: Chunk,
     at: usize,
     len: usize,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.chunk.pool().unlend(CHUNK);
+    }
 }
 
 impl AsRef<[u8]> for Lent {
@@ -37,10 +53,15 @@ impl AsRef<[u8]> for Lent {
 }
 
 /// The chunk's bytes to change in place: allocated (zeroed) when missing,
-/// copied first when a reply still holds them.
+/// copied first when a reply still holds them (the lent block, retired,
+/// comes back as a spare for the next copy once the last reply drops it).
 fn writable<'a>(slot: &'a mut Option<Chunk>, pool: &Arc<Pool>) -> &'a mut [u8] {
-    let block: &mut Block = Arc::make_mut(slot.get_or_insert_with(|| Arc::new(pool.take())));
-    block
+    let chunk = slot.get_or_insert_with(|| Arc::new(pool.take()));
+    if Arc::get_mut(chunk).is_none() {
+        chunk.retire();
+        *chunk = Arc::new(Block::clone(chunk));
+    }
+    Arc::get_mut(chunk).expect("a chunk nobody else holds")
 }
 
 /// Copies at least this many bytes into a chunk with non-temporal stores:
@@ -187,10 +208,22 @@ impl Backend for MemoryBackend {
         true
     }
     fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
-        let mut out = Vec::with_capacity((len / CHUNK) as usize + 2);
+        let chunks = match len {
+            0 => 0,
+            _ => (offset + len - 1) / CHUNK - offset / CHUNK + 1,
+        };
+        if !self.pool.lend(chunks * CHUNK, LEND_AT_MOST) {
+            let mut copy = vec![0; len as usize];
+            self.read_at(&mut copy, offset)?;
+            return Ok(Bytes::from(copy).into());
+        }
+        let mut out = Vec::with_capacity(chunks as usize + 1);
         Self::pieces(offset, len, |i, at, r| match self.chunks[i].read().as_ref() {
             Some(c) => out.push(Bytes::from_owner(Lent { chunk: c.clone(), at, len: r.len() })),
-            None => push_zeros(&mut out, r.len()),
+            None => {
+                self.pool.unlend(CHUNK);
+                push_zeros(&mut out, r.len())
+            }
         });
         Ok(out.into())
     }
@@ -318,5 +351,50 @@ mod tests {
         let after = m.read_shared(CHUNK / 2, 4096).unwrap();
         assert_eq!(after.pieces().next().unwrap().as_ptr(), copied, "an unlent chunk is written in place");
         assert_eq!(after.to_bytes()[..], [1; 4096][..]);
+        drop(after);
+        assert_eq!(m.pool.lent(), 0, "every lent chunk came back");
+    }
+
+    #[test]
+    fn a_copy_on_write_reuses_the_block_it_replaced_before() {
+        let m = MemoryBackend::new(2 * CHUNK);
+        m.write_at(&[7; 4096], 0, false).unwrap();
+        let first = m.read_shared(0, 4096).unwrap();
+        let a = first.pieces().next().unwrap().as_ptr();
+        m.write_at(&[8; 4096], 0, false).unwrap();
+        // The reply still holds block A; dropped, A is kept for the next copy.
+        drop(first);
+        let second = m.read_shared(0, 4096).unwrap();
+        assert_ne!(second.pieces().next().unwrap().as_ptr(), a);
+        m.write_at(&[9; 4096], 4096, false).unwrap();
+        let third = m.read_shared(0, 8192).unwrap();
+        assert_eq!(third.pieces().next().unwrap().as_ptr(), a, "the copy went into the spare");
+        assert_eq!(second.to_bytes()[..], [8; 4096][..], "the reply kept its bytes");
+        let now = third.to_bytes();
+        assert_eq!(now[..4096], [8; 4096][..]);
+        assert_eq!(now[4096..], [9; 4096][..]);
+    }
+
+    #[test]
+    fn past_the_lending_limit_reads_are_copied_and_correct() {
+        let m = MemoryBackend::new(CHUNK);
+        m.write_at(&[5; 8192], 0, false).unwrap();
+        let most = (LEND_AT_MOST / CHUNK) as usize;
+        let lent: Vec<ReadData> = (0..most).map(|_| m.read_shared(4096, 4096).unwrap()).collect();
+        let chunk = lent[0].pieces().next().unwrap().as_ptr();
+        assert!(lent.iter().all(|d| d.pieces().next().unwrap().as_ptr() == chunk), "all lent");
+        assert_eq!(m.pool.lent(), LEND_AT_MOST);
+        let copied = m.read_shared(4096, 4096).unwrap();
+        assert_ne!(copied.pieces().next().unwrap().as_ptr(), chunk, "past the limit: a copy");
+        assert_eq!(copied.to_bytes()[..], [5; 4096][..]);
+        // A write now copies the lent chunk; the copy's reads are right too.
+        m.write_at(&[6; 4096], 4096, false).unwrap();
+        assert_eq!(lent[most - 1].to_bytes()[..], [5; 4096][..]);
+        drop(lent);
+        assert_eq!(m.pool.lent(), 0);
+        let again = m.read_shared(0, 8192).unwrap();
+        assert_eq!(m.pool.lent(), CHUNK, "lending again");
+        let b = again.to_bytes();
+        assert_eq!((&b[..4096], &b[4096..]), (&[5u8; 4096][..], &[6u8; 4096][..]));
     }
 }

@@ -8,11 +8,14 @@ use bytes::Bytes;
 
 /// Reads at least this long are sent from the store's own memory where it
 /// can lend it ([`crate::backend::Backend::read_shared`]), not copied into a
-/// reply buffer. Shorter ones are copied: a copy of a few KiB costs less than
-/// sharing (a reference per piece, and a write to a lent chunk copies the
-/// whole chunk), and small random reads would lend chunks that small random
-/// writes then copy.
-pub const SHARE_READS_FROM: u32 = 64 * 1024;
+/// reply buffer. From 64 KiB until 2026-11-27: at 4 KiB, random 4K reads
+/// took 9-15% less of the target's CPU, the copy out of a cold volume being
+/// a quarter of it (docs/benchmarks.md, "4K reads sent from the volume's
+/// memory"). A write to a lent chunk copies it; the memory backend keeps
+/// that cheap (spare blocks) and bounded (a cap on what it lends). Shorter
+/// reads are copied: a reference per piece costs more than a few hundred
+/// bytes.
+pub const SHARE_READS_FROM: u32 = 4 * 1024;
 
 /// What a successful operation gives back.
 #[derive(Debug)]
