@@ -20,12 +20,14 @@
 //! may merge it again later.)
 //!
 //! Except a block replaced by its copy (copy on write: a write to a chunk
-//! a reply still reads from, [`Block::retire`]): up to [`SPARES`] of those
-//! are kept as they are, for the next copy ([`Pool::spare`]), which
-//! overwrites every byte. A copy into a block given back to the kernel paid
-//! a page fault and a page clear per 4 KiB, and the give-back a TLB
-//! shootdown on every CPU: under 4K random reads and writes mixed, when
-//! every 4K read lent its chunk, most of the target's time
+//! a reply still reads from, `Block::retire`): up to [`SPARES`] of those
+//! are kept as they are, for the next copy (`Pool::spare`), which
+//! overwrites every byte. So up to 4 MiB of old bytes stay resident, and
+//! their regions mapped, after everything else is trimmed (the volume's
+//! allocated size does not count them). A copy into a block given back to
+//! the kernel paid a page fault and a page clear per 4 KiB, and the
+//! give-back a TLB shootdown on every CPU: under 4K random reads and writes
+//! mixed, once every 4K read lent its chunk, most of the target's time
 //! (docs/benchmarks.md, "4K reads sent from the volume's memory").
 
 use parking_lot::Mutex;
@@ -117,9 +119,10 @@ impl Pool {
         Block { ptr, pool: self.clone(), retired: AtomicBool::new(false) }
     }
 
-    /// A block whose bytes are unspecified, for a copy that overwrites them
-    /// all: a spare if there is one (no page faults), else a new one.
-    pub fn spare(self: &Arc<Pool>) -> Block {
+    /// A block whose bytes are unspecified (a spare holds a volume's old
+    /// bytes), for a copy that overwrites every one of them: a spare if there
+    /// is one (no page faults), else a new one.
+    fn spare(self: &Arc<Pool>) -> Block {
         let Some(at) = self.regions.lock().spares.pop() else { return self.take() };
         let ptr = NonNull::new(at as *mut u8).expect("a spare is mapped");
         Block { ptr, pool: self.clone(), retired: AtomicBool::new(false) }
@@ -237,8 +240,8 @@ pub struct Block {
 
 impl Block {
     /// Marks a block that a copy replaces while readers still hold it: when
-    /// the last of them drops it, it becomes a [`Pool::spare`].
-    pub fn retire(&self) {
+    /// the last of them drops it, it becomes a spare (`Pool::spare`).
+    pub(super) fn retire(&self) {
         self.retired.store(true, Relaxed);
     }
 

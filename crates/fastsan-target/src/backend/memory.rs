@@ -46,6 +46,18 @@ impl Drop for Lent {
     }
 }
 
+/// Bytes counted as lent that no [`Lent`] took over, given back when dropped.
+struct Unlent<'a> {
+    pool: &'a Pool,
+    bytes: u64,
+}
+
+impl Drop for Unlent<'_> {
+    fn drop(&mut self) {
+        self.pool.unlend(self.bytes);
+    }
+}
+
 impl AsRef<[u8]> for Lent {
     fn as_ref(&self) -> &[u8] {
         &self.chunk[self.at..self.at + self.len]
@@ -217,13 +229,15 @@ impl Backend for MemoryBackend {
             self.read_at(&mut copy, offset)?;
             return Ok(Bytes::from(copy).into());
         }
+        // What no piece takes over (holes) is given back here, whatever happens.
+        let mut left = Unlent { pool: &self.pool, bytes: chunks * CHUNK };
         let mut out = Vec::with_capacity(chunks as usize + 1);
         Self::pieces(offset, len, |i, at, r| match self.chunks[i].read().as_ref() {
-            Some(c) => out.push(Bytes::from_owner(Lent { chunk: c.clone(), at, len: r.len() })),
-            None => {
-                self.pool.unlend(CHUNK);
-                push_zeros(&mut out, r.len())
+            Some(c) => {
+                left.bytes -= CHUNK;
+                out.push(Bytes::from_owner(Lent { chunk: c.clone(), at, len: r.len() }))
             }
+            None => push_zeros(&mut out, r.len()),
         });
         Ok(out.into())
     }

@@ -538,11 +538,15 @@ mod tests {
         assert!(held.to_bytes().iter().all(|&b| b == 1), "a write changed a read's reply");
         let Ok(Outcome::Data(now)) = v.execute(check(&v, IoKind::Read, 0, 65536).unwrap()) else { panic!() };
         assert!(now.to_bytes().iter().all(|&b| b == 2));
-        // Small reads are copied: the same, whichever way they go.
-        let Ok(Outcome::Data(small)) = v.execute(check(&v, IoKind::Read, 512, 4096).unwrap()) else {
+        // A 4 KiB read is lent too: held while a write lands on it, it keeps its bytes.
+        let Ok(Outcome::Data(small)) = v.execute(check(&v, IoKind::Read, 4096, 4096).unwrap()) else {
             panic!()
         };
-        assert!(small.to_bytes().iter().all(|&b| b == 2));
+        v.execute(v.validate(write(3), &BRP).unwrap()).unwrap();
+        assert!(small.to_bytes().iter().all(|&b| b == 2), "a write changed a 4K read's reply");
+        // Shorter reads are copied: the same, whichever way they go.
+        let Ok(Outcome::Data(tiny)) = v.execute(check(&v, IoKind::Read, 512, 512).unwrap()) else { panic!() };
+        assert!(tiny.to_bytes().iter().all(|&b| b == 3));
     }
 
     #[test]
