@@ -245,7 +245,7 @@ impl Block {
         self.retired.store(true, Relaxed);
     }
 
-    pub fn pool(&self) -> &Pool {
+    pub(super) fn pool(&self) -> &Pool {
         &self.pool
     }
 }

@@ -18,6 +18,7 @@
 
 use super::blocks::{Block, Pool, BLOCK};
 use super::{push_zeros, Backend, BlockSizes, Result, ZeroFlags};
+use crate::pool::PooledBuf;
 use crate::request::{Extent, ReadData};
 use bytes::Bytes;
 use parking_lot::RwLock;
@@ -225,9 +226,10 @@ impl Backend for MemoryBackend {
             _ => (offset + len - 1) / CHUNK - offset / CHUNK + 1,
         };
         if !self.pool.lend(chunks * CHUNK, LEND_AT_MOST) {
-            let mut copy = vec![0; len as usize];
-            self.read_at(&mut copy, offset)?;
-            return Ok(Bytes::from(copy).into());
+            // Copied as a read shorter than `SHARE_READS_FROM` is.
+            let mut copy = PooledBuf::take(len as usize);
+            self.read_at(copy.as_mut(), offset)?;
+            return Ok(Bytes::from_owner(copy).into());
         }
         // What no piece takes over (holes) is given back here, whatever happens.
         let mut left = Unlent { pool: &self.pool, bytes: chunks * CHUNK };
