@@ -13,6 +13,7 @@
 //! tests). An io_uring engine would replace this module and nothing else.
 
 use crate::access::Who;
+use crate::coalesce::{Coalesce, Timer};
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
 use crate::pipeline::{ConnEnv, Dispatcher, READ_CHUNK, READ_GROWTH};
@@ -34,6 +35,11 @@ pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     type Read: AsyncRead + Unpin + Send + 'static;
     type Write: AsyncWrite + Unpin + Send + 'static;
     fn split(self) -> (Self::Read, Self::Write);
+    /// The socket, to reset it when its peer stopped reading; none for
+    /// in-memory streams.
+    fn socket(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 impl Transport for tokio::net::TcpStream {
@@ -41,6 +47,9 @@ impl Transport for tokio::net::TcpStream {
     type Write = tokio::net::tcp::OwnedWriteHalf;
     fn split(self) -> (Self::Read, Self::Write) {
         self.into_split()
+    }
+    fn socket(&self) -> Option<std::os::fd::RawFd> {
+        Some(std::os::fd::AsRawFd::as_raw_fd(self))
     }
 }
 
@@ -97,6 +106,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     ticket: HandshakeTicket,
 ) {
     let name = F::NAME;
+    let socket = stream.socket();
     let stream = MaybeTls::Plain(stream);
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let hs = async {
@@ -221,7 +231,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         }
     };
     let tls = stream.is_tls();
-    let (rd, wr) = stream.split();
+    let (mut rd, wr) = stream.split();
     drop(ticket);
     let volume = match conn.volumes() {
         [one] => one.name(),
@@ -235,7 +245,8 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     let writer = tokio::spawn(writer.run());
     let mut conn = conn;
     let open = Open::new(&env.stats);
-    let end = transmission(&dispatcher, &mut conn, rd, buf, &env, &activity).await;
+    // Lent, not given: the socket stays open until the writer is done (below).
+    let end = transmission(&dispatcher, &mut conn, &mut rd, buf, &env, &activity).await;
     if let (End::Protocol(_), Some(last)) = (&end, conn.farewell()) {
         dispatcher.send_last(&last).await;
     }
@@ -247,6 +258,16 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     activity.stop();
     drop(dispatcher);
     let written = writer.await.unwrap_or_else(|e| Err(io::Error::other(e)));
+    if activity.is_abandoned() {
+        // Its replies could not be written (the peer stopped reading them):
+        // closed with a reset, not a FIN queued behind megabytes the peer
+        // will never take, so that the peer learns now and the kernel keeps
+        // nothing of it.
+        if let Some(fd) = socket {
+            reset(fd);
+        }
+    }
+    drop(rd);
     match (end, written) {
         (End::Protocol(e), _) => {
             warn!(%peer, "malformed {name} request; closing this connection: {e}");
@@ -341,6 +362,16 @@ async fn handshake<H: Handshake<Conn = C>, C: Transmission, S: AsyncRead + Async
     }
 }
 
+/// Makes closing the socket `fd` (open: its connection's read half is held
+/// by the caller) send a reset, dropping whatever it still had to send.
+fn reset(fd: std::os::fd::RawFd) {
+    // SAFETY: `fd` is the connection's socket, open for as long as this call.
+    let socket = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    if let Err(e) = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO)) {
+        debug!(error = %e, "SO_LINGER");
+    }
+}
+
 /// Decode: one read, every complete request in it, until the peer leaves.
 async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unpin + Send + 'static>(
     d: &Dispatcher<W, C::Encoder>,
@@ -356,6 +387,11 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     tokio::pin!(stopped, shutdown);
     let volumes = conn.volumes().to_vec();
     let mut poll = BusyPoll::new(env.poll_window);
+    let mut coalesce = Coalesce::new(env.coalesce_window);
+    let mut timer: Option<Timer> = None;
+    // What a read made while lingering brought instead of requests (the end,
+    // an error): seen after the held replies have gone.
+    let mut ended: Option<io::Result<usize>> = None;
     let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     loop {
         let mut requests = 0u32;
@@ -388,6 +424,43 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 return if activity.is_stopped() { End::Stopped } else { End::Io(e) };
             }
         };
+        // A client sending one request at a time, and still sending: its
+        // replies wait a round for the next few (crate::coalesce). Only
+        // replies of requests run inline wait; the others leave as they finish.
+        let mut last = requests;
+        if d.holds_replies() && coalesce.linger(requests) {
+            Stats::add(&env.stats.coalesce_rounds, 1);
+            if timer.is_none() {
+                timer =
+                    Timer::new().map_err(|e| debug!(error = %e, "no timer: replies are not coalesced")).ok();
+            }
+            let waited = match &timer {
+                Some(t) => tokio::select! {
+                    r = t.sleep(coalesce.window()) => r.is_ok(),
+                    _ = &mut shutdown => return End::Shutdown,
+                    _ = &mut stopped => return End::Stopped,
+                },
+                None => false,
+            };
+            if !waited {
+                coalesce = Coalesce::new(Duration::ZERO);
+            }
+            let (room, most) = plan.next(buf.len(), need);
+            buf.reserve(room);
+            match rd.read_buf(&mut (&mut buf).limit(most)).now_or_never() {
+                // More requests (or part of one): decode them, the replies still held.
+                Some(Ok(n)) if n > 0 => continue,
+                Some(r) => ended = Some(r),
+                None => {}
+            }
+            coalesce.nothing_came();
+            // (This read's requests are held already.)
+            last = 0;
+        }
+        let (requests, held) = coalesce.release(last);
+        if held {
+            Stats::add(&env.stats.coalesced, requests as u64);
+        }
         // Everything this read brought is dispatched: its replies leave together.
         if let Err(e) = d.flush().await {
             return End::Io(e);
@@ -404,7 +477,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         // What the peer sent meanwhile, without waiting; else spin for it a
         // while if the connection goes request by request (BusyPoll), else
         // sleep until it comes.
-        let mut got = rd.read_buf(&mut into).now_or_never();
+        let mut got = ended.take().or_else(|| rd.read_buf(&mut into).now_or_never());
         let wait = poll.served(requests, got.is_none());
         if wait.spin {
             let until = Instant::now() + poll.window;
@@ -571,6 +644,7 @@ mod tests {
             serial: false,
             handshake_timeout: std::time::Duration::from_secs(5),
             poll_window: crate::config::DEFAULT_POLL_WINDOW,
+            coalesce_window: crate::config::DEFAULT_COALESCE_WINDOW,
             stall_timeout: std::time::Duration::from_secs(5),
             slots: Arc::new(tokio::sync::Semaphore::new(4)),
             budget: crate::pipeline::Budget::new(64 << 20),

@@ -43,6 +43,7 @@
 pub mod access;
 pub mod backend;
 pub mod catalog;
+pub mod coalesce;
 pub mod config;
 pub mod driver;
 pub mod fence;

@@ -93,7 +93,7 @@ impl Collector for TargetCollector {
         let per = |f: fn(&StatsSnapshot) -> u64| {
             protos.iter().map(move |(p, s)| (vec![("protocol", p.to_string())], f(s))).collect::<Vec<_>>()
         };
-        let counters: [Series; 9] = [
+        let counters: [Series; 11] = [
             ("fastsan_requests", "Requests received (a BATCH's sub-requests each count)", |s| s.requests),
             ("fastsan_read_bytes", "Bytes read from volumes for clients", |s| s.bytes_read),
             ("fastsan_written_bytes", "Bytes written to volumes by clients", |s| s.bytes_written),
@@ -111,6 +111,14 @@ impl Collector for TargetCollector {
                 "Requests caught by busy polling (a connection at QD1 spinning)",
                 |s| s.polled,
             ),
+            (
+                "fastsan_coalesced_requests",
+                "Requests whose replies were held for the next ones and sent with them",
+                |s| s.coalesced,
+            ),
+            ("fastsan_coalesce_rounds", "Rounds a connection held its replies for more requests", |s| {
+                s.coalesce_rounds
+            }),
         ];
         for (name, help, f) in counters {
             let samples = per(f).into_iter().map(|(l, v)| (l, counter(v)));

@@ -59,6 +59,9 @@ pub struct ConnEnv {
     /// How long a connection serving one request at a time spins for the
     /// next ([`crate::driver::BusyPoll`]; zero: never).
     pub poll_window: Duration,
+    /// One round of holding replies for a client that trickles its requests
+    /// ([`crate::coalesce::Coalesce`]; zero: never).
+    pub coalesce_window: Duration,
     /// How long a reply write may make no progress before the connection is dropped.
     pub stall_timeout: Duration,
     /// Connection slots: a connection takes one when its handshake succeeds.
@@ -555,6 +558,11 @@ where
     /// writer is free, else handed to the writer task. Readers call it after
     /// dispatching what one read brought; it also runs before waiting for a
     /// credit (the held replies are what would free it).
+    /// Whether replies wait for [`Dispatcher::flush`] (requests run inline).
+    pub fn holds_replies(&self) -> bool {
+        !self.pending.lock().is_empty()
+    }
+
     pub async fn flush(&self) -> io::Result<()> {
         let mut batch = {
             let mut pending = self.pending.lock();

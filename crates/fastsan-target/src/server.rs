@@ -162,6 +162,7 @@ impl Server {
             serial: config.serial,
             handshake_timeout: config.handshake_timeout,
             poll_window: config.poll_window,
+            coalesce_window: config.coalesce_window,
             stall_timeout: config.stall_timeout,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             budget: Budget::new(config.memory_budget),

@@ -35,6 +35,10 @@ pub struct Stats {
     /// Requests that arrived while their connection spun for them
     /// ([`crate::driver::BusyPoll`]) instead of sleeping.
     pub polled: AtomicU64,
+    /// Requests whose replies were held for the next ones and went out with
+    /// them ([`crate::coalesce`]), and the rounds waited for them.
+    pub coalesced: AtomicU64,
+    pub coalesce_rounds: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -56,6 +60,8 @@ pub struct StatsSnapshot {
     pub refused: u64,
     pub open_connections: u64,
     pub polled: u64,
+    pub coalesced: u64,
+    pub coalesce_rounds: u64,
 }
 
 impl Default for StatsSnapshot {
@@ -83,6 +89,8 @@ impl StatsSnapshot {
             refused: a.refused + b.refused,
             open_connections: a.open_connections + b.open_connections,
             polled: a.polled + b.polled,
+            coalesced: a.coalesced + b.coalesced,
+            coalesce_rounds: a.coalesce_rounds + b.coalesce_rounds,
         })
     }
 }
@@ -115,6 +123,8 @@ impl Stats {
             refused: self.refused.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),
             polled: self.polled.load(Relaxed),
+            coalesced: self.coalesced.load(Relaxed),
+            coalesce_rounds: self.coalesce_rounds.load(Relaxed),
         }
     }
 }

@@ -124,6 +124,12 @@ pub struct Args {
     /// spins [default: 50, at most 1000].
     #[arg(long, value_name = "US")]
     poll_window: Option<u64>,
+    /// Microseconds a connection holds its replies, per round (two at most),
+    /// for a client that sends its requests one at a time and keeps sending,
+    /// so that one write answers several; 0 never holds them
+    /// [default: 20, at most 1000].
+    #[arg(long, value_name = "US")]
+    coalesce_window: Option<u64>,
     /// Threads running blocking device I/O, for each file volume [default: 16].
     #[arg(long, value_name = "N")]
     io_threads: Option<usize>,
@@ -218,6 +224,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(us) = a.poll_window.or(file.poll_window_us) {
         c.poll_window = std::time::Duration::from_micros(us);
+    }
+    if let Some(us) = a.coalesce_window.or(file.coalesce_window_us) {
+        c.coalesce_window = std::time::Duration::from_micros(us);
     }
     if let Some(n) = a.io_threads.or(file.io_threads) {
         c.io_threads = n;
