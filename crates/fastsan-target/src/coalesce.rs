@@ -29,8 +29,11 @@
 //!   or so, and a fast initiator at queue depth 32 about as little.
 //!
 //! The wait is a `timerfd` (the runtime's timers tick in milliseconds), one
-//! per connection, made at the first linger; the thread runs other
-//! connections meanwhile.
+//! per connection, made at its first linger and closed again when lingering
+//! backs off for long (a client at queue depth 1 keeps no descriptor); the
+//! thread runs other connections meanwhile. Replies the client needs before
+//! it can go on (an NVMe/TCP R2T) are never held: a read that brought one
+//! does not linger.
 
 use std::io;
 use std::time::Duration;
@@ -48,6 +51,8 @@ pub const ROUNDS: u32 = 2;
 pub const FIRST_BACKOFF: u32 = 8;
 /// Reads without a linger at most, after fruitless rounds in a row.
 pub const MOST_BACKOFF: u32 = 1024;
+/// A backoff this long gives the connection's timer back.
+const LONG_BACKOFF: u32 = 64;
 
 /// One connection's coalescing state: what the driver asks after each read.
 #[derive(Debug)]
@@ -115,6 +120,12 @@ impl Coalesce {
         let all = (self.held + requests, self.rounds > 0);
         (self.rounds, self.held) = (0, 0);
         all
+    }
+
+    /// Whether lingering backs off for long (several fruitless rounds in a
+    /// row): the connection's timer is not worth its descriptor meanwhile.
+    pub fn backed_off_long(&self) -> bool {
+        self.skip >= LONG_BACKOFF
     }
 
     fn backoff_more(&mut self) {
@@ -272,6 +283,19 @@ mod tests {
         assert_eq!(linger(&mut c, &[1, 1, 1]), ROUNDS);
         assert_eq!(linger(&mut c, &[1, 0]), 1);
         assert_eq!((0..).take_while(|_| !c.linger(1)).count() as u32, FIRST_BACKOFF);
+    }
+
+    #[test]
+    fn only_a_long_backoff_gives_the_timer_back() {
+        let mut c = Coalesce::new(W);
+        let mut long = Vec::new();
+        for _ in 0..5 {
+            assert_eq!(linger(&mut c, &[1, 0]), 1);
+            long.push(c.backed_off_long());
+            while !c.linger(1) {}
+            c.release(0);
+        }
+        assert_eq!(long, [false, false, false, true, true], "backoffs of 8, 16, 32, 64, 128 reads");
     }
 
     #[test]

@@ -394,7 +394,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let mut ended: Option<io::Result<usize>> = None;
     let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     loop {
-        let mut requests = 0u32;
+        let (mut requests, mut local) = (0u32, false);
         let need = loop {
             let r = match conn.decode(&mut buf) {
                 Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
@@ -414,6 +414,9 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 },
                 Ok(Decoded::Local { tag, meta, result }) => {
                     d.reply_local(tag, meta, result);
+                    // An answer the client needs before it can go on (an
+                    // NVMe/TCP R2T for a write's data): never held.
+                    local = true;
                     Ok(())
                 }
                 Ok(Decoded::Incomplete { need }) => break need,
@@ -428,7 +431,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         // replies wait a round for the next few (crate::coalesce). Only
         // replies of requests run inline wait; the others leave as they finish.
         let mut last = requests;
-        if d.holds_replies() && coalesce.linger(requests) {
+        if !local && d.holds_replies() && coalesce.linger(requests) {
             Stats::add(&env.stats.coalesce_rounds, 1);
             if timer.is_none() {
                 timer =
@@ -456,6 +459,10 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
             coalesce.nothing_came();
             // (This read's requests are held already.)
             last = 0;
+            if coalesce.backed_off_long() {
+                // A client that waits for its replies: no descriptor kept for it.
+                timer = None;
+            }
         }
         let (requests, held) = coalesce.release(last);
         if held {

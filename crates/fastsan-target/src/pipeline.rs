@@ -677,7 +677,18 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
             self.sink.lock().await.write(&batch).await?;
             batch.clear();
         }
-        self.sink.lock().await.w.shutdown().await
+        // Bounded like every write: a TLS stream's shutdown writes its
+        // close_notify, which waits for room a peer that stopped reading
+        // never makes (the connection's socket is reset after this).
+        let mut sink = self.sink.lock().await;
+        let stall = sink.stall;
+        match tokio::time::timeout(stall, sink.w.shutdown()).await {
+            Ok(r) => r,
+            Err(_) => {
+                sink.activity.abandon();
+                Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies"))
+            }
+        }
     }
 }
 

@@ -113,6 +113,7 @@ async fn a_client_that_stops_sending_while_replies_are_held_gets_them_and_others
     // Half-closed right after its write: the linger's round reads the end,
     // and the reply held for it still comes before the connection closes.
     for round in 0..5u64 {
+        let rounds = srv.handle.stats().coalesce_rounds;
         let mut s = nbd_client(&srv).await;
         let at = round * BLOCK as u64;
         let data = pattern(11, at, BLOCK);
@@ -123,6 +124,7 @@ async fn a_client_that_stops_sending_while_replies_are_held_gets_them_and_others
         assert_eq!(reply.len(), 16, "one reply");
         assert_eq!(reply[..4], SIMPLE_REPLY_MAGIC.to_be_bytes());
         assert_eq!(u64::from_be_bytes(reply[8..16].try_into().unwrap()), round);
+        assert_eq!(srv.handle.stats().coalesce_rounds, rounds + 1, "its reply was held a round");
         assert_eq!(other.read(at, BLOCK as u64).await.unwrap()[..], data[..], "write {round} landed");
     }
     // Gone for good, mid-linger: the server notices and serves the others.
