@@ -210,8 +210,8 @@ mod tests {
 
     const W: Duration = Duration::from_micros(20);
 
-    /// The rounds of one linger that reads brought `rounds` (requests per
-    /// read, the first being the read that opened it); how many it waited.
+    /// One linger whose reads brought `reads` requests each (the first is
+    /// the read that opened it); how many rounds it waited.
     fn linger(c: &mut Coalesce, reads: &[u32]) -> u32 {
         let mut waited = 0;
         for &r in reads {
@@ -222,6 +222,18 @@ mod tests {
         }
         c.release(0);
         waited
+    }
+
+    /// Reads of one request each that pass without a linger before one
+    /// lingers (its rounds then end at once).
+    fn reads_until_it_lingers(c: &mut Coalesce) -> u32 {
+        let mut skipped = 0;
+        while !c.linger(1) {
+            skipped += 1;
+            assert!(skipped <= MOST_BACKOFF, "never lingers again");
+        }
+        c.release(0);
+        skipped
     }
 
     #[test]
@@ -257,7 +269,7 @@ mod tests {
         assert!(c.linger(1));
         assert!(!c.linger(BURST + 1));
         assert_eq!(c.release(BURST + 1), (BURST + 2, true));
-        assert_eq!((0..).take_while(|_| !c.linger(1)).count() as u32, FIRST_BACKOFF);
+        assert_eq!(reads_until_it_lingers(&mut c), FIRST_BACKOFF);
     }
 
     #[test]
@@ -267,13 +279,7 @@ mod tests {
         let mut gaps = Vec::new();
         for _ in 0..6 {
             assert_eq!(linger(&mut c, &[1, 0]), 1);
-            let mut skipped = 0;
-            while !c.linger(1) {
-                skipped += 1;
-                assert!(skipped <= MOST_BACKOFF, "never lingers again");
-            }
-            c.release(0);
-            gaps.push(skipped);
+            gaps.push(reads_until_it_lingers(&mut c));
         }
         assert_eq!(gaps, [8, 16, 32, 64, 128, 256]);
         // A linger that pays resets the backoff.
@@ -282,7 +288,7 @@ mod tests {
         (0..FIRST_BACKOFF).for_each(|_| assert!(!c.linger(1)));
         assert_eq!(linger(&mut c, &[1, 1, 1]), ROUNDS);
         assert_eq!(linger(&mut c, &[1, 0]), 1);
-        assert_eq!((0..).take_while(|_| !c.linger(1)).count() as u32, FIRST_BACKOFF);
+        assert_eq!(reads_until_it_lingers(&mut c), FIRST_BACKOFF);
     }
 
     #[test]
@@ -292,8 +298,7 @@ mod tests {
         for _ in 0..5 {
             assert_eq!(linger(&mut c, &[1, 0]), 1);
             long.push(c.backed_off_long());
-            while !c.linger(1) {}
-            c.release(0);
+            reads_until_it_lingers(&mut c);
         }
         assert_eq!(long, [false, false, false, true, true], "backoffs of 8, 16, 32, 64, 128 reads");
     }

@@ -342,7 +342,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         // TLS may hold records it could not send yet (a no-op on a socket).
         match tokio::time::timeout(self.stall, self.w.flush()).await {
             Ok(r) => r,
-            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies")),
+            Err(_) => Err(stalled()),
         }
     }
 }
@@ -554,15 +554,15 @@ where
         let _ = tokio::time::timeout(stall, sink.w.flush()).await;
     }
 
-    /// Sends the replies held so far: written here at once when the socket's
-    /// writer is free, else handed to the writer task. Readers call it after
-    /// dispatching what one read brought; it also runs before waiting for a
-    /// credit (the held replies are what would free it).
     /// Whether replies wait for [`Dispatcher::flush`] (requests run inline).
     pub fn holds_replies(&self) -> bool {
         !self.pending.lock().is_empty()
     }
 
+    /// Sends the replies held so far: written here at once when the socket's
+    /// writer is free, else handed to the writer task. Readers call it after
+    /// dispatching what one read brought; it also runs before waiting for a
+    /// credit (the held replies are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
         let mut batch = {
             let mut pending = self.pending.lock();
@@ -686,7 +686,7 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
             Ok(r) => r,
             Err(_) => {
                 sink.activity.abandon();
-                Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies"))
+                Err(stalled())
             }
         }
     }
@@ -741,6 +741,12 @@ impl Where<'_> {
     }
 }
 
+/// The error of a reply write (or the stream's shutdown) that made no
+/// progress for the stall timeout.
+fn stalled() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies")
+}
+
 /// The error of a dispatch on a stopped connection.
 fn stopped() -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionAborted, "connection stopped")
@@ -761,9 +767,7 @@ pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
             Some(r) => r?,
             None => match tokio::time::timeout(stall, w.write_vectored(bufs)).await {
                 Ok(r) => r?,
-                Err(_) => {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "peer stopped reading replies"))
-                }
+                Err(_) => return Err(stalled()),
             },
         };
         if n == 0 {
