@@ -197,7 +197,7 @@ fn nbd_over_tls_with_nbdinfo_nbdcopy_qemu_and_refusals() {
 }
 
 /// Raw NBD: reads one option reply header (20 bytes) and its data.
-fn option_reply(s: &mut TcpStream) -> (u32, u32, Vec<u8>) {
+fn option_reply(s: &mut impl Read) -> (u32, u32, Vec<u8>) {
     let mut h = [0u8; 20];
     s.read_exact(&mut h).unwrap();
     let be = |i: usize| u32::from_be_bytes(h[i..i + 4].try_into().unwrap());
@@ -257,6 +257,96 @@ fn options_before_starttls_are_refused_and_injected_plaintext_closes() {
     assert!(info.contains("with TLS"), "{info}");
     let (_, log) = s.signal("TERM");
     assert!(log.contains("plaintext after STARTTLS"), "{log}");
+}
+
+/// Whether the kernel still has `s` established: looked at without reading
+/// from it, which would end a stall.
+fn established(s: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain getsockopt into a zeroed tcp_info of the size given.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            &mut info as *mut _ as *mut _,
+            &mut len,
+        )
+    };
+    r == 0 && info.tcpi_state == 1 // TCP_ESTABLISHED
+}
+
+/// A TLS client that asks for far more than a socket holds and never reads
+/// a reply is dropped after the stall timeout, its connection reset (a TLS
+/// stream's close_notify would wait for ever for room it never makes), and
+/// other TLS clients are served all along.
+#[test]
+fn a_tls_client_that_stops_reading_is_dropped_and_others_go_on() {
+    const STARTTLS: u32 = 5;
+    const GO: u32 = 7;
+    const ACK: u32 = 1;
+    let dir = temp_dir("tls-stall");
+    let pki = Pki::new(&dir);
+    let alice = pki.client("alice", Some("alice"), "ca", "ca");
+    let mut args = pki.serve_args();
+    args.extend(
+        ["--brp", "127.0.0.1:0", "--volume", "v=memory:64M", "--stall-timeout", "1"].map(str::to_owned),
+    );
+    let s = start(&args);
+
+    let mut tcp = TcpStream::connect(&s.nbd).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 18];
+    tcp.read_exact(&mut greeting).unwrap();
+    tcp.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+    tcp.write_all(&option(STARTTLS, &[])).unwrap();
+    assert_eq!(option_reply(&mut tcp).1, ACK);
+    let config = fastsan_initiator::tls::client_config(
+        Path::new(&format!("{alice}/ca-cert.pem")),
+        Some((Path::new(&format!("{alice}/client-cert.pem")), Path::new(&format!("{alice}/client-key.pem")))),
+    )
+    .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let conn = rustls::ClientConnection::new(config, name).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, tcp.try_clone().unwrap());
+    let mut go = 1u32.to_be_bytes().to_vec();
+    go.extend(b"v");
+    go.extend(0u16.to_be_bytes());
+    tls.write_all(&option(GO, &go)).unwrap();
+    while option_reply(&mut tls).1 != ACK {}
+    // Four reads of 16 MiB: 64 MiB of replies, far more than the two
+    // sockets' buffers; then not one byte read.
+    for cookie in 0..4u64 {
+        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
+        req.extend(0u16.to_be_bytes()); // flags
+        req.extend(0u16.to_be_bytes()); // NBD_CMD_READ
+        req.extend(cookie.to_be_bytes());
+        req.extend((cookie * (16 << 20)).to_be_bytes());
+        req.extend((16u32 << 20).to_be_bytes());
+        tls.write_all(&req).unwrap();
+    }
+    tls.flush().unwrap();
+    // Meanwhile another TLS client is served.
+    let info = ok("nbdinfo", &[&nbds(&s, "v", &alice)]);
+    assert!(info.contains("with TLS"), "{info}");
+    // The target drops the reader that stalls: its connection is gone
+    // within the stall timeout and the bounded close, not kept for ever.
+    let t = std::time::Instant::now();
+    while established(&tcp) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "a TLS client that stopped reading is still connected"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // And the others go on.
+    let (r, text) = qemu_io(&s, "v", &alice, &["write -P 0x3c 0 64k", "read -P 0x3c 0 64k"], false);
+    assert!(r, "{text}");
+    let (status, log) = s.signal("TERM");
+    assert!(status.success(), "{log}");
+    assert!(log.contains("peer stopped reading replies"), "the drop is logged with its reason: {log}");
 }
 
 #[test]
