@@ -181,9 +181,10 @@ impl Timer {
             .get_ref()
             .0
             .set(Expiration::OneShot(TimeSpec::from_duration(d)), TimerSetTimeFlags::empty())?;
-        // A wait given up before its expiry (the connection ends) would
-        // leave that expiry's readiness to the next wait, cutting it short:
-        // a shorter round, never a wrong reply.
+        // A wait given up before its expiry would leave that expiry's
+        // readiness to the next wait and cut it short (a shorter round,
+        // never a wrong reply); the driver gives a wait up only when the
+        // connection ends, and the timer goes with it.
         let mut ready = self.0.readable().await?;
         ready.clear_ready();
         Ok(())
