@@ -301,19 +301,7 @@ fn a_tls_client_that_stops_reading_is_dropped_and_others_go_on() {
     tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // A small receive buffer (no autotuning), so the replies fill the
     // sockets whatever this host's TCP memory limits are.
-    let small: libc::c_int = 64 << 10;
-    // SAFETY: setsockopt with a pointer to a c_int and its size.
-    let r = unsafe {
-        use std::os::fd::AsRawFd;
-        libc::setsockopt(
-            tcp.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            &small as *const _ as *const _,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(r, 0, "SO_RCVBUF");
+    socket2::SockRef::from(&tcp).set_recv_buffer_size(64 << 10).expect("SO_RCVBUF");
     let mut greeting = [0u8; 18];
     tcp.read_exact(&mut greeting).unwrap();
     tcp.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
