@@ -16,6 +16,7 @@ hottest symbols; OUT (default: a new directory under /tmp) keeps perf.data and t
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,127 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import suite  # noqa: E402
+
+
+NQN = "nqn.2026-11.io.fastsan:profile"
+
+# What a flat profile's symbols are spent on, in this order (the first match wins): a symbol's
+# self time goes to one group, so that a report can say "half of the target's cycles are the
+# TCP stack" without a reader adding up fifty lines.
+GROUPS = [
+    ("copying data between the process and the kernel", "k",
+     r"^(_copy_from_iter|_copy_to_iter|copy_user|rep_movs|__check_object_size|check_heap_object|"
+     r"__skb_datagram_iter|skb_copy_datagram|simple_copy_to_iter|copy_page_(to|from)_iter)"),
+    ("the TCP/IP stack and socket buffers", "k",
+     r"(tcp|inet|ipv4|ip4|skb|sock|netif|loopback|napi|csum|qdisc|softirq|bbr|backlog|eth_type|validate_xmit|"
+     r"__sys_recv|__sys_send|raw_local|(^|_)(ip|sk|net|dev|dst|nf)_)"),
+    ("sleeping and waking (scheduler, timers, locks)", "k",
+     r"(finish_task_switch|schedule|try_to_wake_up|ttwu|enqueue|dequeue|select_task_rq|update_curr|"
+     r"update_load|psi_|pick_next|_raw_spin|queued_spin|pv_queued|hrtimer|timerfd|__switch_to|switch_mm|"
+     r"wake_up|futex|idle|read_tsc|ktime_get|sched|cpuacct|irq)"),
+    ("system calls and polling", "k",
+     r"(syscall|entry_SYSCALL|__x64_sys|epoll|ep_|fdget|fget|fput|do_writev|do_readv|vfs_|rw_verify|"
+     r"import_iovec|iovec|security_|apparmor|rcu_)"),
+    ("memory management (faults, page allocation)", "k",
+     r"(page|folio|alloc|kmem|slab|kmalloc|kfree|mm_|rmqueue|memcg|lru|pte|pmd|tlb|madvise|mmap)"),
+    ("the kernel, other", "k", r""),
+    ("the memory volume (lookups and copies)", "u",
+     r"(backend::memory|backend::blocks|MemoryBackend|read_shared|stream_copy|copy_into|Block)"),
+    ("the async runtime (tokio)", "u", r"(tokio::|mio::)"),
+    ("libc (copies, allocator)", "libc", r""),
+    ("fastsan, the rest", "u", r""),
+]
+
+
+def start_target(binary):
+    """A fresh target serving one 1 GiB memory volume over BRP, NBD and NVMe/TCP, written whole."""
+    brp, nbd, nvme = suite.free_port(), suite.free_port(), suite.free_port()
+    target = suite.System("target", "fastsan")
+    target.spawn([binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
+                  "--nvme", f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", "vol0=memory:1G"], nbd)
+    try:
+        suite.wait_port(nvme)
+        suite.write_whole([f"brp://127.0.0.1:{brp}/vol0"])
+    except BaseException:
+        target.stop()
+        raise
+    target.urls = {"brp": f"brp://127.0.0.1:{brp}/vol0", "nbd-bench": f"nbd://127.0.0.1:{nbd}/vol0",
+                   "nbd": f"nbd://127.0.0.1:{nbd}/vol0", "nvme": f"nvme+tcp://127.0.0.1:{nvme}/{NQN}/1"}
+    return target
+
+
+def record(binary, target, protocol, load, seconds, out, graph="fp", client=False):
+    """Runs one load against `target` (fio's NBD client for "nbd", else fastsan bench) and records
+    the target (or, with `client`, the load) with perf for `seconds`, after 2 s. Returns the load's
+    command, IOPS and mean latency, and the path of perf.data."""
+    os.makedirs(out, exist_ok=True)
+    load_json = os.path.join(out, "load.json")
+    run = seconds + 4
+    if protocol == "nbd":
+        cmd = ["fio", "--name=p", "--ioengine=nbd", f"--uri={target.urls['nbd']}", "--time_based",
+               f"--runtime={run}", "--output-format=json", f"--output={load_json}"] + list(load)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        cmd = [binary, "bench", target.urls[protocol], "--runtime", str(run), "--json"] + list(load)
+        proc = subprocess.Popen(cmd, stdout=open(load_json, "w"), stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        data = os.path.join(out, "perf.data")
+        graph_args = {"fp": ["-g"], "dwarf": ["--call-graph=dwarf,16384"], "none": []}[graph]
+        subprocess.run(["perf", "record", "-F", "10000", *graph_args, "-o", data,
+                        "-p", str(proc.pid if client else target.pid), "--", "sleep", str(seconds)],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=seconds + 60)
+        if proc.wait(timeout=run + 60) != 0:
+            raise RuntimeError(f"the load failed: {' '.join(cmd)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    j = json.load(open(load_json))
+    if isinstance(j.get("jobs"), list):
+        d = j["jobs"][0]
+        d = d["read"] if d["read"]["total_ios"] else d["write"]
+        iops, lat = d["iops"], d["lat_ns"]["mean"] / 1e3
+    else:
+        iops, lat = j["iops"], j["lat_mean_us"]
+    return {"command": " ".join(cmd), "iops": iops, "lat_mean_us": lat, "perf_data": data}
+
+
+def symbols(perf_data):
+    """The flat profile: (percent of samples, dso, symbol), hottest first."""
+    out = subprocess.run(["perf", "report", "-i", perf_data, "--no-children", "--sort", "dso,sym", "--stdio",
+                          "-g", "none"], capture_output=True, text=True, timeout=300).stdout
+    return parse_symbols(out)
+
+
+def parse_symbols(text):
+    rows = []
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*\S)", line)
+        if m:
+            rows.append((float(m.group(1)), m.group(2), m.group(3)))
+    return rows
+
+
+def group_of(dso, sym):
+    kernel = dso.startswith("[kernel")
+    for name, where, pattern in GROUPS:
+        if where == "k" and not kernel or where == "u" and (kernel or dso.startswith("libc")):
+            continue
+        if where == "libc" and not dso.startswith("libc"):
+            continue
+        if re.search(pattern, sym):
+            return name
+    return "other"
+
+
+def groups(rows):
+    """Each group's share of the samples, largest first."""
+    share = {}
+    for pct, dso, sym in rows:
+        g = group_of(dso, sym)
+        share[g] = share.get(g, 0.0) + pct
+    return sorted(share.items(), key=lambda kv: -kv[1])
 
 
 def main():
@@ -37,47 +159,19 @@ def main():
     ap.add_argument("load", nargs=argparse.REMAINDER, help="fio's (nbd) or fastsan bench's arguments")
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="fastsan-profile.")
-    os.makedirs(out, exist_ok=True)
-    brp, nbd, nvme = suite.free_port(), suite.free_port(), suite.free_port()
-    nqn = "nqn.2026-11.io.fastsan:profile"
-    target = suite.System("target", "fastsan")
-    target.spawn([a.binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}",
-                  "--nvme", f"127.0.0.1:{nvme}", "--nvme-nqn", nqn, "--volume", "vol0=memory:1G"], nbd)
-    suite.wait_port(nvme)
-    urls = {"brp": f"brp://127.0.0.1:{brp}/vol0", "nbd-bench": f"nbd://127.0.0.1:{nbd}/vol0",
-            "nvme": f"nvme+tcp://127.0.0.1:{nvme}/{nqn}/1"}
-    load_json = os.path.join(out, "load.json")
-    run = a.seconds + 4
+    target = start_target(a.binary)
     try:
-        suite.write_whole([f"brp://127.0.0.1:{brp}/vol0"])
-        if a.protocol == "nbd":
-            cmd = ["fio", "--name=p", "--ioengine=nbd", f"--uri=nbd://127.0.0.1:{nbd}/vol0", "--time_based",
-                   f"--runtime={run}", "--output-format=json", f"--output={load_json}"] + a.load
-            load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        else:
-            cmd = [a.binary, "bench", urls[a.protocol], "--runtime", str(run), "--json"] + a.load
-            load = subprocess.Popen(cmd, stdout=open(load_json, "w"))
-        time.sleep(2)
-        graph = ["-g"] if a.graph == "fp" else ["--call-graph=dwarf,16384"]
-        subprocess.run(["perf", "record", "-F", "10000", *graph, "-o", os.path.join(out, "perf.data"),
-                        "-p", str(load.pid if a.client else target.pid), "--", "sleep", str(a.seconds)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if load.wait() != 0:
-            sys.exit(f"the load failed: {' '.join(cmd)}")
+        got = record(a.binary, target, a.protocol, a.load, a.seconds, out, a.graph, a.client)
+    except RuntimeError as e:
+        sys.exit(str(e))
     finally:
         target.stop()
-    j = json.load(open(load_json))
-    if isinstance(j.get("jobs"), list):
-        d = j["jobs"][0]
-        d = d["read"] if d["read"]["total_ios"] else d["write"]
-        print(f"load: {d['iops'] / 1e3:.1f} K IOPS, mean latency {d['lat_ns']['mean'] / 1e3:.1f} us")
-    else:
-        print(f"load: {j['iops'] / 1e3:.1f} K IOPS, mean latency {j['lat_mean_us']:.1f} us")
-    print(f"load command: {' '.join(cmd)}")
-    report = subprocess.run(["perf", "report", "-i", os.path.join(out, "perf.data"), "--no-children",
-                             "--sort", "dso,sym", "--stdio", "-g", "none"],
-                            capture_output=True, text=True).stdout
-    print("\n".join([l for l in report.splitlines() if "%" in l and not l.startswith("#")][:25]))
+    print(f"load: {got['iops'] / 1e3:.1f} K IOPS, mean latency {got['lat_mean_us']:.1f} us")
+    print(f"load command: {got['command']}")
+    rows = symbols(got["perf_data"])
+    for pct, dso, sym in rows[:25]:
+        print(f"{pct:8.2f}%  {dso:<18} {sym}")
+    print("by group: " + ", ".join(f"{g} {p:.1f}%" for g, p in groups(rows)))
     print(f"perf.data and the load's JSON: {out}")
 
 

@@ -507,10 +507,21 @@ def main():
         wire.stop()
         for s in systems.values():
             s.stop()
+    import report
+    # Every goal missed: its gap, and the target's profile under its load (issue 12: "where a goal is
+    # missed, the report shows the measured gap, the profile and the next step").
+    rows = (report.targets(results) if "latency" in results else []) + report.frontend_checks(results)
+    if rows:
+        import misses
+        results["missed"] = misses.plan(results, rows)
+        results["profile_seconds"] = 2 if args.quick else 4
+        if have("perf"):
+            results["profiles"] = misses.profile_all(results["missed"], FASTSAN, out, results["profile_seconds"], log)
+        else:
+            log("perf is missing: the missed goals are reported without profiles")
     results["elapsed_s"] = time.time() - t0
     with open(os.path.join(out, "raw.json"), "w") as f:
         json.dump({"results": results, "points": raw}, f, indent=1, default=str)
-    import report
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what it needs when
 # missing, then checks formatting, lints, and runs every test of the workspace
-# (unit, property, fuzz-corpus replay, end-to-end over 127.0.0.1, CLI).
+# (unit, property, fuzz-corpus replay, end-to-end over 127.0.0.1, CLI) and the
+# benchmark report's Python tests.
 #   scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,9 @@ if command -v cargo-nextest >/dev/null; then
 else
   cargo test --workspace --no-fail-fast
 fi
+
+say "benchmark report (bench/*.py)"
+PYTHONDONTWRITEBYTECODE=1 python3 -m unittest discover -s bench -p 'test_*.py'
 
 after=$(tree_state)
 if [ "$before" != "$after" ]; then

@@ -1,0 +1,259 @@
+"""Where a goal is missed: the measured gap, a profile taken in the same run, and the next step.
+
+Issue 12 asks the report to show, for every goal a run misses, how far off it is, the profile
+that says where the time goes, and what to do next. `plan` reads the verdicts of a run
+(`report.targets`, the front-end comparisons) and gives one entry per missed goal: the gap, what
+the run measured at that point (both sides' CPU per I/O, and what they allow on this many cores),
+the load to profile and the next step. `profile_all` then profiles every distinct load once,
+against a fresh target (`bench/profile.py`'s), after the run's systems are stopped. report.py
+renders the result.
+"""
+
+import importlib.util
+import os
+import re
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _profile_module():
+    # bench/profile.py, by path: the name `profile` is also a module of Python's own library.
+    spec = importlib.util.spec_from_file_location("fastsan_profile", os.path.join(HERE, "profile.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+DOCS = "docs/benchmarks.md"
+
+# The next step for each kind of goal, from what the profiles and side-by-side measurements of
+# docs/benchmarks.md found (the section named in each). A run's own figures come first in the
+# report; these say what they have meant so far and what to try next.
+NEXT = {
+    "qd1": "At QD1 the latency is the sum of both sides' CPU per request plus the wake-ups between them; on a "
+           "host where a wake-up across CPUs is dear, fio's wake-up on each reply dominates (\"Busy polling at "
+           "QD1\", \"Waiting in the kernel at QD1\"). Next: keep the reply's wake-up on fio's CPU (a QD1 "
+           "connection served by a thread that blocks in recv on that CPU), measured side by side.",
+    "qd32-iops": "One fio connection at QD32: both processes share the cores, so the IOPS is bounded by the sum of "
+                 "both sides' CPU per I/O (the ceiling above); fio's share is fixed by libnbd (a recv per reply). "
+                 "The IOPS goal needs the target at or below the CPU per I/O computed above (\"What bounds QD32 "
+                 "on one connection\"). Next: the target's own cost (see the CPU goal).",
+    "qd32-cpu": "The target's CPU per I/O at QD32 on one connection: the TCP work of its writev (on loopback it "
+                "also runs the client's receive), the copy of each 4K read out of a cold 1 GiB volume, and the "
+                "sleeps of reply coalescing's linger rounds (\"Reply coalescing\"). Next: rounds that end when "
+                "enough requests have come instead of after a timer (fewer parks per I/O), then re-measure.",
+    "qd8x4": "Four connections at QD8: measured met in the last full runs; a miss here is new. Next: profile side "
+             "by side with the last binary that met it (bench/ab.py OLD NEW 6 fio:RW:4x8).",
+    "rate": "A paced client sends each request alone, so the target sleeps and is woken once per request; "
+            "nbdkit pays the same wake-up (\"What the rate-limited points cost\"). Next: only a cheaper wake-up "
+            "(the host's) or fewer of them (not possible while each request arrives alone) moves this.",
+    "brp128": "BRP at 128 requesters: client and target share the two cores, so the ceiling is the cores over "
+              "both sides' CPU per I/O (above). The target's largest share is the kernel's copy of each 4K read "
+              "out of the volume into the socket: the volume is 1 GiB and cold, wirefloor's buffer is hot "
+              "(\"BRP 4K reads vs the wirefloor\"). Next: fewer sleeps on both sides (each costs a wake-up across "
+              "CPUs), then the client's CPU per I/O.",
+    "1m": "1 MiB sequential against iperf3: iperf3's receiver throws its bytes away, a store copies them into "
+          "the volume (\"Large writes copied around the cache\"). Next: take a whole-chunk write's received "
+          "buffer as the chunk itself.",
+    "scaling": "The scaling curve moves 10-20% between runs at 16-512 requesters (\"Thread scaling, run to "
+               "run\"). Next: confirm side by side on one target (bench/merge_compare.py) before changing the "
+               "merge rule; the requests per frame above say how much each mode merged.",
+    "frontends": "NVMe/TCP and NBD differ by ~1% of the target's cycles in their codecs (section 11); their ratio "
+                 "moves 10-20% between runs. Next: the profiles of both, side by side above, show any real "
+                 "difference; bench/ab.py with more rounds tells it from the spread.",
+}
+
+
+def _num(text):
+    m = re.search(r"[\d.]+", text or "")
+    return float(m.group()) if m else None
+
+
+def gap(measured, required):
+    """How far a ratio is from its goal, in words: ('1.22x', '>= 1.3x') -> '6% short of 1.3x'."""
+    got, goal = _num(measured), _num(required)
+    if got is None or goal is None:
+        return None
+    if required.strip().startswith(">="):
+        return f"{(1 - got / goal) * 100:.0f}% short of {goal:g}x"
+    return f"{(got / goal - 1) * 100:.0f}% over {goal:g}x"
+
+
+def ceiling(point, ncpu):
+    """What the run measured at one point, as words: both sides' CPU per I/O and the IOPS they allow
+    on `ncpu` cores when they share them; None when the point lacks either figure."""
+    if not point:
+        return None
+    s, c, iops = point.get("server_cpu_us_per_io"), point.get("client_cpu_us_per_io"), point.get("iops")
+    if not s or not c or not iops:
+        return None
+    top = ncpu * 1e6 / (s + c)
+    return {"server_us": s, "client_us": c, "iops": iops, "ceiling": top, "used": iops / top}
+
+
+def _needs(point, ncpu, required_iops):
+    """The target's CPU per I/O at which `ncpu` cores shared with the client reach `required_iops`."""
+    c = point.get("client_cpu_us_per_io") if point else None
+    if not c or not required_iops:
+        return None
+    return ncpu * 1e6 / required_iops - c
+
+
+def _row_spec(r, what, measured, required, quick):
+    """The kind, the point measured, the load to profile and any extra figures for one missed goal."""
+    ncpu = (r.get("machine") or {}).get("nproc") or os.cpu_count() or 1
+    m = re.match(r"NBD QD1 4K read latency", what)
+    if m:
+        p = r["latency"]["randread"].get("fastsan (NBD, fio)")
+        return "qd1", p, ("nbd", ["--rw=randread", "--bs=4k", "--iodepth=1"]), {}
+    m = re.match(r"NBD 4K (\w+) QD32, 1 connection: (IOPS|server CPU)", what)
+    if m:
+        rw, which = m.groups()
+        q = r["qd32"][rw]
+        p = q.get("fastsan (NBD, fio)")
+        extra = {}
+        if which == "IOPS":
+            peer = max((v.get("iops") or 0 for k, v in q.items() if k in ("nbdkit", "qemu-nbd")), default=0)
+            need = _needs(p, ncpu, _num(required) * peer)
+            if need is not None:
+                extra["target CPU per I/O at which the cores allow the goal"] = f"{need:.1f} us" + (
+                    f" (the target spent {p['server_cpu_us_per_io']:.1f}: what is missing is time both sides "
+                    "spent waiting for each other, not the target's CPU)"
+                    if need > p["server_cpu_us_per_io"] else "")
+        kind = "qd32-iops" if which == "IOPS" else "qd32-cpu"
+        return kind, p, ("nbd", [f"--rw={rw}", "--bs=4k", "--iodepth=32"]), extra
+    m = re.match(r"NBD 4K (\w+) QD8 x 4 connections", what)
+    if m:
+        rw = m.group(1)
+        return "qd8x4", r["qd8x4"][rw].get("fastsan (NBD, fio)"), \
+            ("nbd", [f"--rw={rw}", "--bs=4k", "--iodepth=8", "--numjobs=4", "--group_reporting"]), {}
+    m = re.match(r"NBD 4K (\w+) QD8, same offered load", what)
+    if m:
+        rw = m.group(1)
+        rate = 10000 if quick else 20000
+        return "rate", r["cpu"][rw].get("fastsan"), \
+            ("nbd", [f"--rw={rw}", "--bs=4k", "--iodepth=8", f"--rate_iops={rate}"]), {}
+    m = re.match(r"BRP 4K randread, 128 requesters", what)
+    if m:
+        return "brp128", r["qd32"]["randread"].get("fastsan (BRP, 128 requesters, 2 conns)"), \
+            ("brp", ["--rw", "randread", "--bs", "4k", "--iodepth", "128", "--connections", "2"]), {}
+    m = re.match(r"BRP 1M sequential (\w+)", what)
+    if m:
+        rw = m.group(1)
+        return "1m", r["matrix"].get(f"1m {rw}", {}).get("fastsan (BRP)"), \
+            ("brp", ["--rw", rw, "--bs", "1m", "--jobs", "16", "--connections", "2"]), {}
+    m = re.match(r"BRP-3 thread scaling", what)
+    if m:
+        falls = re.findall(r"(\d+)->(\d+)", measured)
+        n = falls[0][1] if falls else "128"
+        return "scaling", _merge_point(r, n), _merge_load(n), _merge_extra(r, n)
+    m = re.match(r"adaptive vs the better of merge off and always, (\d+) requesters", what)
+    if m:
+        n = m.group(1)
+        return "scaling", _merge_point(r, n), _merge_load(n), _merge_extra(r, n)
+    m = re.match(r"4K (\w+), (\d+) x QD(\d+)(, pinned apart)?: NVMe/TCP vs NBD", what)
+    if m:
+        rw, conns, qd, _ = m.groups()
+        label = what.split(":")[0]
+        p = (r.get("frontends") or {}).get(label, {})
+        load = ["--rw", rw, "--bs", "4k", "--iodepth", qd, "--jobs", conns]
+        extra = {}
+        for name in ("NVMe/TCP", "NBD"):
+            e = p.get(name) or {}
+            if e.get("iops"):
+                extra[name] = f"{e['iops'] / 1e3:.0f} K IOPS, server {e.get('server_cpu_us_per_io', 0):.2f} us per I/O"
+        return "frontends", p.get("NVMe/TCP"), [("nvme", load), ("nbd-bench", load)], extra
+    return None
+
+
+def _merge_point(r, n):
+    s = r.get("scaling", {})
+    return (s.get(n) or s.get(int(n)) or {}).get("BRP-3 (adaptive merge)")
+
+
+def _merge_load(n):
+    return ("brp", ["--rw", "randwrite", "--bs", "4k", "--iodepth", str(n), "--connections", "2",
+                    "--merge", "adaptive"])
+
+
+def _merge_extra(r, n):
+    s = r.get("scaling", {})
+    point = s.get(n) or s.get(int(n)) or {}
+    extra = {}
+    for name in ("BRP-2 (merge off)", "BRP-3 (adaptive merge)", "BRP-3T (always merge)"):
+        e = point.get(name) or {}
+        if e.get("iops"):
+            frames = e.get("frames") or 0
+            per = f", {e['ios'] / frames:.1f} requests per frame" if frames and e.get("ios") else ""
+            extra[name] = f"{e['iops'] / 1e3:.0f} K IOPS{per}"
+    return extra
+
+
+def _fall(r, measured):
+    """'falls at 128->256' as how far the adaptive curve fell there."""
+    words = []
+    for a, b in re.findall(r"(\d+)->(\d+)", measured):
+        ia, ib = (_merge_point(r, a) or {}).get("iops"), (_merge_point(r, b) or {}).get("iops")
+        if ia and ib:
+            words.append(f"{(1 - ib / ia) * 100:.0f}% lower at {b} requesters than at {a} (5% allowed)")
+    return "; ".join(words) or None
+
+
+def plan(r, rows):
+    """One entry per missed goal in `rows` ((target, measured, required, verdict) as report.py makes
+    them): its gap, what the run measured there, the loads to profile and the next step."""
+    quick = (r.get("machine") or {}).get("quick", False)
+    ncpu = (r.get("machine") or {}).get("nproc") or os.cpu_count() or 1
+    out = []
+    for what, measured, required, verdict in rows:
+        if verdict != "MISSED":
+            continue
+        spec = _row_spec(r, what, measured, required, quick)
+        if spec is None:
+            out.append({"target": what, "measured": measured, "required": required, "gap": gap(measured, required),
+                        "loads": [], "next": None})
+            continue
+        kind, point, loads, extra = spec
+        loads = loads if isinstance(loads, list) else [loads]
+        how_far = gap(measured, required)
+        if what.startswith("BRP-3 thread scaling"):
+            how_far = _fall(r, measured)
+        # At QD1 and under a paced client neither side runs flat out: no ceiling, only their costs.
+        bounded = kind not in ("qd1", "rate")
+        out.append({"target": what, "measured": measured, "required": required, "gap": how_far,
+                    "kind": kind, "point": ceiling(point, ncpu), "bounded": bounded, "extra": extra,
+                    "loads": [{"protocol": p, "load": list(a)} for p, a in loads], "next": NEXT[kind]})
+    return out
+
+
+def load_key(load):
+    return f"{load['protocol']} {' '.join(load['load'])}"
+
+
+def profile_all(entries, binary, out_dir, seconds, log=print):
+    """Profiles every distinct load of `entries` once against one fresh target; returns
+    {load key: {command, iops, lat_mean_us, top, groups}} (or {error} where it failed)."""
+    prof = _profile_module()
+    loads = {}
+    for e in entries:
+        for load in e["loads"]:
+            loads.setdefault(load_key(load), load)
+    if not loads:
+        return {}
+    got = {}
+    target = prof.start_target(binary)
+    try:
+        for i, (key, load) in enumerate(loads.items()):
+            log(f"profiling a missed goal's load ({i + 1}/{len(loads)}): {key}")
+            try:
+                rec = prof.record(binary, target, load["protocol"], load["load"], seconds,
+                                  os.path.join(out_dir, f"profile-{i + 1}"), graph="none")
+                rows = prof.symbols(rec["perf_data"])
+                os.unlink(rec["perf_data"])  # the table is kept; perf.data is large and host-specific
+                got[key] = {"command": rec["command"], "iops": rec["iops"], "lat_mean_us": rec["lat_mean_us"],
+                            "top": rows[:12], "groups": prof.groups(rows)}
+            except Exception as ex:  # one load that fails is reported, not fatal
+                got[key] = {"error": str(ex)}
+    finally:
+        target.stop()
+    return got
