@@ -34,10 +34,12 @@ NEXT = {
            "host where a wake-up across CPUs is dear, fio's wake-up on each reply dominates (\"Busy polling at "
            "QD1\", \"Waiting in the kernel at QD1\"). Next: keep the reply's wake-up on fio's CPU (a QD1 "
            "connection served by a thread that blocks in recv on that CPU), measured side by side.",
-    "qd32-iops": "One fio connection at QD32: both processes share the cores, so the IOPS is bounded by the sum of "
-                 "both sides' CPU per I/O (the ceiling above); fio's share is fixed by libnbd (a recv per reply). "
-                 "The IOPS goal needs the target at or below the CPU per I/O computed above (\"What bounds QD32 "
-                 "on one connection\"). Next: the target's own cost (see the CPU goal).",
+    "qd32-iops": "One fio connection at QD32: fio issues and completes every I/O on one thread, so its own CPU "
+                 "per I/O bounds the IOPS (the bounds above; libnbd reads each reply with its own recv calls), "
+                 "and the cores it shares with the target bound it again (\"What bounds QD32 on one "
+                 "connection\"). The target helps only by making the client's reads cheaper (replies that "
+                 "arrive together: \"Reply coalescing\") and by costing less. Next: coalescing rounds that end "
+                 "when enough requests have come, then re-measure fio's CPU per I/O.",
     "qd32-cpu": "The target's CPU per I/O at QD32 on one connection: the TCP work of its writev (on loopback it "
                 "also runs the client's receive), the copy of each 4K read out of a cold 1 GiB volume, and the "
                 "sleeps of reply coalescing's linger rounds (\"Reply coalescing\"). Next: rounds that end when "
@@ -79,16 +81,35 @@ def gap(measured, required):
     return f"{(got / goal - 1) * 100:.0f}% over {goal:g}x"
 
 
-def ceiling(point, ncpu):
-    """What the run measured at one point, as words: both sides' CPU per I/O and the IOPS they allow
-    on `ncpu` cores when they share them; None when the point lacks either figure."""
+def _threads(point, key, flag):
+    """A point's client threads or connections: from its JSON (fastsan bench) or its command (fio)."""
+    if point.get(key):
+        return int(point[key])
+    m = re.search(flag + r"=?(\d+)", point.get("command") or "")
+    return int(m.group(1)) if m else 1
+
+
+def ceiling(point, ncpu, pinned=False):
+    """What the run measured at one point: both sides' CPU per I/O and the IOPS those costs allow,
+    the least of three bounds: the machine's cores shared by both sides; the client's threads (a fio
+    job or a fastsan bench thread issues and completes its I/Os on one thread); the target's
+    connections (each is decoded and answered by one task, so one core at a time). None when the
+    point lacks either CPU figure. `pinned`: the client ran on one core and the target on another
+    (the front ends' "pinned apart" points), so nothing is shared and each side has one core."""
     if not point:
         return None
     s, c, iops = point.get("server_cpu_us_per_io"), point.get("client_cpu_us_per_io"), point.get("iops")
     if not s or not c or not iops:
         return None
-    top = ncpu * 1e6 / (s + c)
-    return {"server_us": s, "client_us": c, "iops": iops, "ceiling": top, "used": iops / top}
+    cores = 1 if pinned else ncpu
+    client_threads = min(cores, _threads(point, "client_threads", "--numjobs"))
+    conns = min(cores, _threads(point, "connections", "--numjobs"))
+    bounds = {} if pinned else {"the cores, shared": ncpu * 1e6 / (s + c)}
+    bounds |= {f"the client's {client_threads} thread{'s' if client_threads > 1 else ''}": client_threads * 1e6 / c,
+              f"the target's {conns} connection{'s' if conns > 1 else ''}": conns * 1e6 / s}
+    bound = min(bounds, key=bounds.get)
+    return {"server_us": s, "client_us": c, "iops": iops, "bounds": bounds, "bound": bound,
+            "ceiling": bounds[bound], "used": iops / bounds[bound]}
 
 
 def _needs(point, ncpu, required_iops):
@@ -115,7 +136,14 @@ def _row_spec(r, what, measured, required, quick):
         if which == "IOPS":
             peer = max((v.get("iops") or 0 for k, v in q.items() if k in ("nbdkit", "qemu-nbd")), default=0)
             need = _needs(p, ncpu, _num(required) * peer)
-            if need is not None:
+            top = ceiling(p, ncpu)
+            client = top and min(v for k, v in top["bounds"].items() if k.startswith("the client"))
+            if client and client < _num(required) * peer:
+                extra["the goal against what the client allows"] = (
+                    f"{_num(required) * peer / 1e3:.0f} K IOPS needed; at its measured {p['client_cpu_us_per_io']:.1f} us "
+                    f"per I/O the client's own thread allows {client / 1e3:.0f} K, whatever the target costs: only a "
+                    "client that spends less per I/O (fewer, larger reads of its socket) gets there")
+            elif need is not None:
                 extra["target CPU per I/O at which the cores allow the goal"] = f"{need:.1f} us" + (
                     f" (the target spent {p['server_cpu_us_per_io']:.1f}: what is missing is time both sides "
                     "spent waiting for each other, not the target's CPU)"
@@ -221,7 +249,8 @@ def plan(r, rows):
         # At QD1 and under a paced client neither side runs flat out: no ceiling, only their costs.
         bounded = kind not in ("qd1", "rate")
         out.append({"target": what, "measured": measured, "required": required, "gap": how_far,
-                    "kind": kind, "point": ceiling(point, ncpu), "bounded": bounded, "extra": extra,
+                    "kind": kind, "point": ceiling(point, ncpu, pinned="pinned apart" in what),
+                    "bounded": bounded, "extra": extra,
                     "loads": [{"protocol": p, "load": list(a)} for p, a in loads], "next": NEXT[kind]})
     return out
 

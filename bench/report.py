@@ -339,8 +339,8 @@ def missed_section(r):
             md += (f"\nMeasured at this point: the target {p['server_us']:.2f} us and the client "
                    f"{p['client_us']:.2f} us of CPU per I/O")
             if first.get("bounded"):
-                md += (f"; sharing the machine's cores, those allow {fmt(p['ceiling'])} IOPS, and the run reached "
-                       f"{fmt(p['iops'])} ({p['used'] * 100:.0f}% of it).\n")
+                md += ("; those allow " + ", ".join(f"{fmt(v)} IOPS by {k}" for k, v in p["bounds"].items())
+                       + f". The least is {p['bound']}'s: the run reached {fmt(p['iops'])}, {p['used'] * 100:.0f}% of it.\n")
             else:
                 md += f", at {fmt(p['iops'])} IOPS.\n"
         extra = {}

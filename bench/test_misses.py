@@ -33,7 +33,8 @@ def results():
     scaling = {}
     for n, adaptive in ((64, 500_000), (128, 600_000), (256, 500_000)):
         scaling[n] = {"BRP-2 (merge off)": point(100_000, 9.0, 9.0, ios=500_000, frames=500_000),
-                      "BRP-3 (adaptive merge)": point(adaptive, 1.3, 1.7, ios=3_000_000, frames=40_000),
+                      "BRP-3 (adaptive merge)": point(adaptive, 1.3, 1.7, ios=3_000_000, frames=40_000,
+                                                      client_threads=2, connections=2),
                       "BRP-3T (always merge)": point(600_000, 1.2, 1.6, ios=3_000_000, frames=30_000)}
     return {
         "machine": {"nproc": 2, "quick": False},
@@ -70,12 +71,17 @@ class Plan(unittest.TestCase):
         # 100 K against nbdkit's 90 K: 1.11x, 15% short of 1.3x.
         self.assertEqual(e["measured"], "1.11x")
         self.assertEqual(e["gap"], "15% short of 1.3x")
-        # Two cores over 6 + 10 us per I/O: 125 K IOPS; the run reached 100 K, 80% of it.
-        self.assertAlmostEqual(e["point"]["ceiling"], 125_000)
-        self.assertAlmostEqual(e["point"]["used"], 0.8)
-        # 1.3 x 90 K = 117 K IOPS needs 2e6 / 117 K - 10 = 7.1 us of the target: it spent 6.
-        need = e["extra"]["target CPU per I/O at which the cores allow the goal"]
-        self.assertTrue(need.startswith("7.1 us (the target spent 6.0"), need)
+        # Two cores over 6 + 10 us per I/O allow 125 K IOPS, the target's one connection 167 K, but
+        # fio's one thread at 10 us per I/O only 100 K: that binds, and the run reached all of it.
+        b = e["point"]["bounds"]
+        self.assertAlmostEqual(b["the cores, shared"], 125_000)
+        self.assertAlmostEqual(b["the target's 1 connection"], 1e6 / 6)
+        self.assertEqual(e["point"]["bound"], "the client's 1 thread")
+        self.assertAlmostEqual(e["point"]["ceiling"], 100_000)
+        self.assertAlmostEqual(e["point"]["used"], 1.0)
+        # 1.3 x 90 K = 117 K IOPS: more than the client's thread allows, whatever the target costs.
+        self.assertTrue(e["extra"]["the goal against what the client allows"].startswith(
+            "117 K IOPS needed; at its measured 10.0 us per I/O the client's own thread allows 100 K"))
         self.assertEqual([misses.load_key(l) for l in e["loads"]], ["nbd --rw=randread --bs=4k --iodepth=32"])
         cpu = self.plan["NBD 4K randread QD32, 1 connection: server CPU per I/O vs best peer (nbdkit)"]
         self.assertEqual(cpu["gap"], "20% over 0.5x")
@@ -87,6 +93,9 @@ class Plan(unittest.TestCase):
         self.assertEqual(misses.load_key(e["loads"][0]),
                          "brp --rw randwrite --bs 4k --iodepth 256 --connections 2 --merge adaptive")
         self.assertEqual(e["extra"]["BRP-3 (adaptive merge)"], "500 K IOPS, 75.0 requests per frame")
+        # Two client threads, two connections: the shared cores bind (2e6 / (1.3 + 1.7) us).
+        self.assertEqual(e["point"]["bound"], "the cores, shared")
+        self.assertAlmostEqual(e["point"]["ceiling"], 2e6 / 3)
         self.assertEqual(e["extra"]["BRP-3T (always merge)"], "600 K IOPS, 100.0 requests per frame")
 
     def test_qd1_has_no_ceiling_and_a_front_end_miss_profiles_both_front_ends(self):
@@ -95,6 +104,12 @@ class Plan(unittest.TestCase):
         fe = self.plan["4K randread, 1 x QD32: NVMe/TCP vs NBD, IOPS"]
         self.assertEqual([l["protocol"] for l in fe["loads"]], ["nvme", "nbd-bench"])
         self.assertEqual(fe["gap"], "4% short of 1x")
+        # The shared cores allow 2e6 / (3 + 2) us = 400 K; the target's one connection, 333 K, binds.
+        self.assertEqual(fe["point"]["bound"], "the target's 1 connection")
+        pinned = misses.ceiling(point(250_000, 3.0, 2.0, connections=4, client_threads=4), 2, pinned=True)
+        # Pinned apart, each side has one core and nothing is shared: the target's core binds.
+        self.assertEqual(set(pinned["bounds"]), {"the client's 1 thread", "the target's 1 connection"})
+        self.assertAlmostEqual(pinned["ceiling"], 1e6 / 3)
 
 
 class Section(unittest.TestCase):
@@ -112,7 +127,9 @@ class Section(unittest.TestCase):
                       "15% short of 1.3x |", md)
         self.assertIn("| copying data between the process and the kernel | 40.0% |", md)
         self.assertIn("| the async runtime (tokio) | 10.0% |", md)
-        self.assertIn("those allow 125 K IOPS, and the run reached 100 K (80% of it)", md)
+        self.assertIn("those allow 125 K IOPS by the cores, shared, 100 K IOPS by the client's 1 thread, 167 K IOPS "
+                      "by the target's 1 connection. The least is the client's 1 thread's: the run reached 100 K, "
+                      "100% of it.", md)
         self.assertIn("**Next:** " + misses.NEXT["qd32-iops"], md)
 
     def test_every_goal_met_and_no_section_when_not_planned(self):
