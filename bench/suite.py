@@ -508,20 +508,30 @@ def main():
         for s in systems.values():
             s.stop()
     import report
+
+    def save():
+        results["elapsed_s"] = time.time() - t0
+        with open(os.path.join(out, "raw.json"), "w") as f:
+            json.dump({"results": results, "points": raw}, f, indent=1, default=str)
+
+    save()  # the measurements are safe before anything else runs
     # Every goal missed: its gap, and the target's profile under its load (issue 12: "where a goal is
     # missed, the report shows the measured gap, the profile and the next step").
-    rows = (report.targets(results) if "latency" in results else []) + report.frontend_checks(results)
-    if rows:
-        import misses
-        results["missed"] = misses.plan(results, rows)
-        results["profile_seconds"] = 2 if args.quick else 4
-        if have("perf"):
-            results["profiles"] = misses.profile_all(results["missed"], FASTSAN, out, results["profile_seconds"], log)
-        else:
-            log("perf is missing: the missed goals are reported without profiles")
-    results["elapsed_s"] = time.time() - t0
-    with open(os.path.join(out, "raw.json"), "w") as f:
-        json.dump({"results": results, "points": raw}, f, indent=1, default=str)
+    try:
+        rows = (report.targets(results) if "latency" in results else []) + report.frontend_checks(results)
+        if rows:
+            import misses
+            results["missed"] = misses.plan(results, rows)
+            results["profile_seconds"] = 2 if args.quick else 4
+            if have("perf"):
+                results["profiles"] = misses.profile_all(results["missed"], FASTSAN, out,
+                                                         results["profile_seconds"], log)
+            else:
+                log("perf is missing: the missed goals are reported without profiles")
+    except Exception as e:  # the report goes out without that section, not without the run
+        log(f"explaining the missed goals failed: {e!r}")
+        results.pop("missed", None)
+    save()
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
 
