@@ -33,8 +33,9 @@ NQN = "nqn.2026-11.io.fastsan:profile"
 # TCP stack" without a reader adding up fifty lines.
 GROUPS = [
     ("copying data between the process and the kernel", "k",
-     r"^(_copy_from_iter|_copy_to_iter|copy_user|rep_movs|__check_object_size|check_heap_object|"
-     r"__skb_datagram_iter|skb_copy_datagram|simple_copy_to_iter|copy_page_(to|from)_iter)"),
+     r"^(_copy_from_iter|_copy_to_iter|_?copy_(to|from)_user|copy_user|rep_movs|memcpy|__memcpy|memmove|"
+     r"__check_object_size|check_heap_object|__skb_datagram_iter|skb_copy_datagram|simple_copy_to_iter|"
+     r"copy_page_(to|from)_iter)"),
     ("the TCP/IP stack and socket buffers", "k",
      r"(tcp|inet|ipv4|ip4|skb|sock|netif|loopback|napi|csum|qdisc|softirq|bbr|backlog|eth_type|validate_xmit|"
      r"__sys_recv|__sys_send|raw_local|(^|_)(ip|sk|net|dev|dst|nf)_)"),
@@ -43,17 +44,25 @@ GROUPS = [
      r"update_load|psi_|pick_next|_raw_spin|queued_spin|pv_queued|hrtimer|timerfd|__switch_to|switch_mm|"
      r"wake_up|futex|idle|read_tsc|ktime_get|sched|cpuacct|irq)"),
     ("system calls and polling", "k",
-     r"(syscall|entry_SYSCALL|__x64_sys|epoll|ep_|fdget|fget|fput|do_writev|do_readv|vfs_|rw_verify|"
+     r"(syscall|entry_SYSCALL|__x64_sys|epoll|(^|_)ep_|fdget|fget|fput|do_writev|do_readv|vfs_|rw_verify|"
      r"import_iovec|iovec|security_|apparmor|rcu_)"),
     ("memory management (faults, page allocation)", "k",
      r"(page|folio|alloc|kmem|slab|kmalloc|kfree|mm_|rmqueue|memcg|lru|pte|pmd|tlb|madvise|mmap)"),
     ("the kernel, other", "k", r""),
-    ("the memory volume (lookups and copies)", "u",
-     r"(backend::memory|backend::blocks|MemoryBackend|read_shared|stream_copy|copy_into|Block)"),
-    ("the async runtime (tokio)", "u", r"(tokio::|mio::)"),
-    ("libc (copies, allocator)", "libc", r""),
+    ("the async runtime (tokio)", "u", r"(^|[<\s(])(tokio|mio)::"),
+    ("the volume (backends: memory, stats, file...)", "u", r"fastsan_target::backend::"),
+    ("libc, the vDSO (clock reads), the loader", "lib", r""),
     ("fastsan, the rest", "u", r""),
 ]
+
+
+def is_kernel(dso):
+    """The kernel and its modules (perf shows both in brackets), not the vDSO."""
+    return dso.startswith("[") and dso not in ("[vdso]", "[unknown]", "[vsyscall]")
+
+
+def is_lib(dso):
+    return dso in ("[vdso]", "[vsyscall]") or dso.startswith(("libc", "ld-linux", "libm", "libpthread"))
 
 
 def start_target(binary):
@@ -80,26 +89,33 @@ def record(binary, target, protocol, load, seconds, out, graph="fp", client=Fals
     os.makedirs(out, exist_ok=True)
     load_json = os.path.join(out, "load.json")
     run = seconds + 4
+    errors = open(os.path.join(out, "load.stderr"), "w+")
     if protocol == "nbd":
         cmd = ["fio", "--name=p", "--ioengine=nbd", f"--uri={target.urls['nbd']}", "--time_based",
                f"--runtime={run}", "--output-format=json", f"--output={load_json}"] + list(load)
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
     else:
         cmd = [binary, "bench", target.urls[protocol], "--runtime", str(run), "--json"] + list(load)
-        proc = subprocess.Popen(cmd, stdout=open(load_json, "w"), stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=open(load_json, "w"), stderr=errors)
     try:
         time.sleep(2)
         data = os.path.join(out, "perf.data")
         graph_args = {"fp": ["-g"], "dwarf": ["--call-graph=dwarf,16384"], "none": []}[graph]
-        subprocess.run(["perf", "record", "-F", "10000", *graph_args, "-o", data,
-                        "-p", str(proc.pid if client else target.pid), "--", "sleep", str(seconds)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=seconds + 60)
+        p = subprocess.run(["perf", "record", "-F", "10000", *graph_args, "-o", data,
+                            "-p", str(proc.pid if client else target.pid), "--", "sleep", str(seconds)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=seconds + 60)
+        if p.returncode != 0:
+            raise RuntimeError(f"perf record failed: {p.stderr.strip()[-300:]}")
         if proc.wait(timeout=run + 60) != 0:
-            raise RuntimeError(f"the load failed: {' '.join(cmd)}")
+            errors.seek(0)
+            raise RuntimeError(f"the load failed: {' '.join(cmd)}: {errors.read().strip()[-300:]}")
     finally:
+        errors.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if os.path.getsize(errors.name) == 0:
+        os.unlink(errors.name)
     j = json.load(open(load_json))
     if isinstance(j.get("jobs"), list):
         d = j["jobs"][0]
@@ -127,11 +143,9 @@ def parse_symbols(text):
 
 
 def group_of(dso, sym):
-    kernel = dso.startswith("[kernel")
+    kernel, lib = is_kernel(dso), is_lib(dso)
     for name, where, pattern in GROUPS:
-        if where == "k" and not kernel or where == "u" and (kernel or dso.startswith("libc")):
-            continue
-        if where == "libc" and not dso.startswith("libc"):
+        if where == "k" and not kernel or where == "lib" and not lib or where == "u" and (kernel or lib):
             continue
         if re.search(pattern, sym):
             return name

@@ -522,6 +522,7 @@ def main():
         if rows:
             import misses
             results["missed"] = misses.plan(results, rows)
+            results["not_measured"] = misses.not_measured(rows)
             results["profile_seconds"] = 2 if args.quick else 4
             if have("perf"):
                 results["profiles"] = misses.profile_all(results["missed"], FASTSAN, out,
@@ -531,6 +532,7 @@ def main():
     except Exception as e:  # the report goes out without that section, not without the run
         log(f"explaining the missed goals failed: {e!r}")
         results.pop("missed", None)
+        results.pop("not_measured", None)
     save()
     report.write(results, out)
     log(f"done in {results['elapsed_s']:.0f} s: {out}/report.md")
