@@ -122,9 +122,12 @@ def ceiling(point, ncpu, pinned=False):
     if not s or not c or not iops:
         return None
     client_threads, conns = _sides(point, ncpu, pinned)
-    bounds = {} if pinned else {"the cores, shared": ncpu * 1e6 / (s + c)}
-    bounds |= {f"the client's {client_threads} thread{'s' if client_threads > 1 else ''}": client_threads * 1e6 / c,
-               f"the target's {conns} connection{'s' if conns > 1 else ''}": conns * 1e6 / s}
+    if pinned:
+        bounds = {"the client's one core": 1e6 / c, "the target's one core": 1e6 / s}
+    else:
+        bounds = {"the cores, shared": ncpu * 1e6 / (s + c),
+                  f"the client's {client_threads} thread{'s' if client_threads > 1 else ''}": client_threads * 1e6 / c,
+                  f"the target's {conns} connection{'s' if conns > 1 else ''}": conns * 1e6 / s}
     bound = min(bounds, key=bounds.get)
     return {"server_us": s, "client_us": c, "iops": iops, "bounds": bounds, "bound": bound,
             "ceiling": bounds[bound], "used": iops / bounds[bound]}

@@ -113,7 +113,7 @@ class Plan(unittest.TestCase):
         self.assertEqual(fe["point"]["bound"], "the target's 1 connection")
         pinned = misses.ceiling(point(250_000, 3.0, 2.0, connections=4, client_threads=4), 2, pinned=True)
         # Pinned apart, each side has one core and nothing is shared: the target's core binds.
-        self.assertEqual(set(pinned["bounds"]), {"the client's 1 thread", "the target's 1 connection"})
+        self.assertEqual(set(pinned["bounds"]), {"the client's one core", "the target's one core"})
         self.assertAlmostEqual(pinned["ceiling"], 1e6 / 3)
 
 
