@@ -29,7 +29,7 @@ use crate::frontend::{Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::volume::{Outcome, Volume};
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use fastsan_nvme::command::{fctype, sgl, status, Cqe, Sqe, Status, OPC_FABRICS};
 use fastsan_nvme::pdu::{self, fes, flag, DataHeader, Digests, Header, R2t, TermReq};
 use parking_lot::Mutex;
@@ -1077,10 +1077,28 @@ impl Transmission for NvmeConn {
                 }
                 Err(e) => return Err(self.refuse(e)),
             };
+            self.ctrl.touch(self.sub.tick.load(Relaxed));
+            // The hot path: a command, its entry read in place (no Header
+            // built). One without data (a read, a flush) is consumed where it
+            // lies: no frame split off the buffer and shared (two atomic
+            // reference counts per command, one of NBD's costs NVMe/TCP did not
+            // have to pay: docs/benchmarks.md, the run of 20261128-005815).
+            if f.data.is_empty() {
+                if let Some(sqe) = f.sqe(&buf[..f.len]) {
+                    buf.advance(f.len);
+                    let d = if self.qid == 0 {
+                        self.admin(&sqe)
+                    } else {
+                        self.io(&sqe, Bytes::new(), f.data_digest_ok)?
+                    };
+                    match d {
+                        Some(d) => return Ok(d),
+                        None => continue,
+                    }
+                }
+            }
             let frame = buf.split_to(f.len).freeze();
             let data = frame.slice(f.data.clone());
-            self.ctrl.touch(self.sub.tick.load(Relaxed));
-            // The hot path: a command, its entry read in place (no Header built).
             if let Some(sqe) = f.sqe(&frame) {
                 let d = if self.qid == 0 { self.admin(&sqe) } else { self.io(&sqe, data, f.data_digest_ok)? };
                 match d {
