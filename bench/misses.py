@@ -24,8 +24,6 @@ def _profile_module():
     return mod
 
 
-DOCS = "docs/benchmarks.md"
-
 # The next step for each kind of goal, from what the profiles and side-by-side measurements of
 # docs/benchmarks.md found (the section named in each). A run's own figures come first in the
 # report; these say what they have meant so far and what to try next.
@@ -162,10 +160,9 @@ def _rate(point, quick):
     return int(m.group(1)) if m else (10000 if quick else 20000)
 
 
-def _row_spec(r, what, measured, required, quick):
+def _row_spec(r, what, measured, required, quick, ncpu):
     """(kind, where, point measured, loads to profile, extra figures) for one missed goal; None for a
     goal this module does not know."""
-    ncpu = (r.get("machine") or {}).get("nproc") or os.cpu_count() or 1
     if what.startswith("honesty:"):
         return "honesty", what.split(",")[0][len("honesty: "):], None, [], {}
     m = re.match(r"NBD QD1 4K read latency", what)
@@ -285,7 +282,7 @@ def plan(r, rows):
         if verdict != "MISSED":
             continue
         how_far = gap(measured, required)
-        spec = _row_spec(r, what, measured, required, quick)
+        spec = _row_spec(r, what, measured, required, quick, ncpu)
         if spec is None:
             out.append({"target": what, "measured": measured, "required": required, "gap": how_far,
                         "kind": None, "where": what, "point": None, "bounded": False, "pinned": False,

@@ -2,6 +2,8 @@
 
 import os
 
+import misses
+
 
 def fmt(x, unit=""):
     if x is None:
@@ -336,7 +338,7 @@ def missed_section(r):
         md += "No profiles were taken in this run (perf missing); the gaps and figures come from the run itself.\n"
     blocks = {}
     for e in missed:
-        key = tuple(f"{l['protocol']} {' '.join(l['load'])}" for l in e["loads"])
+        key = tuple(misses.load_key(l) for l in e["loads"])
         blocks.setdefault(key, []).append(e)
     for keys, entries in blocks.items():
         md += "\n### " + (" and ".join(f"`{k}`" for k in keys) if keys else "goals with no load to profile") + "\n\n"

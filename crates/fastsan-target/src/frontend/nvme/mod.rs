@@ -1083,29 +1083,22 @@ impl Transmission for NvmeConn {
             // lies: no frame split off the buffer and shared (two atomic
             // reference counts per command, one of NBD's costs NVMe/TCP did not
             // have to pay: docs/benchmarks.md, the run of 20261128-005815).
-            if f.data.is_empty() {
-                if let Some(sqe) = f.sqe(&buf[..f.len]) {
-                    buf.advance(f.len);
-                    let d = if self.qid == 0 {
-                        self.admin(&sqe)
-                    } else {
-                        self.io(&sqe, Bytes::new(), f.data_digest_ok)?
-                    };
-                    match d {
-                        Some(d) => return Ok(d),
-                        None => continue,
+            if let Some(sqe) = f.sqe(&buf[..f.len]) {
+                let data = match f.data.is_empty() {
+                    true => {
+                        buf.advance(f.len);
+                        Bytes::new()
                     }
-                }
-            }
-            let frame = buf.split_to(f.len).freeze();
-            let data = frame.slice(f.data.clone());
-            if let Some(sqe) = f.sqe(&frame) {
+                    false => buf.split_to(f.len).freeze().slice(f.data.clone()),
+                };
                 let d = if self.qid == 0 { self.admin(&sqe) } else { self.io(&sqe, data, f.data_digest_ok)? };
                 match d {
                     Some(d) => return Ok(d),
                     None => continue,
                 }
             }
+            let frame = buf.split_to(f.len).freeze();
+            let data = frame.slice(f.data.clone());
             let header = match f.header(&frame) {
                 Ok(h) => h,
                 Err(e) => return Err(self.refuse(e)),
