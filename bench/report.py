@@ -391,12 +391,25 @@ def missed_section(r):
 DOCS_LINK = "[docs/benchmarks.md](../../../docs/benchmarks.md)"
 
 
+def idle_text(m):
+    """The machine's idle policy, for the report's first line ("" when the run did not record it)."""
+    idle = m.get("idle")
+    if not idle or not idle.get("cpuidle"):
+        return ""
+    ns = idle.get("halt_poll_ns")
+    if ns is None:
+        return f"; idle CPUs: cpuidle {idle['cpuidle']}"
+    how = f"on, {ns / 1000:g} us" if ns > 0 else "off"
+    return f"; idle vCPUs: cpuidle {idle['cpuidle']}, guest halt polling {how}" + \
+        (" (set for this run)" if idle.get("set_for_run") else "")
+
+
 def write(r, out):
     m = r["machine"]
     for name, table_of in (("mirror", mirror_table), ("attach", attach_table), ("tls", tls_table),
                            ("frontends", frontends_table)):
         if "latency" not in r and name in r:  # one experiment alone
-            md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
+            md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}{idle_text(m)}; commit {m['commit']}; " \
                  f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
                  f"commands in raw.json. Total {r['elapsed_s']:.0f} s.\n\n" + table_of(r) + missed_section(r)
             with open(os.path.join(out, "report.md"), "w") as fh:
@@ -408,7 +421,7 @@ def write(r, out):
         with open(os.path.join(out, "report.md"), "w") as fh:
             fh.write(md)
         return
-    md = f"# fastsan benchmark report\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}; commit {m['commit']}; " \
+    md = f"# fastsan benchmark report\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}{idle_text(m)}; commit {m['commit']}; " \
          f"{'QUICK run' if m['quick'] else 'full run'}: {m['repetitions']} repetition(s) ({m.get('repetitions_matrix', m.get('repetitions_matrix_scaling', m['repetitions']))} for the matrix, {m.get('repetitions_scaling', m.get('repetitions_matrix_scaling', m['repetitions']))} for the scaling) of {m['seconds_per_point']} s " \
          f"per point after {m['ramp_seconds']} s warm-up, systems alternating; medians. Every number is in raw.json " \
          f"with the command that produced it. Total {r['elapsed_s']:.0f} s.\n\n"

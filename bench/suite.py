@@ -16,6 +16,7 @@ and wirefloor (the loopback floor).
 """
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -39,6 +40,39 @@ TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+HALT_POLL = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+
+
+def idle_policy():
+    """How this machine's idle CPUs wait: the cpuidle driver and, under cpuidle-haltpoll (a virtual
+    machine's), how long an idle vCPU polls before it halts (`guest_halt_poll_ns`; None elsewhere).
+    A halted vCPU is woken through the hypervisor, which on this project's machines (halt polling 0
+    on the kernel command line) costs tens of microseconds per wake-up: QD1 latency and the idle
+    share of deep BRP loads follow it (docs/benchmarks.md, "Wake-ups are the machine's idle policy")."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+    ns = read(HALT_POLL)
+    return {"cpuidle": read("/sys/devices/system/cpu/cpuidle/current_driver"),
+            "halt_poll_ns": int(ns) if ns is not None and ns.isdigit() else None}
+
+
+def set_halt_poll(ns):
+    """Sets guest halt polling; returns the value it had."""
+    before = idle_policy()["halt_poll_ns"]
+    if before is None:
+        raise SystemExit(f"--halt-poll-ns: {HALT_POLL} is missing (no cpuidle-haltpoll on this machine)")
+    try:
+        with open(HALT_POLL, "w") as f:
+            f.write(str(ns))
+    except OSError as e:
+        raise SystemExit(f"--halt-poll-ns: cannot set {HALT_POLL}: {e} (needs root)")
+    return before
 
 
 def free_port():
@@ -313,12 +347,21 @@ def main():
                     help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
                     help="only the attach experiment: fio on fastsan attach --fuse vs nbdfuse over fastsan NBD and nbdkit")
+    ap.add_argument("--halt-poll-ns", type=int, metavar="NS",
+                    help="guest halt polling for this run (cpuidle-haltpoll's guest_halt_poll_ns, restored after; "
+                         "needs root): an idle vCPU polls up to NS before it halts, so that wake-ups stop going "
+                         "through the hypervisor. The report names the setting; the default leaves the machine as it is")
     ap.add_argument("--reps", type=int,
                     help="repetitions per point (default 3, 1 with --quick; the matrix and scaling curve keep theirs):"
                          " more tell smaller differences apart on a noisy host")
     args = ap.parse_args()
     if args.reps is not None and args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.halt_poll_ns is not None:
+        if args.halt_poll_ns < 0:
+            ap.error("--halt-poll-ns must be 0 or more")
+        atexit.register(set_halt_poll, set_halt_poll(args.halt_poll_ns))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restored on a kill too
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     out = args.out or os.path.join(ROOT, "bench", "results", stamp)
     os.makedirs(out, exist_ok=True)
@@ -338,7 +381,8 @@ def main():
                "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip(), "quick": args.quick,
                "seconds_per_point": run.secs, "ramp_seconds": run.ramp, "repetitions": reps,
-               "repetitions_matrix": wide_reps, "repetitions_scaling": scaling_reps}
+               "repetitions_matrix": wide_reps, "repetitions_scaling": scaling_reps,
+               "idle": dict(idle_policy(), set_for_run=args.halt_poll_ns is not None)}
     systems = start_systems(have)
     # Since 2026-11-25 (the runs before measured fastsan's and nbdkit's reads on fresh volumes).
     log("writing every volume whole once")
