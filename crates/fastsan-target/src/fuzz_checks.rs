@@ -84,10 +84,11 @@ pub fn nbd_handshake(data: &[u8]) {
 /// The NVMe/TCP front end, handshake then transmission, on a fresh
 /// subsystem with one enabled controller (id 1, 4 I/O queues granted, host
 /// [`NVME_HOST`]) so that inputs can join it as an I/O queue. The first
-/// byte chooses the security settings (see `access`); the rest is a host's
-/// bytes, fed in pieces. Decode must never panic. Returns how many items
-/// (requests and replies) decode gave, so the corpus can be checked to
-/// reach past the handshake.
+/// byte chooses the security settings (its high bits, see `access`) and the
+/// size of the pieces the rest comes in (its low four: [`nvme_pieces`]);
+/// the rest is a host's bytes. Decode must never panic. Returns how many
+/// items (requests and replies) decode gave, so the corpus can be checked
+/// to reach past the handshake.
 pub fn nvme(data: &[u8]) -> usize {
     use crate::frontend::nvme::{ConnectArgs, NvmeHandshake, Subsystem};
     use crate::frontend::{Decoded, Transmission};
@@ -116,17 +117,24 @@ pub fn nvme(data: &[u8]) -> usize {
     let mut hs = NvmeHandshake::new(sub.clone(), who);
     let mut out = Vec::new();
     let mut input = BytesMut::new();
+    let cut = nvme_pieces(data.first().copied().unwrap_or(0));
     let data = data.get(1..).unwrap_or_default();
-    let cut = data.first().map_or(1, |&b| (b as usize % 13) + 1);
     let (mut conn, mut items) = (None, 0);
     for piece in data.chunks(cut) {
         input.extend_from_slice(piece);
-        if conn.is_none() {
+        // As the driver does: after a step that took a message, another may
+        // be buffered already (a host that sends Connect right behind ICReq).
+        while conn.is_none() {
+            let before = input.len();
             match hs.advance(&mut input, &mut out) {
-                Ok(Step::Continue) => continue,
+                Ok(Step::Continue) if input.len() < before => {}
+                Ok(Step::Continue) => break,
                 Ok(Step::Done(c)) => conn = Some(c),
                 Ok(_) | Err(_) => return items,
             }
+        }
+        if conn.is_none() {
+            continue;
         }
         let c = conn.as_mut().expect("connected");
         loop {
@@ -138,6 +146,20 @@ pub fn nvme(data: &[u8]) -> usize {
         }
     }
     items
+}
+
+/// The size of the pieces [`nvme`] feeds, from the low four bits of its
+/// first byte: 0, one byte at a time (each PDU framed alone, as the seeds
+/// were written); 1 to 14, 2 to 16 KiB (several PDUs, or a PDU and the start
+/// of the next, in the buffer at once); 15, all at once. (Until 2026-11-28
+/// the size came from the host's first byte, which every ICReq starts with
+/// 0: every input that got past the handshake came one byte at a time.)
+pub fn nvme_pieces(selector: u8) -> usize {
+    match selector & 0x0f {
+        0 => 1,
+        15 => usize::MAX,
+        n => 1 << n,
+    }
 }
 
 /// The subsystem and host of [`nvme`].
