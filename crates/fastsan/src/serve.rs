@@ -156,6 +156,27 @@ pub struct Args {
 }
 
 /// A duration given in seconds: more than 0, at most an hour.
+/// Where a virtual machine's cpuidle-haltpoll says how long an idle vCPU
+/// polls before it halts.
+const HALT_POLL: &str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns";
+
+/// What to tell the operator of a virtual machine whose idle vCPUs halt at
+/// once (guest halt polling 0, read from `path`): every thread that sleeps
+/// is woken through the hypervisor, tens of microseconds on each request at
+/// low queue depths (on this project's test machines fio's 4K reads at QD1
+/// took 76-99 us instead of 20-23: docs/benchmarks.md, "Wake-ups are the
+/// machine's idle policy"). `None` elsewhere.
+fn idle_note(path: &str) -> Option<String> {
+    let ns = std::fs::read_to_string(path).ok()?;
+    (ns.trim() == "0").then(|| {
+        format!(
+            "idle vCPUs here halt without polling ({path} is 0): every wake-up goes through the \
+             hypervisor, which adds tens of microseconds to each request at low queue depths \
+             (README, \"On a virtual machine\")"
+        )
+    })
+}
+
 fn seconds(what: &str, s: f64) -> anyhow::Result<Duration> {
     anyhow::ensure!(s > 0.0 && s <= 3600.0, "{what} must be more than 0 and at most 3600 seconds (got {s})");
     Ok(Duration::from_secs_f64(s))
@@ -250,6 +271,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
 
     let brp_unix = c.brp_unix.clone();
     let server = Server::bind(c).await?;
+    if let Some(note) = idle_note(HALT_POLL) {
+        info!("{note}");
+    }
     let handle = server.handle();
     // The handlers are in place before the addresses are printed: a signal
     // sent as soon as a supervisor (or a test) sees them is a clean
@@ -280,4 +304,22 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     server.run().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_machine_whose_idle_vcpus_halt_at_once_gets_the_note() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("guest_halt_poll_ns");
+        let path = p.to_str().unwrap();
+        assert_eq!(idle_note(path), None, "no cpuidle-haltpoll: nothing to say");
+        std::fs::write(&p, "200000\n").unwrap();
+        assert_eq!(idle_note(path), None, "polling 200 us");
+        std::fs::write(&p, "0\n").unwrap();
+        let note = idle_note(path).expect("halting at once");
+        assert!(note.contains(path) && note.contains("hypervisor"), "{note}");
+    }
 }
