@@ -28,10 +28,13 @@ def _profile_module():
 # docs/benchmarks.md found (the section named in each). A run's own figures come first in the
 # report; these say what they have meant so far and what to try next.
 NEXT = {
-    "qd1": "At QD1 the latency is the sum of both sides' CPU per request plus the wake-ups between them; on a "
-           "host where a wake-up across CPUs is dear, fio's wake-up on each reply dominates (\"Busy polling at "
-           "QD1\", \"Waiting in the kernel at QD1\"). Next: keep the reply's wake-up on fio's CPU (a QD1 "
-           "connection served by a thread that blocks in recv on that CPU), measured side by side.",
+    "qd1": "At QD1 the latency is both sides' CPU per request plus the wake-ups between them, and what a "
+           "wake-up costs is the machine's idle policy (the report's first line): where a VM's idle vCPUs halt "
+           "at once, each wake-up goes through the hypervisor (fio QD1 reads on 2026-11-28: fastsan 76-99 us, "
+           "nbdkit 63-73), and where they poll 200 us first it is cheap (20-23 and 26-32 us; \"Wake-ups are "
+           "the machine's idle policy\"). Next: with polling off, keep the reply's wake-up on fio's CPU (a QD1 "
+           "connection served by a thread that blocks in recv on that CPU); with it on, fastsan's own CPU per "
+           "request (receive, decode, the copy, one writev), profiled.",
     "qd32-iops": "One fio connection at QD32: fio issues and completes every I/O on one thread, so its own CPU "
                  "per I/O bounds the IOPS (the bounds above; libnbd reads each reply with its own recv calls), "
                  "and the cores it shares with the target bound it again (\"What bounds QD32 on one "
@@ -45,8 +48,9 @@ NEXT = {
     "qd8x4": "Four connections at QD8: measured met in the last full runs; a miss here is new. Next: profile side "
              "by side with the last binary that met it (bench/ab.py OLD NEW 6 fio:RW:4x8).",
     "rate": "A paced client sends each request alone, so the target sleeps and is woken once per request; "
-            "nbdkit pays the same wake-up (\"What the rate-limited points cost\"). Next: only a cheaper wake-up "
-            "(the host's) or fewer of them (not possible while each request arrives alone) moves this.",
+            "nbdkit pays the same wake-up (\"What the rate-limited points cost\"), whose price is the machine's "
+            "idle policy (\"Wake-ups are the machine's idle policy\"). Next: only a cheaper wake-up (idle vCPUs "
+            "that poll) or fewer of them (not possible while each request arrives alone) moves this.",
     "brp128": "BRP at 128 requesters: client and target share the cores, so the ceiling is the cores over "
               "both sides' CPU per I/O (above). The target's largest share is the kernel's copy of each 4K read "
               "out of the volume into the socket: the volume is 1 GiB and cold, wirefloor's buffer is hot "
@@ -62,9 +66,11 @@ NEXT = {
     "honesty": "fastsan bench and fio disagree on nbdkit where the server sets the pace: the two clients do "
                "not measure the same thing (section 0). Next: compare their commands and their own CPU per "
                "I/O before reading any fastsan bench figure of this run.",
-    "frontends": "NVMe/TCP and NBD differ by ~1% of the target's cycles in their codecs (section 11); their ratio "
-                 "moves 10-20% between runs. Next: the profiles of both, side by side above, show any real "
-                 "difference; bench/ab.py with more rounds tells it from the spread.",
+    "frontends": "NVMe/TCP's codec costs the target ~40 ns per 4K I/O more than NBD's (decode and encode, of "
+                 "~2.5 us; bench/cost_by_symbol.py: \"NVMe/TCP and NBD per symbol\"), and the ratio of the two "
+                 "moves 10-20% between runs with the host (section 11). Next: shrink what NVMe/TCP's decode moves "
+                 "per command (its results are built and moved through the stack several times), then "
+                 "bench/ab.py with more rounds to tell a change from the spread.",
 }
 
 
