@@ -159,6 +159,13 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
         )
         .with_writer(std::io::stderr)
+        // A log nobody reads any more (the pipe's reader gone) is dropped
+        // quietly. By default the subscriber reports a failed write with
+        // `eprintln!`, to the same closed stderr, which panics: every task
+        // that logged died there, so a target whose log reader had gone
+        // dropped each connection at its first log line and never handled
+        // SIGTERM (tests/cli.rs, `output_to_a_closed_pipe_ends_quietly`).
+        .log_internal_errors(false)
         // Colour codes only for a terminal: not in log files and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

@@ -64,6 +64,29 @@ fn output_to_a_closed_pipe_ends_quietly() {
         assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // A target whose log reader has gone (`fastsan serve 2>&1 | tee log`,
+    // tee killed) goes on serving, and stops cleanly on SIGTERM.
+    let mut t = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:4M"]);
+    drop(t.child.stderr.take());
+    let dir = temp_dir("closed-log");
+    let (src, back) = (dir.join("src"), dir.join("back"));
+    let data = random_file(&src, 4 << 20);
+    for (from, to) in [(src.display().to_string(), t.url("v")), (t.url("v"), back.display().to_string())] {
+        let out = fastsan(&["cp", &from, &to]);
+        assert!(out.status.success(), "cp {from} {to}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(std::fs::read(&back).unwrap() == data, "the bytes written are the bytes read");
+    let pid = t.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-s", "TERM", &pid]).status().unwrap().success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = t.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "no exit after SIGTERM with its log's reader gone");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
 }
 
 #[test]
