@@ -376,7 +376,10 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                         }
                         Err(e) => {
                             if shared.errors.fetch_add(1, Relaxed) == 0 {
-                                eprintln!("fastsan bench: I/O error: {}", Chain(&e));
+                                // Not eprintln!: it panics when stderr's reader is gone.
+                                use std::io::Write as _;
+                                let _ =
+                                    writeln!(std::io::stderr(), "fastsan bench: I/O error: {}", Chain(&e));
                             }
                             tokio::time::sleep(Duration::from_millis(10)).await;
                             now = Instant::now();

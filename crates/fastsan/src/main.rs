@@ -200,7 +200,9 @@ fn main() -> std::process::ExitCode {
         // Whoever read the output stopped reading (`| head`): nothing to report.
         Err(e) if stdout_gone(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fastsan: error: {e:#}");
+            // Not eprintln!: a closed stderr would turn the exit code 1 into a panic's 101.
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "fastsan: error: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }

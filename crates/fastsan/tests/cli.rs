@@ -64,6 +64,16 @@ fn output_to_a_closed_pipe_ends_quietly() {
         assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // An error nobody reads is still exit code 1, not a panic's 101.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader); // gone before anything is written
+    let status = std::process::Command::new(common::BIN)
+        .args(["cp", "/nonexistent/file", "brp://127.0.0.1:1/v"])
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(1), "an error with stderr closed: {status:?}");
     // A target whose log reader has gone (`fastsan serve 2>&1 | tee log`,
     // tee killed) goes on serving, and stops cleanly on SIGTERM.
     let mut t = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:4M"]);
