@@ -86,16 +86,7 @@ fn output_to_a_closed_pipe_ends_quietly() {
         assert!(out.status.success(), "cp {from} {to}: {}", String::from_utf8_lossy(&out.stderr));
     }
     assert!(std::fs::read(&back).unwrap() == data, "the bytes written are the bytes read");
-    let pid = t.child.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-s", "TERM", &pid]).status().unwrap().success());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = t.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(std::time::Instant::now() < deadline, "no exit after SIGTERM with its log's reader gone");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    let (status, _) = t.signal("TERM");
     assert!(status.success(), "{status:?}");
 }
 

@@ -84,7 +84,8 @@ impl Served {
         format!("brp://{}/{vol}", self.addr)
     }
 
-    /// Sends a signal and waits for the exit; returns the status and stderr.
+    /// Sends a signal and waits for the exit; returns the status and stderr
+    /// (empty if the caller took it).
     pub fn signal(mut self, sig: &str) -> (std::process::ExitStatus, String) {
         let pid = self.child.id().to_string();
         assert!(Command::new("kill").args(["-s", sig, &pid]).status().unwrap().success());
@@ -97,7 +98,9 @@ impl Served {
             std::thread::sleep(Duration::from_millis(20));
         };
         let mut err = String::new();
-        self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        if let Some(mut e) = self.child.stderr.take() {
+            e.read_to_string(&mut err).unwrap();
+        }
         (status, err)
     }
 }
