@@ -375,6 +375,42 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         let bad_sgl = Host::write_cmd(1, 0, 8).with(|s| s.dptr = [0; 16]);
         assert!(!io.command(bad_sgl, &[]).status.is_success());
         assert!(io.command(bad_sgl, &[]).status.dnr);
+        // Descriptors that do not match the command: each its own status, no
+        // byte of them written, and the queue goes on.
+        let with_sgl = |c: Sqe, id: u8, addr: u64, length: u32| {
+            c.with(|s| s.dptr = SglDesc { addr, length, id }.encode())
+        };
+        let mut raw = |c: Sqe, data: &[u8]| {
+            let mut c = c;
+            io.cid = io.cid.wrapping_add(1);
+            c.cid = io.cid;
+            io.send(&Header::CapsuleCmd(c), 0, data);
+            io.complete(c.cid)
+        };
+        let read8 = sqe(0x02).with(|s| {
+            s.nsid = 1;
+            s.cdw10 = 8;
+        });
+        let (cqe, got) = raw(with_sgl(read8, sgl::DATA_BLOCK_OFFSET, 0, 512), &[0xee; 512]);
+        assert_eq!((sc(&cqe), got.len()), (status::INVALID_FIELD, 0), "a read carrying data");
+        let flush = sqe(0x00).with(|s| s.nsid = 1);
+        let (cqe, _) = raw(with_sgl(flush, sgl::DATA_BLOCK_OFFSET, 0, 512), &[0xee; 512]);
+        assert_eq!(sc(&cqe), status::INVALID_FIELD, "a flush carrying data");
+        let zeroes = sqe(0x08).with(|s| s.nsid = 1);
+        let (cqe, _) = raw(with_sgl(zeroes, sgl::DATA_BLOCK_OFFSET, 0, 512), &[0xee; 512]);
+        assert_eq!(sc(&cqe), status::INVALID_FIELD, "write zeroes carrying data");
+        let (cqe, _) = raw(with_sgl(read8, sgl::DATA_BLOCK_OFFSET, 0, 512), &[]);
+        assert_eq!(sc(&cqe), status::SGL_INVALID_TYPE, "a read to be sent in the capsule");
+        let w = Host::write_cmd(1, 8, 1);
+        let (cqe, _) = raw(with_sgl(w, sgl::DATA_BLOCK_OFFSET, 16, 512), &[0xee; 512]);
+        assert_eq!(sc(&cqe), status::SGL_INVALID_OFFSET, "in-capsule data past offset 0");
+        let (cqe, _) = raw(with_sgl(Host::write_cmd(1, 8, 2), sgl::DATA_BLOCK_OFFSET, 0, 1024), &[0xee; 512]);
+        assert_eq!(sc(&cqe), status::SGL_INVALID_DATA_LENGTH, "half the data the descriptor names");
+        let (cqe, _) = raw(with_sgl(w, sgl::TRANSPORT_DATA_BLOCK, 0, 512), &[0xee; 512]);
+        assert_eq!(sc(&cqe), status::INVALID_FIELD, "data to solicit sent in the capsule");
+        let (cqe, back) = io.read(1, 8, 2);
+        assert!(cqe.status.is_success());
+        assert_eq!(back, vec![0; 1024], "no refused command wrote");
         let (cqe, back) = io.read(1, 8, 1);
         assert!(cqe.status.is_success());
         assert_eq!(back, vec![0; 512]);

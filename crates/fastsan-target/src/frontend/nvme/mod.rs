@@ -820,13 +820,21 @@ impl NvmeConn {
             let meta = NvmeMeta { cid, answer: Answer::Io { write: write || kind == IoKind::Flush } };
             Decoded::Request { volume: sqe.nsid - 1, tag: cid as u64, meta, req }
         };
+        // Data in the capsule of a command that takes none (a read, a flush,
+        // write zeroes): refused, as Linux's nvmet does, not dropped unseen.
+        if !data.is_empty() && !matches!(sqe.opcode, 0x01 | 0x09) {
+            return Ok(Some(self.invalid(cid)));
+        }
         Ok(Some(match sqe.opcode {
             // Flush: nothing to do on a volume with nothing volatile.
             0x00 if !volume.caps().flush => self.done(cid, 0, 0, None),
             0x00 => on(IoKind::Flush, 0, 0, false, Bytes::new(), false),
             0x02 => {
                 let (offset, length) = range();
-                if d.id != sgl::TRANSPORT_DATA_BLOCK || d.length as u64 != length {
+                if d.id != sgl::TRANSPORT_DATA_BLOCK {
+                    return Ok(Some(self.local(cid, status::SGL_INVALID_TYPE, true)));
+                }
+                if d.length as u64 != length {
                     return Ok(Some(self.local(cid, status::SGL_INVALID_DATA_LENGTH, true)));
                 }
                 on(IoKind::Read, offset, length, false, Bytes::new(), false)
@@ -854,13 +862,23 @@ impl NvmeConn {
                 }
                 let write = (!dsm).then_some((offset, fua));
                 match d.id {
-                    sgl::DATA_BLOCK_OFFSET if d.addr == 0 && data.len() as u64 == length => {
+                    // In-capsule data: at offset 0 (where the PDU's data
+                    // starts), as long as the descriptor says.
+                    sgl::DATA_BLOCK_OFFSET if d.addr != 0 => {
+                        self.local(cid, status::SGL_INVALID_OFFSET, true)
+                    }
+                    sgl::DATA_BLOCK_OFFSET if data.len() as u64 != length => {
+                        self.local(cid, status::SGL_INVALID_DATA_LENGTH, true)
+                    }
+                    sgl::DATA_BLOCK_OFFSET => {
                         if !digest_ok {
                             return Ok(Some(self.local(cid, status::TRANSIENT_TRANSPORT_ERROR, false)));
                         }
                         self.written(cid, sqe.nsid, write, data)
                     }
-                    sgl::TRANSPORT_DATA_BLOCK if data.is_empty() => {
+                    // Data to be solicited (R2T) comes after, not in the capsule.
+                    sgl::TRANSPORT_DATA_BLOCK if !data.is_empty() => self.invalid(cid),
+                    sgl::TRANSPORT_DATA_BLOCK => {
                         return self.solicit(Solicited {
                             cid,
                             nsid: sqe.nsid,
