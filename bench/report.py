@@ -1,6 +1,7 @@
 """Turns the suite's results into report.md and PNG charts (used by suite.py)."""
 
 import os
+import statistics
 
 import misses
 
@@ -291,6 +292,54 @@ def frontend_checks(r):
     return checks
 
 
+def frontend_pairs(points):
+    """NVMe/TCP over NBD in each repetition of the front-end points (the two ran within seconds of
+    each other on one target): {point: {"iops": [...], "cpu": [...]}}, from a run's raw points."""
+    reps = {}
+    for e in points:
+        p = e.get("params") or {}
+        if e.get("experiment") != "frontends":
+            continue
+        # Runs before 2026-11-28 (eleventh session) did not record the point's label.
+        label = p.get("point") or (f"4K {p.get('rw')}, {p.get('connections')} x QD{p.get('qd')}"
+                                   + (", pinned apart" if p.get("pinned") else ""))
+        reps.setdefault(label, {}).setdefault(p.get("rep"), {})[e.get("system")] = e
+    out = {}
+    for label, by_rep in reps.items():
+        pairs = out.setdefault(label, {"iops": [], "cpu": []})
+        for rep in sorted(by_rep, key=lambda r: (r is None, r)):
+            nv, nb = by_rep[rep].get("NVMe/TCP"), by_rep[rep].get("NBD")
+            if not nv or not nb:
+                continue
+            for key, metric in (("iops", "iops"), ("cpu", "server_cpu_us_per_io")):
+                if nv.get(metric) and nb.get(metric):
+                    pairs[key].append(nv[metric] / nb[metric])
+    return {label: p for label, p in out.items() if p["iops"] or p["cpu"]}
+
+
+def pairs_text(pairs):
+    """Each front-end point's ratios repetition by repetition, and the median and range of all."""
+    if not pairs:
+        return ""
+    ratios = lambda xs: " ".join(f"{x:.2f}" for x in xs) or "-"  # noqa: E731
+    rows = [[label, ratios(p["iops"]), ratios(p["cpu"])] for label, p in pairs.items()]
+    out = "\nNVMe/TCP over NBD in each repetition (the two measured within seconds on the same target):\n\n"
+    out += table(["point", "IOPS, each repetition", "server CPU per I/O, each repetition"], rows)
+    return out + "\n" + pooled_text(pairs) + (" One pair moves by more than the few percent the goal turns on; "
+                                                "the median of all of them is the steadier figure.\n")
+
+
+def pooled_text(pairs):
+    """The median and range of every pair's ratio, IOPS and server CPU per I/O."""
+    pooled = []
+    for key, what in (("iops", "IOPS"), ("cpu", "server CPU per I/O")):
+        xs = [x for p in pairs.values() for x in p[key]]
+        if xs:
+            pooled.append(f"{what} {statistics.median(xs):.3f}x (from {min(xs):.2f}x to {max(xs):.2f}x)")
+    n = sum(len(p["iops"]) for p in pairs.values())
+    return f"All {n} pairs, NVMe/TCP over NBD: median " + "; ".join(pooled) + "."
+
+
 def frontends_table(r):
     """The same volume through BRP, NBD and NVMe/TCP, the same client."""
     t = r.get("frontends") or {}
@@ -303,6 +352,7 @@ def frontends_table(r):
                          f"{e.get('server_cpu_us_per_io', 0):.2f}"])
     out = table(["point", "front end", "IOPS", "mean us", "server CPU us/IO"], rows)
     out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
+    out += pairs_text(r.get("frontends_pairs") or {})
     return out + ("\nOne fastsan target, one 1 GiB memory volume, served at once over BRP, NBD and NVMe/TCP; the client "
                   "is fastsan bench for all three (one connection or I/O queue per job). BRP twice: with merging off (one "
                   "request per frame, as NBD and NVMe/TCP carry them, but also one writev per frame, where the NBD and "
@@ -504,3 +554,22 @@ def write(r, out):
         md += f"\n![{c}]({c})\n"
     with open(os.path.join(out, "report.md"), "w") as fh:
         fh.write(md)
+
+
+if __name__ == "__main__":
+    # `bench/report.py --pairs RUN_DIR...`: NVMe/TCP over NBD pooled over the front-end points of
+    # several runs (their raw.json), the steadier figure for issue 13's parity.
+    import json
+    import sys
+    if len(sys.argv) < 3 or sys.argv[1] != "--pairs":
+        sys.exit("usage: bench/report.py --pairs RUN_DIR... (bench/results/<run> directories)")
+    pooled = {}
+    for d in sys.argv[2:]:
+        with open(os.path.join(d, "raw.json")) as fh:
+            for label, p in frontend_pairs(json.load(fh)["points"]).items():
+                got = pooled.setdefault(label, {"iops": [], "cpu": []})
+                got["iops"] += p["iops"]
+                got["cpu"] += p["cpu"]
+    if not pooled:
+        sys.exit("no front-end points in those runs")
+    print(pairs_text(pooled))

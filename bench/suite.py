@@ -553,6 +553,9 @@ def main():
             s.stop()
     import report
 
+    if "frontends" in results:
+        results["frontends_pairs"] = report.frontend_pairs(raw)
+
     def save():
         results["elapsed_s"] = time.time() - t0
         with open(os.path.join(out, "raw.json"), "w") as f:
@@ -708,9 +711,11 @@ def frontends_experiment(run, reps):
                                           run.fastsan_bench(url, rw, "4k", qd, conns, merge=merge, connections=conns,
                                                             wrap=wrap), s.pid)
                            for name, (url, merge) in clients.items()}
-                    out[f"4K {rw}, {conns} x QD{qd}{suffix}"] = run_point(
+                    label = f"4K {rw}, {conns} x QD{qd}{suffix}"
+                    out[label] = run_point(
                         run, reps, "frontends",
-                        {"rw": rw, "bs": "4k", "connections": conns, "qd": qd, "pinned": bool(wrap)}, fns)
+                        {"rw": rw, "bs": "4k", "connections": conns, "qd": qd, "pinned": bool(wrap), "point": label},
+                        fns)
         return out
     finally:
         s.stop()

@@ -22,5 +22,35 @@ class IdlePolicy(unittest.TestCase):
         self.assertEqual(report.idle_text({"idle": {"cpuidle": None, "halt_poll_ns": None}}), "")
 
 
+def point(system, rep, iops, cpu, label="4K randread, 1 x QD32"):
+    return {"experiment": "frontends", "system": system, "iops": iops, "server_cpu_us_per_io": cpu,
+            "params": {"rw": "randread", "connections": 1, "qd": 32, "pinned": False, "rep": rep, "point": label}}
+
+
+class FrontendPairs(unittest.TestCase):
+    def test_each_repetition_pairs_nvme_with_nbd(self):
+        points = [point("NBD", 0, 100.0, 2.0), point("NVMe/TCP", 0, 90.0, 2.2), point("BRP (adaptive)", 0, 300.0, 1.0),
+                  point("NVMe/TCP", 1, 110.0, 1.8), point("NBD", 1, 100.0, 2.0),
+                  point("NBD", 2, 100.0, 2.0),  # NVMe/TCP failed this repetition: no pair
+                  {"experiment": "qd32", "system": "NBD", "iops": 1.0, "params": {"rep": 0}}]
+        pairs = report.frontend_pairs(points)
+        self.assertEqual(list(pairs), ["4K randread, 1 x QD32"])
+        self.assertEqual([round(x, 3) for x in pairs["4K randread, 1 x QD32"]["iops"]], [0.9, 1.1])
+        self.assertEqual([round(x, 3) for x in pairs["4K randread, 1 x QD32"]["cpu"]], [1.1, 0.9])
+        text = report.pairs_text(pairs)
+        self.assertIn("| 4K randread, 1 x QD32 | 0.90 1.10 | 1.10 0.90 |", text)
+        self.assertIn("All 2 pairs, NVMe/TCP over NBD: median IOPS 1.000x (from 0.90x to 1.10x)", text)
+
+    def test_older_runs_without_the_label_and_runs_without_the_point(self):
+        p = point("NBD", 0, 100.0, 2.0)
+        q = point("NVMe/TCP", 0, 97.0, 2.1)
+        for e in (p, q):
+            del e["params"]["point"]
+            e["params"]["pinned"] = True
+        self.assertEqual(list(report.frontend_pairs([p, q])), ["4K randread, 1 x QD32, pinned apart"])
+        self.assertEqual(report.frontend_pairs([]), {})
+        self.assertEqual(report.pairs_text({}), "")
+
+
 if __name__ == "__main__":
     unittest.main()
