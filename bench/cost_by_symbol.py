@@ -16,7 +16,6 @@ import argparse
 import collections
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 
@@ -29,15 +28,9 @@ HZ = 10000  # profile.record's sampling rate
 
 def samples(perf_data):
     """Samples per (dso, symbol) of a recording."""
-    rep = subprocess.run(["perf", "report", "-i", perf_data, "--no-children", "-n", "--sort", "dso,sym",
-                          "--stdio", "-q"], capture_output=True, text=True, check=True).stdout
     out = collections.Counter()
-    for line in rep.splitlines():
-        parts = line.split()
-        # "  12.34%  5678  [kernel.kallsyms]  [k] symbol name ..."
-        if len(parts) < 5 or not parts[0].endswith("%") or not parts[1].isdigit():
-            continue
-        out[(parts[2], " ".join(parts[4:]))] += int(parts[1])
+    for n, dso, sym in P.symbols(perf_data, counts=True):
+        out[(dso, sym)] += n
     return out
 
 

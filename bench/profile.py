@@ -126,19 +126,22 @@ def record(binary, target, protocol, load, seconds, out, graph="fp", client=Fals
     return {"command": " ".join(cmd), "iops": iops, "lat_mean_us": lat, "perf_data": data}
 
 
-def symbols(perf_data):
-    """The flat profile: (percent of samples, dso, symbol), hottest first."""
+def symbols(perf_data, counts=False):
+    """The flat profile: (percent of samples, dso, symbol), hottest first; with `counts`, the number
+    of samples instead of the percentage (bench/cost_by_symbol.py turns them into ns per I/O)."""
     out = subprocess.run(["perf", "report", "-i", perf_data, "--no-children", "--sort", "dso,sym", "--stdio",
-                          "-g", "none"], capture_output=True, text=True, timeout=300).stdout
-    return parse_symbols(out)
+                          "-g", "none"] + (["-n"] if counts else []), capture_output=True, text=True,
+                         timeout=300).stdout
+    return parse_symbols(out, counts)
 
 
-def parse_symbols(text):
+def parse_symbols(text, counts=False):
+    """perf report's lines "  12.34%  dso  [k] symbol", or with -n "  12.34%  5678  dso  [k] symbol"."""
     rows = []
     for line in text.splitlines():
-        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*\S)", line)
-        if m:
-            rows.append((float(m.group(1)), m.group(2), m.group(3)))
+        m = re.match(r"\s*([\d.]+)%\s+(?:(\d+)\s+)?(\S+)\s+\[[.k]\]\s+(.*\S)", line)
+        if m and (m.group(2) is not None) == counts:
+            rows.append((int(m.group(2)) if counts else float(m.group(1)), m.group(3), m.group(4)))
     return rows
 
 

@@ -227,6 +227,14 @@ class Grouping(unittest.TestCase):
         rows = PROFILE.parse_symbols(text)
         self.assertEqual(len(rows), 15)
         self.assertEqual(rows[0], (34.3, "[kernel.kallsyms]", "_copy_from_iter"))
+        # With perf report -n: the sample counts (bench/cost_by_symbol.py), not the shares.
+        counted = "\n".join(["    34.30%   5678  [kernel.kallsyms]  [k] _copy_from_iter",
+                              "     0.30%     50  fastsan            [.] <fastsan_target::frontend::nbd::NbdConn as Transmission>::decode"])
+        self.assertEqual(PROFILE.parse_symbols(counted, counts=True),
+                         [(5678, "[kernel.kallsyms]", "_copy_from_iter"),
+                          (50, "fastsan", "<fastsan_target::frontend::nbd::NbdConn as Transmission>::decode")])
+        self.assertEqual(PROFILE.parse_symbols(counted), [], "counts are not read as shares")
+        self.assertEqual(PROFILE.parse_symbols(text, counts=True), [])
         got = dict(PROFILE.groups(rows))
         self.assertAlmostEqual(got["copying data between the process and the kernel"], 34.3 + 0.55)
         self.assertAlmostEqual(got["sleeping and waking (scheduler, timers, locks)"], 7.0)
