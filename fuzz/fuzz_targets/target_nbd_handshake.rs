@@ -1,2 +1,4 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| fastsan_target::fuzz_checks::nbd_handshake(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    fastsan_target::fuzz_checks::nbd_handshake(data);
+});

@@ -30,20 +30,45 @@ fn catalog() -> Arc<Catalog> {
         .clone()
 }
 
-/// Feeds `data` in pieces whose sizes come from `data` itself.
-fn feed<H: Handshake>(mut hs: H, data: &[u8]) {
-    let mut out = Vec::new();
-    hs.start(&mut out);
+/// How a handshake fed in pieces ended, and every byte it answered: the
+/// same whatever the pieces its input came in (`tests/fuzz_corpus.rs`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Fed {
+    pub end: String,
+    pub sent: Vec<u8>,
+}
+
+/// Feeds `data` in pieces of `cut` bytes, and after each step that took a
+/// message asks again (as the driver does: the next may be buffered already).
+fn feed<H: Handshake>(mut hs: H, data: &[u8], cut: usize) -> Fed {
+    let mut sent = Vec::new();
+    hs.start(&mut sent);
     let mut input = BytesMut::new();
-    let cut = data.first().map_or(1, |&b| (b as usize % 13) + 1);
+    let end = |e: &str| e.to_string();
     for piece in data.chunks(cut) {
         input.extend_from_slice(piece);
-        let before = input.len();
-        match hs.advance(&mut input, &mut out) {
-            Ok(Step::Continue) => assert!(input.len() <= before),
-            Ok(_) | Err(_) => return,
+        loop {
+            let before = input.len();
+            let step = hs.advance(&mut input, &mut sent);
+            let end = match step {
+                Ok(Step::Continue) => {
+                    assert!(input.len() <= before, "a step that grew its input");
+                    if input.len() < before {
+                        continue;
+                    }
+                    break;
+                }
+                Ok(Step::Done(_)) => end("done"),
+                Ok(Step::Abort) => end("abort"),
+                Ok(Step::Refused(why)) => format!("refused: {why}"),
+                Ok(Step::AuthFailed(why)) => format!("authentication failed: {why}"),
+                Ok(Step::StartTls { replay }) => format!("tls (replay {replay})"),
+                Err(e) => format!("error: {e}"),
+            };
+            return Fed { end, sent };
         }
     }
+    Fed { end: end("more bytes needed"), sent }
 }
 
 /// Security settings chosen by a byte: a secret (0x80), grants (0x40),
@@ -60,8 +85,29 @@ fn access(b: u8) -> (Arc<Access>, Who) {
     (Arc::new(a), Who { local: b & 0x10 != 0, ..Default::default() })
 }
 
-/// The BRP handshake; the first byte chooses the security settings (see `access`).
-pub fn brp_handshake(data: &[u8]) {
+/// The BRP handshake; the first byte chooses the security settings (its high
+/// bits, see `access`) and the size of the pieces the rest comes in (its low
+/// four: [`pieces`]).
+pub fn brp_handshake(data: &[u8]) -> Fed {
+    same_whole(brp_handshake_in(data, pieces(data.first().copied().unwrap_or(0))), || {
+        brp_handshake_in(data, usize::MAX)
+    })
+}
+
+/// A handshake fed in pieces ends as it does fed whole, having answered as
+/// many bytes; but for TLS, whose start depends on what came behind it
+/// (plaintext buffered after NBD's STARTTLS is refused as an injection).
+fn same_whole(fed: Fed, whole: impl FnOnce() -> Fed) -> Fed {
+    let w = whole();
+    let tls = |f: &Fed| f.end.contains("tls") || f.end.contains("TLS");
+    if !tls(&fed) && !tls(&w) {
+        assert_eq!((&fed.end, fed.sent.len()), (&w.end, w.sent.len()), "in pieces and whole");
+    }
+    fed
+}
+
+/// [`brp_handshake`] in pieces of `cut` bytes.
+pub fn brp_handshake_in(data: &[u8], cut: usize) -> Fed {
     let (access, who) = access(data.first().copied().unwrap_or(0));
     let brp = Brp {
         catalog: catalog(),
@@ -72,20 +118,29 @@ pub fn brp_handshake(data: &[u8]) {
         instance: 1,
         boot: 1,
     };
-    feed(BrpHandshake::new(brp, who, [7; 32]), data.get(1..).unwrap_or_default());
+    feed(BrpHandshake::new(brp, who, [7; 32]), data.get(1..).unwrap_or_default(), cut)
 }
 
-/// The NBD handshake; the last byte chooses the security settings (see `access`).
-pub fn nbd_handshake(data: &[u8]) {
+/// The NBD handshake; the last byte (a client's own, also fed) chooses the
+/// security settings (its high bits, see `access`) and the size of the
+/// pieces (its low four: [`pieces`]).
+pub fn nbd_handshake(data: &[u8]) -> Fed {
+    same_whole(nbd_handshake_in(data, pieces(data.last().copied().unwrap_or(0))), || {
+        nbd_handshake_in(data, usize::MAX)
+    })
+}
+
+/// [`nbd_handshake`] in pieces of `cut` bytes.
+pub fn nbd_handshake_in(data: &[u8], cut: usize) -> Fed {
     let (access, who) = access(data.last().copied().unwrap_or(0));
-    feed(NbdHandshake::new(catalog(), access, who), data);
+    feed(NbdHandshake::new(catalog(), access, who), data, cut)
 }
 
 /// The NVMe/TCP front end, handshake then transmission, on a fresh
 /// subsystem with one enabled controller (id 1, 4 I/O queues granted, host
 /// [`NVME_HOST`]) so that inputs can join it as an I/O queue. The first
 /// byte chooses the security settings (its high bits, see `access`) and the
-/// size of the pieces the rest comes in (its low four: [`nvme_pieces`]);
+/// size of the pieces the rest comes in (its low four: [`pieces`]);
 /// the rest is a host's bytes. Decode must never panic. Returns how many
 /// items (requests and replies) decode gave, so the corpus can be checked
 /// to reach past the handshake.
@@ -117,7 +172,7 @@ pub fn nvme(data: &[u8]) -> usize {
     let mut hs = NvmeHandshake::new(sub.clone(), who);
     let mut out = Vec::new();
     let mut input = BytesMut::new();
-    let cut = nvme_pieces(data.first().copied().unwrap_or(0));
+    let cut = pieces(data.first().copied().unwrap_or(0));
     let data = data.get(1..).unwrap_or_default();
     let (mut conn, mut items) = (None, 0);
     for piece in data.chunks(cut) {
@@ -148,13 +203,13 @@ pub fn nvme(data: &[u8]) -> usize {
     items
 }
 
-/// The size of the pieces [`nvme`] feeds, from the low four bits of its
-/// first byte: 0, one byte at a time (each PDU framed alone, as the seeds
+/// The size of the pieces the checks feed ([`nvme`], [`brp_handshake`],
+/// [`nbd_handshake`]), from the low four bits of their selector byte: 0, one byte at a time (each PDU framed alone, as the seeds
 /// were written); 1 to 14, 2 to 16 KiB (several PDUs, or a PDU and the start
 /// of the next, in the buffer at once); 15, all at once. (Until 2026-11-28
 /// the size came from the host's first byte, which every ICReq starts with
 /// 0: every input that got past the handshake came one byte at a time.)
-pub fn nvme_pieces(selector: u8) -> usize {
+pub fn pieces(selector: u8) -> usize {
     match selector & 0x0f {
         0 => 1,
         15 => usize::MAX,

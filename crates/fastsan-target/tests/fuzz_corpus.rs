@@ -2,7 +2,15 @@
 //! every prefix of each file) through their checks, so CI guards them
 //! without a fuzzer.
 
+use fastsan_target::fuzz_checks::{
+    brp_handshake, brp_handshake_in, nbd_handshake, nbd_handshake_in, pieces, Fed,
+};
 use std::path::Path;
+
+/// Seeds that are whole handshakes, of each protocol's corpus (the others
+/// end at a refusal, a failed authentication or TLS, or want more bytes).
+const BRP_FINISHED: usize = 4;
+const NBD_FINISHED: usize = 4;
 
 fn run(target: &str, check: fn(&[u8])) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(target);
@@ -18,14 +26,46 @@ fn run(target: &str, check: fn(&[u8])) {
     assert!(n > 0, "no corpus for {target}");
 }
 
+/// Every seed ends the same way, with as many bytes answered, whatever
+/// pieces it comes in (one byte at a time, several messages in one buffer,
+/// all at once); and the seeds that are whole handshakes finish. (As many,
+/// not the same: a BRP session's identifier is random.)
+fn same_in_any_pieces(target: &str, check: fn(&[u8], usize) -> Fed, finished: usize) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(target);
+    let mut done = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let whole = check(&bytes, usize::MAX);
+        for selector in 0..15u8 {
+            let size = pieces(selector);
+            let got = check(&bytes, size);
+            assert_eq!(
+                (&got.end, got.sent.len()),
+                (&whole.end, whole.sent.len()),
+                "{} in pieces of {size}",
+                path.display()
+            );
+        }
+        done += (whole.end == "done") as usize;
+    }
+    assert_eq!(done, finished, "{target}: seeds that finish their handshake");
+}
+
 #[test]
 fn brp_handshake_corpus() {
-    run("target_brp_handshake", fastsan_target::fuzz_checks::brp_handshake);
+    run("target_brp_handshake", |d| {
+        brp_handshake(d);
+    });
+    same_in_any_pieces("target_brp_handshake", brp_handshake_in, BRP_FINISHED);
 }
 
 #[test]
 fn nbd_handshake_corpus() {
-    run("target_nbd_handshake", fastsan_target::fuzz_checks::nbd_handshake);
+    run("target_nbd_handshake", |d| {
+        nbd_handshake(d);
+    });
+    same_in_any_pieces("target_nbd_handshake", nbd_handshake_in, NBD_FINISHED);
 }
 
 #[test]
@@ -42,9 +82,9 @@ fn nvme_corpus() {
     // which decode takes off the front in place.
     for (seed, want) in [("admin", 15), ("admin-digests", 15), ("io", 7), ("io-digests", 7)] {
         let mut bytes = std::fs::read(corpus.join(seed)).unwrap();
-        for pieces in 0..16u8 {
-            bytes[0] = bytes[0] & 0xf0 | pieces;
-            let size = fastsan_target::fuzz_checks::nvme_pieces(pieces);
+        for p in 0..16u8 {
+            bytes[0] = bytes[0] & 0xf0 | p;
+            let size = pieces(p);
             assert_eq!(fastsan_target::fuzz_checks::nvme(&bytes), want, "{seed} in pieces of {size}");
         }
     }
