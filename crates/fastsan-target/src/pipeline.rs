@@ -386,8 +386,8 @@ impl<E: Encoder> PoolJob<E> {
             let PoolJob { volume, mut op, stats, peer, logged, tx, reply, running } = self;
             let rest = op.split_off();
             let (tag, meta, kind, credit) = reply;
-            let at = Where { peer: &peer, volume: volume.name(), tag, kind };
-            let result = match (run(&volume, op, &stats, at, &logged), rest) {
+            let moves = op.moves();
+            let result = match (volume.execute_before_flush(op), rest) {
                 (Ok(_), Some(rest)) if !running.activity().is_abandoned() => {
                     let reply = (tag, meta, kind, credit);
                     let next = PoolJob::<E> { volume, op: rest, stats, peer, logged, tx, reply, running };
@@ -396,8 +396,24 @@ impl<E: Encoder> PoolJob<E> {
                 // Nobody will read the reply: the rest is not worth running
                 // (and a reconnect's fence would wait for it).
                 (Ok(_), Some(_)) => Err(Refusal::Device(crate::backend::BackendError::Io(libc::ECANCELED))),
-                (result, _) => result,
+                // The flush it owes: answered from whichever thread runs that
+                // flush, this one going on with other work meanwhile (a slow
+                // fsync holds one thread, not one per FLUSH and FUA write).
+                (Ok((outcome, true)), None) => {
+                    let v = volume.clone();
+                    volume.flush_then(Box::new(move |r| {
+                        let at = Where { peer: &peer, volume: v.name(), tag, kind };
+                        let result =
+                            account(r.map(|()| outcome).map_err(Refusal::from), moves, &stats, at, &logged);
+                        drop(running);
+                        let _ = tx.send(vec![Reply { tag, meta, result, _credit: Some(credit) }]);
+                    }));
+                    return None;
+                }
+                (result, _) => result.map(|(outcome, _)| outcome),
             };
+            let at = Where { peer: &peer, volume: volume.name(), tag, kind };
+            let result = account(result, moves, &stats, at, &logged);
             drop(running);
             let _ = tx.send(vec![Reply { tag, meta, result, _credit: Some(credit) }]);
             None
@@ -692,11 +708,21 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
     }
 }
 
-/// Runs a validated op on the device and accounts for it: the bytes it
-/// moved, or the failure, counted and logged.
+/// Runs a validated op on the device, its flush too, and accounts for it.
 fn run(volume: &Volume, op: Op, stats: &Stats, at: Where<'_>, logged: &Logged) -> Result<Outcome, Refusal> {
-    let (read, written) = op.moves();
-    let result = volume.execute(op);
+    let moves = op.moves();
+    account(volume.execute(op), moves, stats, at, logged)
+}
+
+/// Accounts for an op's result: the bytes it moved (`moves`: read, written),
+/// or the failure, counted and logged.
+fn account(
+    result: Result<Outcome, Refusal>,
+    (read, written): (u64, u64),
+    stats: &Stats,
+    at: Where<'_>,
+    logged: &Logged,
+) -> Result<Outcome, Refusal> {
     match &result {
         Ok(_) => {
             Stats::add(&stats.bytes_read, read);

@@ -1,7 +1,7 @@
 //! Data safety under faults, one test per failure found in review: a lost
 //! connection's write overtaking a newer one, a reply stream reused after a
 //! stalled write, a writeback error consumed by one client, a silent target,
-//! clients pinning memory, TRIM with FUA.
+//! clients pinning memory, TRIM with FUA, a slow fsync.
 
 mod common;
 
@@ -170,6 +170,62 @@ async fn a_failed_flush_fails_every_later_flush_for_every_client() {
     // Shutdown cannot flush either, and says so.
     let e = srv.stop_result().await.expect_err("a failed flush at shutdown is an error");
     assert!(e.to_string().contains("could not flush volume(s) v"), "{e}");
+}
+
+/// A slow fsync holds one of its volume's I/O threads however many FLUSH
+/// and FUA writes wait for it (until 2026-11-28 each waiter held one, and
+/// with as many waiters as threads the volume's reads stopped too): a
+/// bystander's read and write go on, and once the fsync returns every
+/// waiter is answered, those that arrived during it by one flush they share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_fsync_holds_one_thread_not_one_per_waiter() {
+    let (srv, _dir) = file_volume_with_faults("slowsync", "none", |c| c.io_threads = 2).await;
+    let (mut by, _) = Raw::open(srv.addr, "v").await;
+    by.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &pattern(3, 0, 4096)).await;
+    assert_eq!(by.reply().await.0.status, Status::OK);
+    let flushes = srv.handle.volume_stats("v").unwrap().flushes;
+    srv.handle.faults("v").unwrap().add(FaultRule::new(FaultOps::FLUSH, Effect::Stall));
+    // Six clients wait for durability, three times the volume's threads:
+    // the first FLUSH stalls in the device, the others arrive behind it.
+    let mut waiters = Vec::new();
+    for i in 0..6u64 {
+        let (mut c, _) = Raw::open(srv.addr, "v").await;
+        if i % 2 == 0 {
+            c.request(RequestHeader::new(Command::Flush, 0, 10 + i, 0, 0), &[]).await;
+        } else {
+            let at = (1 + i) * 4096;
+            c.request(RequestHeader::new(Command::Write, FLAG_FUA, 10 + i, at, 4096), &pattern(i, at, 4096))
+                .await;
+        }
+        waiters.push(c);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The bystander is served meanwhile.
+    let t = Instant::now();
+    by.request(RequestHeader::new(Command::Read, 0, 2, 0, 4096), &[]).await;
+    let (r, d) = tokio::time::timeout(Duration::from_secs(5), by.reply())
+        .await
+        .expect("a read waited for a stalled fsync it does not need");
+    assert_eq!((r.status, d), (Status::OK, pattern(3, 0, 4096)));
+    by.request(RequestHeader::new(Command::Write, 0, 3, 64 << 10, 4096), &[9; 4096]).await;
+    let r =
+        tokio::time::timeout(Duration::from_secs(5), by.reply()).await.expect("a write waited for the fsync");
+    assert_eq!(r.0.status, Status::OK);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // The fsync returns: every waiter is answered, by two flushes in all.
+    srv.handle.faults("v").unwrap().clear();
+    for (i, c) in waiters.iter_mut().enumerate() {
+        let (r, _) = c.reply().await;
+        assert_eq!((r.tag, r.status), (10 + i as u64, Status::OK));
+    }
+    let ran = srv.handle.volume_stats("v").unwrap().flushes - flushes;
+    assert!((1..=2).contains(&ran), "the waiters shared flushes: {ran} ran for six");
+    for i in (1..6u64).step_by(2) {
+        let at = (1 + i) * 4096;
+        by.request(RequestHeader::new(Command::Read, 0, 20 + i, at, 4096), &[]).await;
+        assert_eq!(by.reply().await.1, pattern(i, at, 4096), "FUA write {i} landed");
+    }
+    srv.stop().await;
 }
 
 /// Finding 8: TRIM with FUA over NBD is durable before its reply: the flush

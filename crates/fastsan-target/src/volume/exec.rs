@@ -26,76 +26,85 @@ pub enum Outcome {
 }
 
 impl Volume {
-    /// Runs a validated operation. FUA is a write followed by a flush where
-    /// the volume can flush (a TRIM with FUA always is one); a volume that cannot map its extents
-    /// reports its range as one allocated extent.
+    /// Runs a validated operation, waiting for the flush it needs, if any
+    /// (see [`Volume::execute_before_flush`]).
     pub fn execute(&self, op: Op) -> Result<Outcome, Refusal> {
+        let (outcome, flush) = self.execute_before_flush(op)?;
+        if flush {
+            self.flush()?;
+        }
+        Ok(outcome)
+    }
+
+    /// Runs a validated operation up to the flush that makes it durable,
+    /// and says whether that flush is still owed ([`Volume::flush_then`]):
+    /// a FLUSH is nothing but that flush, and FUA is a write followed by
+    /// one where the volume can flush (a TRIM with FUA always is one). A
+    /// volume that cannot map its extents reports its range as one
+    /// allocated extent.
+    pub fn execute_before_flush(&self, op: Op) -> Result<(Outcome, bool), Refusal> {
         let b = &*self.backend;
         let done = Outcome::Done;
-        Ok(match op.kind {
-            OpKind::Read { offset, len } if len >= SHARE_READS_FROM && self.caps.share_reads => {
-                Outcome::Data(b.read_shared(offset, len.into())?)
-            }
-            OpKind::Read { offset, len } => {
-                let mut buf = PooledBuf::take(len as usize);
-                b.read_at(buf.as_mut(), offset)?;
-                Outcome::Data(Bytes::from_owner(buf).into())
-            }
-            OpKind::Write { offset, data, fua: false } => {
-                b.write_at(&data, offset, false)?;
-                done
-            }
-            // FUA: the write, then a flush, so that a failed write (ENOSPC)
-            // is told apart from a failed writeback (latched by `Volume::flush`).
-            OpKind::Write { offset, data, fua: true } if self.caps.flush => {
-                b.write_at(&data, offset, false)?;
-                self.flush()?;
-                done
-            }
-            OpKind::Write { offset, data, fua: true } => {
-                self.durable(|| b.write_at(&data, offset, true))?;
-                done
-            }
-            OpKind::Flush => {
-                self.flush()?;
-                done
-            }
-            OpKind::Trim { offset, len, fua } => {
-                b.trim(offset, len)?;
-                if fua {
-                    self.flush()?;
+        let flushed = |outcome| Ok((outcome, true));
+        Ok((
+            match op.kind {
+                OpKind::Read { offset, len } if len >= SHARE_READS_FROM && self.caps.share_reads => {
+                    Outcome::Data(b.read_shared(offset, len.into())?)
                 }
-                done
-            }
-            OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
-                flags.fua = false;
-                b.write_zeroes(offset, len, flags)?;
-                self.flush()?;
-                done
-            }
-            OpKind::WriteZeroes { offset, len, flags } if flags.fua => {
-                self.durable(|| b.write_zeroes(offset, len, flags))?;
-                done
-            }
-            OpKind::WriteZeroes { offset, len, flags } => {
-                b.write_zeroes(offset, len, flags)?;
-                done
-            }
-            OpKind::Cache { offset, len } => {
-                b.cache(offset, len)?;
-                done
-            }
-            OpKind::BlockStatus { offset, len, one } => {
-                let mut e = if self.caps.extents {
-                    b.extents(offset, len)?
-                } else {
-                    vec![Extent { len, hole: false }]
-                };
-                if one {
-                    e.truncate(1);
+                OpKind::Read { offset, len } => {
+                    let mut buf = PooledBuf::take(len as usize);
+                    b.read_at(buf.as_mut(), offset)?;
+                    Outcome::Data(Bytes::from_owner(buf).into())
                 }
-                Outcome::Extents(e)
-            }
-        })
+                OpKind::Write { offset, data, fua: false } => {
+                    b.write_at(&data, offset, false)?;
+                    done
+                }
+                // FUA: the write, then a flush, so that a failed write (ENOSPC)
+                // is told apart from a failed writeback (latched by `Volume::flush`).
+                OpKind::Write { offset, data, fua: true } if self.caps.flush => {
+                    b.write_at(&data, offset, false)?;
+                    return flushed(done);
+                }
+                OpKind::Write { offset, data, fua: true } => {
+                    self.durable(|| b.write_at(&data, offset, true))?;
+                    done
+                }
+                OpKind::Flush => return flushed(done),
+                OpKind::Trim { offset, len, fua } => {
+                    b.trim(offset, len)?;
+                    return Ok((done, fua));
+                }
+                OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
+                    flags.fua = false;
+                    b.write_zeroes(offset, len, flags)?;
+                    return flushed(done);
+                }
+                OpKind::WriteZeroes { offset, len, flags } if flags.fua => {
+                    self.durable(|| b.write_zeroes(offset, len, flags))?;
+                    done
+                }
+                OpKind::WriteZeroes { offset, len, flags } => {
+                    b.write_zeroes(offset, len, flags)?;
+                    done
+                }
+                OpKind::Cache { offset, len } => {
+                    b.cache(offset, len)?;
+                    done
+                }
+                OpKind::BlockStatus { offset, len, one } => {
+                    let mut e = if self.caps.extents {
+                        b.extents(offset, len)?
+                    } else {
+                        vec![Extent { len, hole: false }]
+                    };
+                    if one {
+                        e.truncate(1);
+                    }
+                    Outcome::Extents(e)
+                }
+            },
+            false,
+        ))
     }
 }

@@ -58,18 +58,36 @@ impl std::fmt::Debug for Volume {
     }
 }
 
-/// Flushes in groups (see [`Volume::flush`]).
+/// What a caller of [`Volume::flush_then`] runs once its flush has ended.
+pub type FlushDone = Box<dyn FnOnce(Result<(), backend::BackendError>) + Send>;
+
+/// Flushes in groups (see [`Volume::flush_then`]).
 #[derive(Default)]
 struct Flusher {
     state: parking_lot::Mutex<FlushState>,
-    done: parking_lot::Condvar,
 }
 
 #[derive(Default)]
 struct FlushState {
-    /// Flushes started and finished so far (one runs while they differ).
-    started: u64,
-    completed: u64,
+    /// A thread runs flushes (and answers their callers): those who arrive
+    /// now wait in `waiting` for the next one, holding no thread.
+    busy: bool,
+    waiting: Vec<FlushDone>,
+}
+
+/// Frees the flusher if its thread unwinds (a backend's flush panicked), so
+/// that the next caller runs the flushes of those still waiting.
+struct Busy<'a> {
+    flusher: &'a Flusher,
+    armed: bool,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.flusher.state.lock().busy = false;
+        }
+    }
 }
 
 /// A request that passed [`Volume::validate`], ready for the device.
@@ -240,40 +258,70 @@ impl Volume {
         self.faults.as_ref()
     }
 
-    /// Makes every completed write durable: a flush of the backend, in a group: the calls that arrive while one
-    /// flush runs share the next one (the kernel would merge their journal
-    /// commits anyway), and none returns OK from a flush that started before
-    /// it arrived. Linux reports a writeback error once per open file, so
-    /// after one failure a later flush may succeed although the writes it
-    /// covered are lost: the first failure (whatever its errno) is latched
-    /// before anyone waiting is told, and every later FLUSH and FUA fails
-    /// too, for every client, until the volume is reopened.
+    /// Makes every completed write durable, waiting for it: [`Volume::flush_then`]
+    /// with a callback that wakes this thread.
     pub fn flush(&self) -> Result<(), backend::BackendError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.flush_then(Box::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        // Dropped unanswered only if the thread flushing for it panicked.
+        rx.recv().unwrap_or(Err(backend::BackendError::Io(libc::EIO)))
+    }
+
+    /// Makes every write completed before this call durable, then calls
+    /// `done` with the result: a flush of the backend, in a group. When no
+    /// flush runs, this thread runs one and answers its callers; then, as
+    /// long as callers arrived meanwhile, the next one, which they share
+    /// (the kernel would merge their journal commits anyway). A caller that
+    /// arrives while a flush runs returns at once and is answered from the
+    /// thread running it: a slow fsync holds one I/O thread however many
+    /// FLUSH and FUA writes wait for it, and the volume's reads and writes
+    /// go on in the others (until 2026-11-28 each waiter held a thread, and
+    /// enough of them stopped every read). None is answered OK by a flush
+    /// that started before it arrived.
+    ///
+    /// Linux reports a writeback error once per open file, so after one
+    /// failure a later flush may succeed although the writes it covered
+    /// are lost: the first failure (whatever its errno) is latched before
+    /// anyone waiting is told, and every later FLUSH and FUA fails too, for
+    /// every client, until the volume is reopened.
+    pub fn flush_then(&self, done: FlushDone) {
         let f = &self.flusher;
-        let mut st = f.state.lock();
-        // A flush already running may have started before this caller's writes completed.
-        let need = st.started + 1;
+        {
+            let mut st = f.state.lock();
+            st.waiting.push(done);
+            if st.busy {
+                return;
+            }
+            st.busy = true;
+        }
+        let mut busy = Busy { flusher: f, armed: true };
         loop {
-            if self.writeback_lost.load(SeqCst) {
-                return Err(backend::BackendError::WritebackLost);
-            }
-            if st.completed >= need {
-                return Ok(());
-            }
-            if st.started == st.completed {
-                // None runs now: this caller runs the next one.
-                st.started += 1;
-                let generation = st.started;
-                let r = parking_lot::MutexGuard::unlocked(&mut st, || self.backend.flush());
+            let group = {
+                let mut st = f.state.lock();
+                let group = std::mem::take(&mut st.waiting);
+                if group.is_empty() {
+                    // Under the lock that found nobody waiting: whoever comes
+                    // next finds the flusher free and runs it.
+                    st.busy = false;
+                    busy.armed = false;
+                    return;
+                }
+                group
+            };
+            let r = if self.writeback_lost.load(SeqCst) {
+                Err(backend::BackendError::WritebackLost)
+            } else {
+                let r = self.backend.flush();
                 if let Err(e) = &r {
                     self.latch(e);
                 }
-                st.completed = generation;
-                f.done.notify_all();
-                r?;
-                continue;
+                r
+            };
+            for done in group {
+                done(r);
             }
-            f.done.wait(&mut st);
         }
     }
 
