@@ -64,8 +64,24 @@ impl Queues {
 /// next; a channel of tokens (one per job queued) wakes the threads, so
 /// that idle threads park and wake as cheaply as on a plain channel.
 pub struct IoPool {
+    /// None once dropped: the threads finish what is queued, then exit.
+    handle: Option<PoolHandle>,
+}
+
+/// Queues jobs on a pool, also from its own jobs (a volume's flusher queues
+/// the next group's flush): the pool's threads live as long as a handle.
+#[derive(Clone)]
+pub struct PoolHandle {
     queues: Arc<Mutex<Queues>>,
-    tokens: Option<crossbeam_channel::Sender<()>>,
+    tokens: crossbeam_channel::Sender<()>,
+}
+
+impl PoolHandle {
+    /// Queues `job` as client `client`'s (a connection).
+    pub fn submit(&self, client: u64, job: Job) {
+        self.queues.lock().push(client, job);
+        let _ = self.tokens.send(());
+    }
 }
 
 impl IoPool {
@@ -100,28 +116,33 @@ impl IoPool {
                 })
                 .expect("spawn an I/O thread");
         }
-        IoPool { queues, tokens: Some(tx) }
+        IoPool { handle: Some(PoolHandle { queues, tokens: tx }) }
     }
 
     /// Queues `job` as client `client`'s (a connection).
     pub fn submit(&self, client: u64, job: Job) {
-        self.queues.lock().push(client, job);
-        if let Some(tx) = &self.tokens {
-            let _ = tx.send(());
+        if let Some(h) = &self.handle {
+            h.submit(client, job);
         }
+    }
+
+    /// A handle that queues jobs here.
+    pub fn handle(&self) -> Option<PoolHandle> {
+        self.handle.clone()
     }
 
     /// Jobs waiting (not running), all clients together.
     pub fn queued(&self) -> usize {
-        self.queues.lock().jobs.values().map(VecDeque::len).sum()
+        self.handle.as_ref().map_or(0, |h| h.queues.lock().jobs.values().map(VecDeque::len).sum())
     }
 }
 
 impl Drop for IoPool {
-    /// The threads finish what is queued, then exit. They are not joined: a
-    /// job may hold the last reference to the volume that owns this pool.
+    /// The threads finish what is queued, then exit (once no handle is
+    /// left either). They are not joined: a job may hold the last
+    /// reference to the volume that owns this pool.
     fn drop(&mut self) {
-        self.tokens = None;
+        self.handle = None;
     }
 }
 

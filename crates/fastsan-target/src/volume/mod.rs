@@ -5,8 +5,10 @@
 //! device) takes nothing but an [`Op`]: validation cannot be bypassed.
 
 mod exec;
+mod flush;
 
 pub use exec::Outcome;
+pub use flush::FlushDone;
 
 use crate::backend::{self, Backend, BlockSizes, Faults, VolumeStats, VolumeStatsSnapshot, ZeroFlags};
 use crate::config::VolumeSpec;
@@ -14,7 +16,6 @@ use crate::pool::IoPool;
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use bytes::Bytes;
 use std::io;
-use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
 /// What a volume can do, read once from its stack when it opens.
@@ -47,46 +48,13 @@ pub struct Volume {
     faults: Option<Faults>,
     /// Its own I/O threads, when its calls may block.
     pool: Option<IoPool>,
-    /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
-    writeback_lost: std::sync::atomic::AtomicBool,
-    flusher: Flusher,
+    /// Its flushes, in groups, and the latch of a failed one.
+    flusher: Arc<flush::Flusher>,
 }
 
 impl std::fmt::Debug for Volume {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Volume").field("name", &self.name).field("size", &self.size).finish()
-    }
-}
-
-/// What a caller of [`Volume::flush_then`] runs once its flush has ended.
-pub type FlushDone = Box<dyn FnOnce(Result<(), backend::BackendError>) + Send>;
-
-/// Flushes in groups (see [`Volume::flush_then`]).
-#[derive(Default)]
-struct Flusher {
-    state: parking_lot::Mutex<FlushState>,
-}
-
-#[derive(Default)]
-struct FlushState {
-    /// A thread runs flushes (and answers their callers): those who arrive
-    /// now wait in `waiting` for the next one, holding no thread.
-    busy: bool,
-    waiting: Vec<FlushDone>,
-}
-
-/// Frees the flusher if its thread unwinds (a backend's flush panicked), so
-/// that the next caller runs the flushes of those still waiting.
-struct Busy<'a> {
-    flusher: &'a Flusher,
-    armed: bool,
-}
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.flusher.state.lock().busy = false;
-        }
     }
 }
 
@@ -187,8 +155,12 @@ impl Volume {
             cache: b.can_cache(),
             share_reads: b.can_share_reads(),
         };
+        let pool = b.may_block().then(|| IoPool::new(io_threads, &name));
+        let flusher =
+            Arc::new(flush::Flusher::new(name.clone(), b.clone(), pool.as_ref().and_then(IoPool::handle)));
         Volume {
-            pool: b.may_block().then(|| IoPool::new(io_threads, &name)),
+            pool,
+            flusher,
             name,
             volatile: b.volatile(),
             generation: b.generation(),
@@ -201,8 +173,6 @@ impl Volume {
             caps,
             stats,
             faults,
-            writeback_lost: Default::default(),
-            flusher: Default::default(),
         }
     }
 
@@ -258,71 +228,17 @@ impl Volume {
         self.faults.as_ref()
     }
 
-    /// Makes every completed write durable, waiting for it: [`Volume::flush_then`]
-    /// with a callback that wakes this thread.
+    /// Makes every completed write durable, waiting for it (see [`Volume::flush_then`]).
     pub fn flush(&self) -> Result<(), backend::BackendError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.flush_then(Box::new(move |r| {
-            let _ = tx.send(r);
-        }));
-        // Dropped unanswered only if the thread flushing for it panicked.
-        rx.recv().unwrap_or(Err(backend::BackendError::Io(libc::EIO)))
+        self.flusher.wait()
     }
 
     /// Makes every write completed before this call durable, then calls
-    /// `done` with the result: a flush of the backend, in a group. When no
-    /// flush runs, this thread runs one and answers its callers; then, as
-    /// long as callers arrived meanwhile, the next one, which they share
-    /// (the kernel would merge their journal commits anyway). A caller that
-    /// arrives while a flush runs returns at once and is answered from the
-    /// thread running it: a slow fsync holds one I/O thread however many
-    /// FLUSH and FUA writes wait for it, and the volume's reads and writes
-    /// go on in the others (until 2026-11-28 each waiter held a thread, and
-    /// enough of them stopped every read). None is answered OK by a flush
-    /// that started before it arrived.
-    ///
-    /// Linux reports a writeback error once per open file, so after one
-    /// failure a later flush may succeed although the writes it covered
-    /// are lost: the first failure (whatever its errno) is latched before
-    /// anyone waiting is told, and every later FLUSH and FUA fails too, for
-    /// every client, until the volume is reopened.
+    /// `done` with the result, without waiting for it here: a flush of the
+    /// backend, in a group (see `flush.rs`). A failed flush is latched: every
+    /// later FLUSH and FUA fails too, until the volume is reopened.
     pub fn flush_then(&self, done: FlushDone) {
-        let f = &self.flusher;
-        {
-            let mut st = f.state.lock();
-            st.waiting.push(done);
-            if st.busy {
-                return;
-            }
-            st.busy = true;
-        }
-        let mut busy = Busy { flusher: f, armed: true };
-        loop {
-            let group = {
-                let mut st = f.state.lock();
-                let group = std::mem::take(&mut st.waiting);
-                if group.is_empty() {
-                    // Under the lock that found nobody waiting: whoever comes
-                    // next finds the flusher free and runs it.
-                    st.busy = false;
-                    busy.armed = false;
-                    return;
-                }
-                group
-            };
-            let r = if self.writeback_lost.load(SeqCst) {
-                Err(backend::BackendError::WritebackLost)
-            } else {
-                let r = self.backend.flush();
-                if let Err(e) = &r {
-                    self.latch(e);
-                }
-                r
-            };
-            for done in group {
-                done(r);
-            }
-        }
+        self.flusher.then(done)
     }
 
     /// Runs `f`, which promises durability by itself (a native FUA write on
@@ -331,24 +247,7 @@ impl Volume {
         &self,
         f: impl FnOnce() -> Result<(), backend::BackendError>,
     ) -> Result<(), backend::BackendError> {
-        if self.writeback_lost.load(SeqCst) {
-            return Err(backend::BackendError::WritebackLost);
-        }
-        let r = f();
-        if let Err(e) = &r {
-            self.latch(e);
-        }
-        r
-    }
-
-    fn latch(&self, e: &backend::BackendError) {
-        if !self.writeback_lost.swap(true, SeqCst) {
-            tracing::error!(
-                volume = self.name,
-                "flush failed ({e}): writes since the last good flush may be lost; \
-                 the volume now fails every FLUSH and FUA write until it is reopened"
-            );
-        }
+        self.flusher.durable(f)
     }
 
     /// Checks a decoded request against the volume (size, capabilities,
@@ -412,6 +311,7 @@ impl Volume {
 mod tests {
     use super::*;
     use crate::backend::{BackendError, MemoryBackend, ReadOnlyLayer};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 
     fn vol(read_only: bool) -> Volume {
         let mut b: Arc<dyn Backend> = Arc::new(MemoryBackend::new(1 << 20));
@@ -471,6 +371,94 @@ mod tests {
         }
         assert_eq!(v.flush(), Err(BackendError::WritebackLost), "and stays so");
         assert!(layer.calls.load(SeqCst) <= 2, "the later ones shared a flush: {}", layer.calls.load(SeqCst));
+    }
+
+    /// A store whose flushes take 50 ms; with `panics`, the first one panics.
+    struct Flaky {
+        next: Arc<dyn Backend>,
+        calls: std::sync::atomic::AtomicU32,
+        panics: bool,
+    }
+
+    impl backend::Layer for Flaky {
+        fn next(&self) -> &dyn Backend {
+            &*self.next
+        }
+        fn may_block(&self) -> bool {
+            true // a volume with an I/O pool
+        }
+        fn flush(&self) -> backend::Result<()> {
+            let n = self.calls.fetch_add(1, SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(!(self.panics && n == 0), "a backend's bug");
+            Ok(())
+        }
+    }
+
+    fn flaky(panics: bool) -> (Arc<Flaky>, Arc<Volume>) {
+        let next = Arc::new(MemoryBackend::new(1 << 20));
+        let layer = Arc::new(Flaky { next, calls: Default::default(), panics });
+        (layer.clone(), Arc::new(Volume::with_backend("v".into(), layer, 65536)))
+    }
+
+    /// Waits for `flush_then`'s answer, at most 5 s.
+    fn answer(v: &Volume) -> std::sync::mpsc::Receiver<backend::Result<()>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        v.flush_then(Box::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        rx
+    }
+
+    #[test]
+    fn a_flush_that_panics_fails_everyone_waiting_and_stays_failed() {
+        let (_, v) = flaky(true);
+        let a = std::thread::spawn({
+            let v = v.clone();
+            move || v.flush()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let later: Vec<_> = (0..4).map(|_| answer(&v)).collect();
+        assert!(a.join().is_err(), "the panic reaches the caller that ran the flush");
+        for rx in later {
+            let r = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("answered, not left waiting");
+            assert!(r.is_err(), "a flush that panicked may not have reached the device: {r:?}");
+        }
+        assert_eq!(v.flush(), Err(BackendError::WritebackLost), "latched");
+    }
+
+    #[test]
+    fn a_caller_that_waits_is_not_kept_flushing_for_others() {
+        let (layer, v) = flaky(false);
+        // One caller runs a flush and waits for it; others keep asking for
+        // flushes meanwhile (as other clients' FUA writes do).
+        let stop = Arc::new(AtomicBool::new(false));
+        let others = std::thread::spawn({
+            let (v, stop) = (v.clone(), stop.clone());
+            move || {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                let (mut answers, t) = (Vec::new(), std::time::Instant::now());
+                // Bounded: a caller kept flushing for others would otherwise wait forever.
+                while !stop.load(SeqCst) && t.elapsed() < std::time::Duration::from_secs(3) {
+                    answers.push(answer(&v));
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                answers
+            }
+        });
+        let t = std::time::Instant::now();
+        assert_eq!(v.flush(), Ok(()));
+        let waited = t.elapsed();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        stop.store(true, SeqCst);
+        let answers = others.join().unwrap();
+        // Its own flush (50 ms): not the flushes of everyone who kept coming
+        // after it.
+        assert!(waited < std::time::Duration::from_millis(450), "waited {waited:?}");
+        for rx in answers {
+            assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(5)), Ok(Ok(())));
+        }
+        assert!(layer.calls.load(SeqCst) >= 3, "flushes went on on the volume's own threads");
     }
 
     #[test]

@@ -1,0 +1,169 @@
+//! A volume's flushes, in groups (group commit), and the latch that keeps a
+//! failed one failed.
+//!
+//! A caller of [`Flusher::then`] is queued with a callback and returns at
+//! once. When no flush runs, the caller runs one and answers everyone it
+//! covered; those who arrived meanwhile share the next one, which runs as a
+//! job on the volume's I/O pool, queued like any other work (without a
+//! pool, on the same thread). So a slow fsync holds one thread however
+//! many FLUSH and FUA writes wait for it, the volume's reads and writes go
+//! on in the others (until 2026-11-28 each waiter held a pool thread, and
+//! enough of them stopped every read), and no thread flushes for others
+//! for long: a caller that waits for its own flush (a shutdown, a serial
+//! connection) is done once its group is. None is answered OK by a flush
+//! that started before it arrived.
+//!
+//! Linux reports a writeback error once per open file, so after one failure
+//! a later flush may succeed although the writes it covered are lost: the
+//! first failure (whatever its errno) is latched before anyone waiting is
+//! told, and every later FLUSH and FUA fails too, for every client, until
+//! the volume is reopened. A flush that panicked (a bug in a backend) is a
+//! failure too: whether it reached the device is unknown.
+
+use crate::backend::{Backend, BackendError};
+use crate::pool::{Job, PoolHandle};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::Arc;
+
+/// What a caller of [`Flusher::then`] runs once its flush has ended.
+pub type FlushDone = Box<dyn FnOnce(Result<(), BackendError>) + Send>;
+
+/// The fair queues' name for a volume's own flush jobs (connections count from 1).
+const FLUSHER: u64 = 0;
+
+pub struct Flusher {
+    name: String,
+    backend: Arc<dyn Backend>,
+    /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
+    writeback_lost: AtomicBool,
+    state: parking_lot::Mutex<State>,
+    /// Where the next group's flush runs; none: on the thread that ran the last.
+    pool: Option<PoolHandle>,
+}
+
+#[derive(Default)]
+struct State {
+    /// A flush runs, or is queued to run, for those in `waiting`: whoever
+    /// arrives now joins them.
+    busy: bool,
+    waiting: Vec<FlushDone>,
+}
+
+impl Flusher {
+    pub fn new(name: String, backend: Arc<dyn Backend>, pool: Option<PoolHandle>) -> Flusher {
+        Flusher { name, backend, writeback_lost: AtomicBool::new(false), state: Default::default(), pool }
+    }
+
+    /// Calls `done` once every write completed before this call is durable,
+    /// or with why it may not be.
+    pub fn then(self: &Arc<Self>, done: FlushDone) {
+        {
+            let mut st = self.state.lock();
+            st.waiting.push(done);
+            if st.busy {
+                return;
+            }
+            st.busy = true;
+        }
+        self.lead();
+    }
+
+    /// Waits for [`Flusher::then`].
+    pub fn wait(self: &Arc<Self>) -> Result<(), BackendError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.then(Box::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        // Every waiter is answered, also when a flush panics; should one
+        // ever be dropped unanswered, its flush failed.
+        rx.recv().unwrap_or(Err(BackendError::Io(libc::EIO)))
+    }
+
+    /// Flushes for everyone waiting and answers them; then leaves the next
+    /// group to a job on the pool (which finds out whether anyone came).
+    fn lead(self: &Arc<Self>) {
+        let mut busy = Busy { flusher: self, group: Vec::new().into_iter(), armed: true };
+        loop {
+            let group = {
+                let mut st = self.state.lock();
+                let group = std::mem::take(&mut st.waiting);
+                if group.is_empty() {
+                    // Under the lock that found nobody waiting: whoever comes
+                    // next finds the flusher free and leads.
+                    st.busy = false;
+                    busy.armed = false;
+                    return;
+                }
+                group
+            };
+            busy.group = group.into_iter();
+            let r = self.durable(|| self.backend.flush());
+            for done in busy.group.by_ref() {
+                done(r);
+            }
+            if let Some(pool) = &self.pool {
+                busy.armed = false;
+                let me = self.clone();
+                pool.submit(
+                    FLUSHER,
+                    Job::new(move || {
+                        me.lead();
+                        None
+                    }),
+                );
+                return;
+            }
+        }
+    }
+
+    /// Runs `f`, a flush or a call that promises durability by itself (a
+    /// native FUA write on a store that cannot flush), under the latch.
+    pub fn durable(&self, f: impl FnOnce() -> Result<(), BackendError>) -> Result<(), BackendError> {
+        if self.writeback_lost.load(SeqCst) {
+            return Err(BackendError::WritebackLost);
+        }
+        let r = f();
+        if let Err(e) = &r {
+            self.latch(e);
+        }
+        r
+    }
+
+    fn latch(&self, e: &BackendError) {
+        if !self.writeback_lost.swap(true, SeqCst) {
+            tracing::error!(
+                volume = self.name,
+                "flush failed ({e}): writes since the last good flush may be lost; \
+                 the volume now fails every FLUSH and FUA write until it is reopened"
+            );
+        }
+    }
+}
+
+/// The flush being led. If its thread unwinds (a backend's flush panicked),
+/// the flush counts as failed: latched, and everyone in its group and
+/// waiting behind it is told so, so that nobody waits for a leader gone.
+struct Busy<'a> {
+    flusher: &'a Flusher,
+    group: std::vec::IntoIter<FlushDone>,
+    armed: bool,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let f = self.flusher;
+        let failed = BackendError::Io(libc::EIO);
+        f.latch(&failed);
+        let waiting = {
+            let mut st = f.state.lock();
+            st.busy = false;
+            std::mem::take(&mut st.waiting)
+        };
+        for done in self.group.by_ref().chain(waiting) {
+            done(Err(failed));
+        }
+    }
+}
