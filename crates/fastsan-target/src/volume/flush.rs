@@ -71,16 +71,19 @@ impl Flusher {
     /// Waits for [`Flusher::then`].
     pub fn wait(self: &Arc<Self>) -> Result<(), BackendError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.then(Box::new(move |r| {
+        let done = Box::new(move |r| {
             let _ = tx.send(r);
-        }));
-        // Every waiter is answered, also when a flush panics; should one
-        // ever be dropped unanswered, its flush failed.
+        });
+        // A flush this thread led that panicked (a backend's bug) answered
+        // everyone, this caller too, with an error: a failed flush here, not
+        // a dead shutdown task (an NVMe controller left shutting down forever).
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.then(done)));
         rx.recv().unwrap_or(Err(BackendError::Io(libc::EIO)))
     }
 
     /// Flushes for everyone waiting and answers them; then leaves the next
-    /// group to a job on the pool (which finds out whether anyone came).
+    /// group, if anyone came meanwhile, to a job on the pool (without a
+    /// pool, flushes for it too).
     fn lead(self: &Arc<Self>) {
         let mut busy = Busy { flusher: self, group: Vec::new().into_iter(), armed: true };
         loop {
@@ -99,10 +102,18 @@ impl Flusher {
             busy.group = group.into_iter();
             let r = self.durable(|| self.backend.flush());
             for done in busy.group.by_ref() {
-                done(r);
+                answer(done, r);
             }
             if let Some(pool) = &self.pool {
                 busy.armed = false;
+                {
+                    let mut st = self.state.lock();
+                    if st.waiting.is_empty() {
+                        st.busy = false;
+                        return;
+                    }
+                }
+                // Still busy: those who arrive meanwhile join the job's group.
                 let me = self.clone();
                 pool.submit(
                     FLUSHER,
@@ -163,7 +174,16 @@ impl Drop for Busy<'_> {
             std::mem::take(&mut st.waiting)
         };
         for done in self.group.by_ref().chain(waiting) {
-            done(Err(failed));
+            answer(done, Err(failed));
         }
+    }
+}
+
+/// Answers one waiter. A waiter's callback that panics (a bug on the reply
+/// path) loses its own reply, nothing more: the flush is not failed for it,
+/// and the others are answered.
+fn answer(done: FlushDone, r: Result<(), BackendError>) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(r))).is_err() {
+        tracing::error!("answering a flush's waiter panicked; its request gets no reply");
     }
 }

@@ -419,12 +419,28 @@ mod tests {
         });
         std::thread::sleep(std::time::Duration::from_millis(10));
         let later: Vec<_> = (0..4).map(|_| answer(&v)).collect();
-        assert!(a.join().is_err(), "the panic reaches the caller that ran the flush");
+        assert_eq!(a.join().unwrap(), Err(BackendError::Io(libc::EIO)), "the caller that ran it is told");
         for rx in later {
             let r = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("answered, not left waiting");
             assert!(r.is_err(), "a flush that panicked may not have reached the device: {r:?}");
         }
         assert_eq!(v.flush(), Err(BackendError::WritebackLost), "latched");
+    }
+
+    #[test]
+    fn a_waiter_whose_answer_panics_fails_nothing_else() {
+        let (_, v) = flaky(false);
+        let a = std::thread::spawn({
+            let v = v.clone();
+            move || v.flush()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        // Both wait for the next flush; the first one's reply path panics.
+        v.flush_then(Box::new(|_| panic!("a bug on the reply path")));
+        let b = answer(&v);
+        assert_eq!(a.join().unwrap(), Ok(()));
+        assert_eq!(b.recv_timeout(std::time::Duration::from_secs(5)), Ok(Ok(())));
+        assert_eq!(v.flush(), Ok(()), "the volume's flushes are not failed for it");
     }
 
     #[test]
