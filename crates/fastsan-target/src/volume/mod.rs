@@ -410,14 +410,18 @@ mod tests {
         rx
     }
 
+    /// A flush on another thread, given 10 ms to start (it leads: the volume was idle).
+    fn leading(v: &Arc<Volume>) -> std::thread::JoinHandle<backend::Result<()>> {
+        let v = v.clone();
+        let a = std::thread::spawn(move || v.flush());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        a
+    }
+
     #[test]
     fn a_flush_that_panics_fails_everyone_waiting_and_stays_failed() {
         let (_, v) = flaky(true);
-        let a = std::thread::spawn({
-            let v = v.clone();
-            move || v.flush()
-        });
-        std::thread::sleep(std::time::Duration::from_millis(10));
+        let a = leading(&v);
         let later: Vec<_> = (0..4).map(|_| answer(&v)).collect();
         assert_eq!(a.join().unwrap(), Err(BackendError::Io(libc::EIO)), "the caller that ran it is told");
         for rx in later {
@@ -430,11 +434,7 @@ mod tests {
     #[test]
     fn a_waiter_whose_answer_panics_fails_nothing_else() {
         let (_, v) = flaky(false);
-        let a = std::thread::spawn({
-            let v = v.clone();
-            move || v.flush()
-        });
-        std::thread::sleep(std::time::Duration::from_millis(10));
+        let a = leading(&v);
         // Both wait for the next flush; the first one's reply path panics.
         v.flush_then(Box::new(|_| panic!("a bug on the reply path")));
         let b = answer(&v);
