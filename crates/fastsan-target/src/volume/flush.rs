@@ -25,7 +25,7 @@ use crate::pool::{Job, PoolHandle};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 
-/// What a caller of [`Flusher::then`] runs once its flush has ended.
+/// What a caller of [`Volume::flush_then`](crate::volume::Volume::flush_then) runs once its flush has ended.
 pub type FlushDone = Box<dyn FnOnce(Result<(), BackendError>) + Send>;
 
 /// The fair queues' name for a volume's own flush jobs (connections count from 1).
