@@ -100,10 +100,13 @@ impl IoPool {
                     for () in rx {
                         let mut next = queues.lock().pop();
                         while let Some((client, job)) = next {
-                            // A job that panics (a bug) loses its reply, never the thread.
+                            // A job that panics (a bug) loses its reply, never the thread (a
+                            // flush job answers its waiters first: volume/flush.rs).
                             let rest = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job.0))
                                 .unwrap_or_else(|_| {
-                                    tracing::error!("an I/O job panicked; its request gets no reply");
+                                    tracing::error!(
+                                        "an I/O job panicked (a bug): the request it ran gets no reply"
+                                    );
                                     None
                                 });
                             next = rest.and_then(|rest| {
