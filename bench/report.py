@@ -292,6 +292,26 @@ def frontend_checks(r):
     return checks
 
 
+def durability_table(r):
+    """FLUSH-heavy writes to a file on disk: fastsan against nbdkit's file plugin."""
+    t = r.get("durability") or {}
+    if not t:
+        return "not measured\n"
+    rows = []
+    for label, p in t.items():
+        for n, e in p.items():
+            flush = e.get("flush_lat_mean_us")
+            rows.append([label, n, fmt(e.get("iops")), f"{flush:.0f}" if flush else "-",
+                         f"{e.get('server_cpu_us_per_io', 0):.2f}"])
+        fs, nk = p.get("fastsan", {}).get("iops"), p.get("nbdkit", {}).get("iops")
+        if fs and nk:
+            rows.append([label, "fastsan / nbdkit", f"{fs / nk:.2f}x", "", ""])
+    return table(["point", "system", "write IOPS", "mean FLUSH us", "server CPU us/IO"], rows) + (
+        "\nfio --ioengine=nbd, 4K random writes with a FLUSH after every 4 writes of each job (`--fsync=4`), to a "
+        "sparse 1 GiB file on this machine's disk (not tmpfs: each flush reaches the device), served by fastsan "
+        "(`file:` volume) and by nbdkit's file plugin. Server CPU is the target process's, per write.\n")
+
+
 def frontend_pairs(points):
     """NVMe/TCP over NBD in each repetition of the front-end points (the two ran within seconds of
     each other on one target): {point: {"iops": [...], "cpu": [...]}}, from a run's raw points."""
@@ -457,7 +477,7 @@ def idle_text(m):
 def write(r, out):
     m = r["machine"]
     for name, table_of in (("mirror", mirror_table), ("attach", attach_table), ("tls", tls_table),
-                           ("frontends", frontends_table)):
+                           ("frontends", frontends_table), ("durability", durability_table)):
         if "latency" not in r and name in r:  # one experiment alone
             md = f"# fastsan {name} benchmark\n\nMachine: {m['nproc']} cores, kernel {m['kernel']}{idle_text(m)}; commit {m['commit']}; " \
                  f"{m['repetitions']} repetition(s) of {m['seconds_per_point']} s per point, systems alternating; medians; " \
@@ -549,6 +569,7 @@ def write(r, out):
     md += "\n## 9. Mirroring: a 2-leg mirror vs one leg\n\n" + mirror_table(r)
     md += "\n## 10. TLS: BRP and NBD encrypted vs plaintext, and vs nbdkit --tls=require\n\n" + tls_table(r)
     md += "\n## 11. Front ends: one volume through BRP, NBD and NVMe/TCP\n\n" + frontends_table(r)
+    md += "\n## 12. Durability: FLUSH-heavy writes to a file on disk, fastsan vs nbdkit\n\n" + durability_table(r)
     md += missed_section(r)
     for c in charts(r, out):
         md += f"\n![{c}]({c})\n"

@@ -237,7 +237,7 @@ class Runner:
         self.raw.append(entry)
         return entry
 
-    def fio(self, uri_or_file, rw, bs, iodepth, jobs, rate=None, engine="nbd", direct=False):
+    def fio(self, uri_or_file, rw, bs, iodepth, jobs, rate=None, engine="nbd", direct=False, fsync=0):
         out = tempfile.mktemp(suffix=".json")
         cmd = ["fio", "--name=j", f"--ioengine={engine}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}",
                f"--numjobs={jobs}", "--group_reporting", "--time_based", f"--runtime={self.secs}",
@@ -252,6 +252,8 @@ class Runner:
             cmd.append(f"--rate_iops={rate // jobs}")
         if direct:
             cmd.append("--direct=1")
+        if fsync:
+            cmd.append(f"--fsync={fsync}")  # a FLUSH after every `fsync` writes of each job
         subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3)
         with open(out) as f:
             j = json.load(f)["jobs"][0]
@@ -268,6 +270,8 @@ class Runner:
                "client_cpu_us_per_io": cpu_us,
                "lat_p99_us": pct.get("99.000000", 0) / 1000, "ios": d["total_ios"],
                "ios_total": d["total_ios"] * (secs + self.ramp) / secs}
+        if fsync and j.get("sync", {}).get("lat_ns", {}).get("mean"):
+            res["flush_lat_mean_us"] = j["sync"]["lat_ns"]["mean"] / 1000
         return cmd, res
 
     def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN, extra=(),
@@ -343,6 +347,8 @@ def main():
                     help="only the mirror experiment: a 2-leg mirror vs one leg, dirty-region log optimized and naive")
     ap.add_argument("--tls", action="store_true",
                     help="only the TLS experiment: BRP and NBD over TLS vs plaintext, and NBD over TLS vs nbdkit --tls=require")
+    ap.add_argument("--durability", action="store_true",
+                    help="only the durability experiment: FLUSH-heavy writes to a file volume on disk, fastsan vs nbdkit's file plugin")
     ap.add_argument("--frontends", action="store_true",
                     help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
@@ -413,7 +419,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems and not args.attach and not args.mirror and not args.tls and not args.frontends:
+        if "nbdkit" in systems and not (args.attach or args.mirror or args.tls or args.frontends or args.durability):
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -441,6 +447,9 @@ def main():
             raise StopIteration
         if args.frontends:
             results["frontends"] = frontends_experiment(run, reps)
+            raise StopIteration
+        if args.durability:
+            results["durability"] = durability_experiment(run, reps, have)
             raise StopIteration
 
         # 1. Latency table: 4K random read and write at queue depth 1.
@@ -545,6 +554,9 @@ def main():
 
         # 10. The three front ends on one volume, one client.
         results["frontends"] = frontends_experiment(run, reps)
+
+        # 11. Durability: FLUSH-heavy writes to a file volume on disk.
+        results["durability"] = durability_experiment(run, reps, have)
     except StopIteration:
         pass
     finally:
@@ -658,6 +670,47 @@ def tls_experiment(run, reps, have):
             fns["fastsan TLS (BRP)"] = with_cpu(
                 lambda rw=rw, bs=bs, qd=qd: run.fastsan_bench(tls.brp_url, rw, bs, qd, 1, extra=creds), tls.pid)
             out[f"{bs.upper()} {rw} QD{qd}"] = run_point(run, reps, "tls", {"rw": rw, "bs": bs, "qd": qd}, fns)
+        return out
+    finally:
+        for s in systems.values():
+            s.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def durability_experiment(run, reps, have):
+    """Writes that ask for durability, where the device sets the pace: fastsan and nbdkit's file plugin
+    each serve a sparse 1 GiB file on this machine's disk (not tmpfs: a flush must reach the device), and
+    fio's NBD engine writes 4K at random with a FLUSH after every 4 writes, on 4 connections of queue
+    depth 16 and on one of queue depth 1. A FLUSH covers the writes before it, so this measures how
+    much a target keeps doing while its fsyncs run (fastsan: one I/O thread per running flush, its
+    waiters holding none, docs/faults.md)."""
+    if not have("nbdkit"):
+        log("durability: nbdkit is missing; skipped")
+        return {}
+    log("durability: FLUSH-heavy writes to a file volume on disk")
+    base = tempfile.mkdtemp(prefix="fastsan-bench-durability-", dir="/var/tmp")
+    systems = {}
+    try:
+        for name in ("fastsan", "nbdkit"):
+            path = os.path.join(base, f"{name}.img")
+            with open(path, "wb") as f:
+                f.truncate(VOLUME_SIZE)
+            p = free_port()
+            s = System(name, "fastsan" if name == "fastsan" else "nbd")
+            if name == "fastsan":
+                s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{free_port()}", "--nbd", f"127.0.0.1:{p}",
+                         "--volume", f"v=file:{path}"], p)
+                s.url = f"nbd://127.0.0.1:{p}/v"
+            else:
+                s.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "file", path], p)
+                s.url = f"nbd://127.0.0.1:{p}/"
+            systems[name] = s
+        out = {}
+        for label, qd, jobs in (("4 x QD16", 16, 4), ("1 x QD1", 1, 1)):
+            fns = {name: with_cpu(lambda s=s, qd=qd, jobs=jobs: run.fio(s.url, "randwrite", "4k", qd, jobs, fsync=4), s.pid)
+                   for name, s in systems.items()}
+            out[f"4K randwrite, a FLUSH every 4 writes, {label}"] = run_point(
+                run, reps, "durability", {"rw": "randwrite", "bs": "4k", "qd": qd, "jobs": jobs, "fsync": 4}, fns)
         return out
     finally:
         for s in systems.values():

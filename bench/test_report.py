@@ -52,5 +52,16 @@ class FrontendPairs(unittest.TestCase):
         self.assertEqual(report.pairs_text({}), "")
 
 
+class Durability(unittest.TestCase):
+    def test_flush_latency_and_the_ratio_to_nbdkit(self):
+        point = "4K randwrite, a FLUSH every 4 writes, 4 x QD16"
+        r = {"durability": {point: {"fastsan": {"iops": 30000.0, "flush_lat_mean_us": 1600.0, "server_cpu_us_per_io": 9.5},
+                                    "nbdkit": {"iops": 20000.0, "flush_lat_mean_us": 2500.0, "server_cpu_us_per_io": 12.0}}}}
+        text = report.durability_table(r)
+        self.assertIn(f"| {point} | fastsan | 30 K | 1600 | 9.50 |", text)
+        self.assertIn(f"| {point} | fastsan / nbdkit | 1.50x |  |  |", text)
+        self.assertEqual(report.durability_table({}), "not measured\n")
+
+
 if __name__ == "__main__":
     unittest.main()
