@@ -44,7 +44,6 @@ fn feed<H: Handshake>(mut hs: H, data: &[u8], cut: usize) -> Fed {
     let mut sent = Vec::new();
     hs.start(&mut sent);
     let mut input = BytesMut::new();
-    let end = |e: &str| e.to_string();
     for piece in data.chunks(cut) {
         input.extend_from_slice(piece);
         loop {
@@ -58,8 +57,8 @@ fn feed<H: Handshake>(mut hs: H, data: &[u8], cut: usize) -> Fed {
                     }
                     break;
                 }
-                Ok(Step::Done(_)) => end("done"),
-                Ok(Step::Abort) => end("abort"),
+                Ok(Step::Done(_)) => "done".into(),
+                Ok(Step::Abort) => "abort".into(),
                 Ok(Step::Refused(why)) => format!("refused: {why}"),
                 Ok(Step::AuthFailed(why)) => format!("authentication failed: {why}"),
                 Ok(Step::StartTls { replay }) => format!("tls (replay {replay})"),
@@ -68,7 +67,7 @@ fn feed<H: Handshake>(mut hs: H, data: &[u8], cut: usize) -> Fed {
             return Fed { end, sent };
         }
     }
-    Fed { end: end("more bytes needed"), sent }
+    Fed { end: "more bytes needed".into(), sent }
 }
 
 /// Security settings chosen by a byte: a secret (0x80), grants (0x40),

@@ -401,7 +401,7 @@ mod tests {
         (layer.clone(), Arc::new(Volume::with_backend("v".into(), layer, 65536)))
     }
 
-    /// Waits for `flush_then`'s answer, at most 5 s.
+    /// Asks for a flush with `flush_then`; its answer comes on the receiver.
     fn answer(v: &Volume) -> std::sync::mpsc::Receiver<backend::Result<()>> {
         let (tx, rx) = std::sync::mpsc::channel();
         v.flush_then(Box::new(move |r| {
