@@ -16,6 +16,9 @@ A point is KIND:RW:LOAD:
 Prints per point the kIOPS of every round, B/A of the medians, and the medians of the server's
 CPU per I/O (the target process's CPU time over the run) and the client's (fastsan bench's own
 figure; fio's is not counted). OUT.json keeps every run.
+
+AB_FILE_DIR=DIR serves a 1 GiB file volume in DIR (a sparse file, removed at the end) instead
+of the memory volume: the I/O pool's path (written whole first, so mostly the page cache).
 """
 import json
 import os
@@ -33,11 +36,17 @@ NQN = "nqn.2026-11.io.fastsan:ab"
 def start(binary):
     brp, nbd, nvme = suite.free_port(), suite.free_port(), suite.free_port()
     t = suite.System(os.path.basename(binary), "fastsan")
+    volume, image = "memory:1G", None
+    if os.environ.get("AB_FILE_DIR"):
+        image = os.path.join(os.environ["AB_FILE_DIR"], f"fastsan-ab-{nbd}.img")
+        with open(image, "wb") as f:
+            f.truncate(1 << 30)
+        volume = f"file:{image}"
     t.spawn([binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}", "--nvme",
-             f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", "vol0=memory:1G"], nbd)
+             f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", f"vol0={volume}"], nbd)
     suite.wait_port(nvme)
     suite.write_whole([f"brp://127.0.0.1:{brp}/vol0"])
-    return {"target": t, "binary": binary, "brp": brp, "nbd": nbd, "nvme": nvme}
+    return {"target": t, "binary": binary, "brp": brp, "nbd": nbd, "nvme": nvme, "image": image}
 
 
 def run(s, point, fio_json):
@@ -85,6 +94,8 @@ def main():
     finally:
         for s in systems.values():
             s["target"].stop()
+            if s["image"]:
+                os.unlink(s["image"])
     med = lambda runs, key: statistics.median(x[key] for x in runs)  # noqa: E731
     for p in points:
         ra, rb = res[(p, "A")], res[(p, "B")]

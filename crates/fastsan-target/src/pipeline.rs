@@ -2,11 +2,14 @@
 //! [`crate::driver`]: after a request is decoded, [`Dispatcher::dispatch`]
 //! takes a credit, checks it ([`Volume::validate`]), runs it on the device
 //! ([`Volume::execute`]: inline for memory and null volumes, on the I/O pool
-//! for files and slow layers) and queues the [`Reply`]; replies are written
+//! for files and slow layers, except a file's reads whose bytes are cached:
+//! [`Volume::read_now`], inline) and queues the [`Reply`]; replies are written
 //! in batches ([`Dispatcher::flush`], [`Writer::run`]: one `writev` for all
 //! that are ready), encoded by the front end's [`Encoder`], in completion
 //! order: by the reader itself when the socket is free, else by the
-//! [`Writer`] task. A refusal or a device error is logged here, in one place.
+//! [`Writer`] task; an I/O thread that finishes a connection's only request
+//! writes its reply itself (`Replies`). A refusal or a device error is
+//! logged here, in one place.
 //!
 //! A request holds a credit from dispatch until its reply is written, so a
 //! connection never has more than its queue depth, nor more than its byte
@@ -186,6 +189,8 @@ impl Tokens {
 /// server's budget they share.
 struct Credits {
     slots: Tokens,
+    /// How many slots there are (the connection's queue depth).
+    depth: usize,
     budget: Budget,
     server: Budget,
 }
@@ -295,6 +300,23 @@ struct SinkState<W, E> {
     stall: Duration,
     activity: Arc<Activity>,
     broken: bool,
+    /// Why it broke, for whoever writes next ([`SinkState::write_at_once`]
+    /// fails on a thread that cannot return it).
+    failure: Option<io::Error>,
+    /// The end of a reply [`SinkState::write_at_once`] began and the socket
+    /// did not take at once: written before anything else.
+    leftover: Vec<u8>,
+}
+
+/// What [`SinkState::write_at_once`] did with a reply.
+enum AtOnce {
+    /// Written (or dropped: the stream failed, or nobody reads it).
+    Done,
+    /// Begun: the rest is in `leftover`, or the stream still needs a flush;
+    /// the writer task must finish it.
+    Begun,
+    /// Not touched: the writer task writes it.
+    NotNow,
 }
 
 impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
@@ -302,7 +324,9 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
     /// socket takes less).
     async fn write(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
         if self.broken {
-            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier"));
+            return Err(self.failure.take().unwrap_or_else(|| {
+                io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier")
+            }));
         }
         if self.activity.is_abandoned() {
             // Nobody reads them: drop the replies (and what they hold).
@@ -311,7 +335,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         // Broken until the write is whole: a write cancelled half-way (its
         // caller gave up: shutdown, the connection stopped) leaves it broken.
         self.broken = true;
-        let r = self.write_now(batch).await;
+        let r = self.write_leftover_then(batch).await;
         match r {
             Ok(()) => self.broken = false,
             Err(_) => self.activity.abandon(),
@@ -319,24 +343,14 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         r
     }
 
-    async fn write_now(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
+    async fn write_leftover_then(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
+        if !self.leftover.is_empty() {
+            write_all_vectored(&mut self.w, &mut [IoSlice::new(&self.leftover)], self.stall).await?;
+            self.leftover.clear();
+        }
         for chunk in batch.chunks(MAX_REPLIES_PER_WRITE) {
-            self.scratch.clear();
-            self.parts.clear();
-            for r in chunk {
-                let e = self.enc.encode(r, &mut self.scratch);
-                self.parts.push(e);
-            }
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(self.parts.len() * 3);
-            for p in &self.parts {
-                slices.push(IoSlice::new(&self.scratch[p.head.clone()]));
-                for d in p.data.iter().flat_map(ReadData::pieces).filter(|d| !d.is_empty()) {
-                    slices.push(IoSlice::new(d));
-                }
-                if !p.tail.is_empty() {
-                    slices.push(IoSlice::new(&self.scratch[p.tail.clone()]));
-                }
-            }
+            self.encode(chunk);
+            let mut slices = slices(&self.scratch, &self.parts);
             write_all_vectored(&mut self.w, &mut slices, self.stall).await?;
         }
         // TLS may hold records it could not send yet (a no-op on a socket).
@@ -344,6 +358,111 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
             Ok(r) => r,
             Err(_) => Err(stalled()),
         }
+    }
+
+    /// Encodes `replies` into `scratch` and `parts`.
+    fn encode(&mut self, replies: &[Reply<E::Meta>]) {
+        self.scratch.clear();
+        self.parts.clear();
+        for r in replies {
+            let e = self.enc.encode(r, &mut self.scratch);
+            self.parts.push(e);
+        }
+    }
+
+    /// Writes `reply` now, on whatever thread finished it, as far as the
+    /// socket takes it without waiting: an I/O thread that completes a
+    /// request sends its reply itself instead of waking the writer task (a
+    /// thread hand-off: at queue depth 1 on a file volume, 0.75x nbdkit's
+    /// IOPS). What the socket does not take is kept, in order, for the
+    /// writer task ([`AtOnce::Begun`]), so this never waits.
+    fn write_at_once(&mut self, reply: &Reply<E::Meta>) -> AtOnce {
+        if self.broken || !self.leftover.is_empty() {
+            return AtOnce::NotNow;
+        }
+        if self.activity.is_abandoned() {
+            return AtOnce::Done;
+        }
+        self.encode(std::slice::from_ref(reply));
+        let mut slices = slices(&self.scratch, &self.parts);
+        let mut bufs = &mut slices[..];
+        while !bufs.is_empty() {
+            match futures::FutureExt::now_or_never(self.w.write_vectored(bufs)) {
+                Some(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
+                Some(r) => {
+                    let e = r.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
+                    self.broken = true;
+                    self.failure = Some(e);
+                    self.activity.abandon();
+                    // The writer task learns of it (and ends the connection).
+                    return AtOnce::Begun;
+                }
+                None => {
+                    for b in bufs.iter() {
+                        self.leftover.extend_from_slice(b);
+                    }
+                    return AtOnce::Begun;
+                }
+            }
+        }
+        match futures::FutureExt::now_or_never(self.w.flush()) {
+            Some(Ok(())) => AtOnce::Done,
+            Some(Err(e)) => {
+                self.broken = true;
+                self.failure = Some(e);
+                self.activity.abandon();
+                AtOnce::Begun
+            }
+            None => AtOnce::Begun,
+        }
+    }
+}
+
+/// The slices of encoded replies: heads and tails in `scratch`, a read's
+/// data where it lies.
+fn slices<'a>(scratch: &'a [u8], parts: &'a [Encoded]) -> Vec<IoSlice<'a>> {
+    let mut slices = Vec::with_capacity(parts.len() * 3);
+    for p in parts {
+        slices.push(IoSlice::new(&scratch[p.head.clone()]));
+        for d in p.data.iter().flat_map(ReadData::pieces).filter(|d| !d.is_empty()) {
+            slices.push(IoSlice::new(d));
+        }
+        if !p.tail.is_empty() {
+            slices.push(IoSlice::new(&scratch[p.tail.clone()]));
+        }
+    }
+    slices
+}
+
+/// Where a request finished on an I/O thread sends its reply: written at
+/// once when it is its connection's only request in flight and the socket's
+/// writer is free ([`SinkState::write_at_once`]), else handed to the writer
+/// task. Only then: with more in flight, the writer gathers the replies that
+/// finish while it wakes into one `writev` (I/O threads each writing their
+/// own cost 0.6x the IOPS of 4K reads at queue depth 32 on a file volume).
+struct Replies<W, E: Encoder> {
+    tx: mpsc::UnboundedSender<Batch<E>>,
+    sink: Sink<W, E>,
+    credits: Arc<Credits>,
+}
+
+impl<W: AsyncWrite + Unpin, E: Encoder> Replies<W, E> {
+    fn send(&self, reply: Reply<E::Meta>) {
+        // This reply holds a slot: the only one held.
+        let alone = self.credits.slots.available() + 1 == self.credits.depth;
+        if let Some(mut sink) = alone.then(|| self.sink.try_lock().ok()).flatten() {
+            match sink.write_at_once(&reply) {
+                AtOnce::Done => return,
+                AtOnce::Begun => {
+                    drop(sink);
+                    // An empty batch: the writer writes what was left, and flushes.
+                    let _ = self.tx.send(Vec::new());
+                    return;
+                }
+                AtOnce::NotNow => {}
+            }
+        }
+        let _ = self.tx.send(vec![reply]);
     }
 }
 
@@ -369,28 +488,28 @@ pub struct Dispatcher<W, E: Encoder> {
 
 /// A validated request on its way through a volume's I/O pool, with what
 /// its reply needs. A long TRIM or WRITE_ZEROES runs one piece per turn.
-struct PoolJob<E: Encoder> {
+struct PoolJob<W, E: Encoder> {
     volume: Arc<Volume>,
     op: Op,
     stats: Arc<Stats>,
     peer: Arc<str>,
     logged: Arc<Logged>,
-    tx: mpsc::UnboundedSender<Batch<E>>,
+    replies: Replies<W, E>,
     reply: (u64, E::Meta, Option<IoKind>, Credit),
     running: crate::fence::Running,
 }
 
-impl<E: Encoder> PoolJob<E> {
+impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> PoolJob<W, E> {
     fn into_job(self) -> Job {
         Job::new(move || {
-            let PoolJob { volume, mut op, stats, peer, logged, tx, reply, running } = self;
+            let PoolJob { volume, mut op, stats, peer, logged, replies, reply, running } = self;
             let rest = op.split_off();
             let (tag, meta, kind, credit) = reply;
             let moves = op.moves();
             let result = match (volume.execute_before_flush(op), rest) {
                 (Ok(_), Some(rest)) if !running.activity().is_abandoned() => {
                     let reply = (tag, meta, kind, credit);
-                    let next = PoolJob::<E> { volume, op: rest, stats, peer, logged, tx, reply, running };
+                    let next = PoolJob { volume, op: rest, stats, peer, logged, replies, reply, running };
                     return Some(next.into_job());
                 }
                 // Nobody will read the reply: the rest is not worth running
@@ -406,7 +525,7 @@ impl<E: Encoder> PoolJob<E> {
                         let result =
                             account(r.map(|()| outcome).map_err(Refusal::from), moves, &stats, at, &logged);
                         drop(running);
-                        let _ = tx.send(vec![Reply { tag, meta, result, _credit: Some(credit) }]);
+                        replies.send(Reply { tag, meta, result, _credit: Some(credit) });
                     }));
                     return None;
                 }
@@ -415,7 +534,7 @@ impl<E: Encoder> PoolJob<E> {
             let at = Where { peer: &peer, volume: volume.name(), tag, kind };
             let result = account(result, moves, &stats, at, &logged);
             drop(running);
-            let _ = tx.send(vec![Reply { tag, meta, result, _credit: Some(credit) }]);
+            replies.send(Reply { tag, meta, result, _credit: Some(credit) });
             None
         })
     }
@@ -462,9 +581,12 @@ where
             stall: env.stall_timeout,
             activity: activity.clone(),
             broken: false,
+            failure: None,
+            leftover: Vec::new(),
         }));
         let credits = Arc::new(Credits {
             slots: Tokens::new(depth),
+            depth,
             budget: Budget::new(BYTE_BUDGET as u64),
             server: env.budget.clone(),
         });
@@ -528,14 +650,26 @@ where
         };
         // Counted as running before it may start: a fence waits for it.
         let Some(running) = self.activity.begin() else { return Err(stopped()) };
-        if let Some(pool) = volume.pool().filter(|_| !self.env.serial) {
-            let job = PoolJob::<E> {
+        let pool = volume.pool().filter(|_| !self.env.serial);
+        let at_once = pool.and_then(|_| volume.read_now(&op));
+        if let Some(result) = at_once {
+            // A read of bytes at hand: answered as an inline one is.
+            let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
+            let result = account(result, op.moves(), &self.env.stats, at, &self.logged);
+            drop(running);
+            self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
+        } else if let Some(pool) = pool {
+            let job = PoolJob {
                 volume: volume.clone(),
                 op,
                 stats: self.env.stats.clone(),
                 peer: self.peer.clone(),
                 logged: self.logged.clone(),
-                tx: self.tx.clone(),
+                replies: Replies {
+                    tx: self.tx.clone(),
+                    sink: self.sink.clone(),
+                    credits: self.credits.clone(),
+                },
                 reply: (tag, meta, kind, credit),
                 running,
             };
@@ -564,9 +698,12 @@ where
         if sink.broken {
             return;
         }
-        let mut slices = [IoSlice::new(last)];
         let stall = sink.stall;
-        let _ = write_all_vectored(&mut sink.w, &mut slices, stall).await;
+        // After what an I/O thread's reply left for the writer, if anything.
+        let SinkState { w, leftover, .. } = &mut *sink;
+        let mut slices = [IoSlice::new(leftover), IoSlice::new(last)];
+        let _ = write_all_vectored(w, &mut slices, stall).await;
+        leftover.clear();
         let _ = tokio::time::timeout(stall, sink.w.flush()).await;
     }
 
@@ -845,6 +982,7 @@ mod tests {
         let server = Budget::new(8 << 20);
         let c = Arc::new(Credits {
             slots: Tokens::new(2),
+            depth: 2,
             budget: Budget::new(64 << 20),
             server: server.clone(),
         });

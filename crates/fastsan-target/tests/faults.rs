@@ -135,6 +135,38 @@ async fn a_stalled_reply_stream_is_closed_never_continued() {
     srv.stop().await;
 }
 
+/// An I/O thread that finishes a connection's only request writes its
+/// reply itself, as far as the socket takes it at once; the rest is the
+/// writer task's to finish, before anything else. Here an 8 MiB read of a
+/// file volume (longer than is served at once: the pool runs it) meets a
+/// client that reads nothing for a while, so the socket takes only part of
+/// the reply; a small read sent meanwhile must come after the whole of it,
+/// and both carry the bytes written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_an_io_thread_began_is_finished_before_the_next() {
+    let (_dir, path) = temp_file("at-once", 16 << 20);
+    let spec = format!("v=file:{}", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let (mut raw, _) = Raw::open(srv.addr, "v").await;
+    let data = pattern(5, 0, 8 << 20);
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        let at = (i as u64) << 20;
+        raw.request(RequestHeader::new(Command::Write, 0, i as u64, at, piece.len() as u32), piece).await;
+        assert_eq!(raw.reply().await.0.status, Status::OK);
+    }
+    raw.request(RequestHeader::new(Command::Read, 0, 100, 0, 8 << 20), &[]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    raw.request(RequestHeader::new(Command::Read, 0, 101, 4096, 4096), &[]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (h, got) = raw.reply().await;
+    assert_eq!((h.status, h.tag), (Status::OK, 100), "the reply begun first comes first, whole");
+    assert!(got == data, "the 8 MiB read carries the bytes written");
+    let (h, got) = raw.reply().await;
+    assert_eq!((h.status, h.tag), (Status::OK, 101));
+    assert!(got[..] == data[4096..8192]);
+    srv.stop().await;
+}
+
 /// Finding 3: a failed flush is reported once per open file by Linux, so
 /// after it the volume must fail every later FLUSH and FUA write, for every
 /// client, on every protocol, until reopened; plain reads and writes go on.

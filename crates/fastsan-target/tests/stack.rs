@@ -89,6 +89,54 @@ async fn an_injected_eio_reaches_brp_and_nbd_as_their_error_and_others_go_on() {
     srv.stop().await;
 }
 
+/// A file volume serves reads whose bytes are cached on the thread that
+/// received them, not on its I/O pool; a faults layer above the file still
+/// sees every read (it does not pass that shortcut through), so an injected
+/// EIO reaches the client even for cached bytes. The bytes are the ones
+/// written, through BRP and NBD, and each read is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_file_reads_are_served_at_once_and_faults_still_fire() {
+    let (_dir, a) = common::temp_file("stack-at-once", 16 * MIB);
+    let b = a.with_extension("faulty");
+    std::fs::File::create(&b).unwrap().set_len(16 * MIB).unwrap();
+    let specs = [format!("c=file:{}", a.display()), format!("f=file:{},faults=read:eio@1M-2M", b.display())];
+    let srv = TestServer::start(&[specs[0].as_str(), specs[1].as_str()], |_| {}).await;
+    let caps = |v: &str| srv.handle.catalog().get(v).unwrap().caps();
+    assert!(caps("c").read_now, "a plain file volume serves cached reads at once");
+    assert!(!caps("f").read_now, "a faults layer does not pass it through");
+
+    let data = pattern(3, 0, 256 << 10);
+    for v in ["c", "f"] {
+        let (mut r, _) = Raw::open(srv.addr, v).await;
+        r.request(RequestHeader::new(Command::Write, 0, 1, MIB, data.len() as u32), &data).await;
+        assert_eq!(r.reply().await.0.status, Status::OK);
+        for (tag, at) in [(2u64, 0u64), (3, 4096), (4, 128 << 10)] {
+            r.request(RequestHeader::new(Command::Read, 0, tag, MIB + at, 4096), &[]).await;
+            let (h, got) = r.reply().await;
+            if v == "f" {
+                assert_eq!(h.status, Status::IO_ERROR, "cached or not, the fault fires");
+            } else {
+                assert_eq!((h.status, h.tag), (Status::OK, tag));
+                assert!(got[..] == data[at as usize..at as usize + 4096], "read {tag}: the bytes written");
+            }
+        }
+    }
+    // A read longer than what is served at once goes to the pool: the same bytes.
+    let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
+    n.go("c", false, false).await;
+    n.request(CMD_READ, 0, 9, MIB, data.len() as u32, &[]).await;
+    let (error, cookie, got) = n.simple(data.len()).await;
+    assert_eq!((error, cookie), (0, 9));
+    assert!(got == data, "a 256 KiB read through the pool");
+    let st = srv.handle.volume_stats("c").unwrap();
+    assert_eq!(
+        (st.reads, st.bytes_read, st.errors),
+        (4, 3 * 4096 + (256 << 10), 0),
+        "each read counted once"
+    );
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_zero_follows_the_capabilities_of_the_stack() {
     // A read-only store under faults and delay: NBD advertises no writes, and

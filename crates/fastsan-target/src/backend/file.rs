@@ -10,6 +10,7 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 const DIRECT_ALIGN: usize = 4096;
 /// Largest piece written at a time when zeroes must be written out.
@@ -27,6 +28,9 @@ pub struct FileBackend {
     read_only: bool,
     /// From the file's device and inode: another file at the same path is another generation.
     generation: u64,
+    /// Whether the kernel takes `RWF_NOWAIT` reads ([`Backend::read_now`]);
+    /// cleared at the first refusal.
+    nowait: AtomicBool,
 }
 
 impl FileBackend {
@@ -49,7 +53,16 @@ impl FileBackend {
             use std::os::unix::fs::MetadataExt;
             meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev()
         };
-        Ok(FileBackend { file, path: path.to_owned(), size, direct, block_device, read_only, generation })
+        Ok(FileBackend {
+            file,
+            path: path.to_owned(),
+            size,
+            direct,
+            block_device,
+            read_only,
+            generation,
+            nowait: AtomicBool::new(true),
+        })
     }
 
     fn fd(&self) -> libc::c_int {
@@ -158,6 +171,38 @@ impl Backend for FileBackend {
             self.file.read_exact_at(buf, offset)?;
         }
         Ok(())
+    }
+    /// Reads from the page cache only: O_DIRECT reads always go to the device.
+    fn can_read_now(&self) -> bool {
+        !self.direct
+    }
+    /// `preadv2` with `RWF_NOWAIT`: the bytes if the page cache has them
+    /// all, else nothing (the kernel neither waits for the device nor for a
+    /// page lock).
+    fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
+        let Ok(at) = libc::off_t::try_from(offset) else { return Ok(false) };
+        if self.direct || !self.nowait.load(Relaxed) {
+            return Ok(false);
+        }
+        let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+        // SAFETY: the one iovec covers `buf`, ours and writable for the whole call.
+        let n = unsafe { libc::preadv2(self.fd(), &iov, 1, at, libc::RWF_NOWAIT) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN | libc::EINTR) => Ok(false),
+                // A kernel or file system that does not take it: the pool
+                // reads everything from now on.
+                Some(libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) => {
+                    self.nowait.store(false, Relaxed);
+                    Ok(false)
+                }
+                _ => Err(e.into()),
+            };
+        }
+        // Only part of it at hand (or the end of a file shrunk under us):
+        // the pool reads the whole again.
+        Ok(n as usize == buf.len())
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         if self.direct {
@@ -334,6 +379,61 @@ mod tests {
         assert_eq!(map.iter().map(|e| e.len).sum::<u64>(), 1 << 20, "{map:?}");
         assert!(map.iter().any(|e| e.hole), "a sparse file has holes: {map:?}");
         assert!(map.iter().any(|e| !e.hole), "and data: {map:?}");
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Whether `p` is on a tmpfs, which keeps its pages whatever the advice.
+    fn on_tmpfs(p: &Path) -> bool {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: statfs writes only into the struct it is given; the path is a valid C string.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::statfs(c.as_ptr(), &mut st) }, 0);
+        st.f_type == libc::TMPFS_MAGIC
+    }
+
+    /// A read at once is served from the page cache (the bytes just written)
+    /// or declined, never waited for: once the file's pages are dropped it
+    /// declines, and `read_at` (the pool's) reads them. The stats layer
+    /// counts each read once, where it was served.
+    #[test]
+    fn a_read_at_once_comes_from_the_page_cache_or_is_declined() {
+        use crate::backend::{StatsLayer, VolumeStats};
+        use std::sync::Arc;
+        let p = temp_file(2 << 20);
+        let file = Arc::new(FileBackend::open(&p, false, false).unwrap());
+        let stats = Arc::new(VolumeStats::default());
+        let b = StatsLayer::new(file.clone(), stats.clone());
+        assert!(b.can_read_now(), "a buffered file passes it up through the stats layer");
+        let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + i / 4096) as u8).collect();
+        b.write_at(&data, 4096, false).unwrap();
+        let mut back = vec![0u8; data.len()];
+        let served = b.read_now(&mut back, 4096).unwrap();
+        if served {
+            assert!(back == data, "served at once: the bytes just written");
+        } else {
+            assert!(
+                !file.nowait.load(Relaxed),
+                "declined while cached only where the kernel refuses RWF_NOWAIT"
+            );
+        }
+        // Written back, then dropped from the cache: not at hand any more.
+        b.flush().unwrap();
+        // SAFETY: posix_fadvise only reads its integer arguments; the fd is open.
+        assert_eq!(unsafe { libc::posix_fadvise(file.fd(), 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
+        if !on_tmpfs(&p) {
+            assert_eq!(b.read_now(&mut back, 4096), Ok(false), "the pages are on disk only");
+        }
+        back.fill(0);
+        b.read_at(&mut back, 4096).unwrap();
+        assert!(back == data, "read from the device");
+        let s = stats.snapshot();
+        let reads = 1 + u64::from(served);
+        assert_eq!((s.reads, s.bytes_read, s.errors), (reads, reads * 65536, 0), "{s:?}");
+        assert!(
+            !FileBackend::open(&p, false, true).unwrap().can_read_now(),
+            "O_DIRECT reads go to the device"
+        );
         std::fs::remove_file(p).unwrap();
     }
 

@@ -141,6 +141,21 @@ pub trait Backend: Send + Sync + 'static {
     /// store's own memory, which never change once lent (a write to a lent
     /// piece copies it first). Called only where [`Backend::can_share_reads`].
     fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData>;
+    /// Whether [`Backend::read_now`] can find bytes at hand: the store can
+    /// read without waiting for its device when the bytes are cached, and
+    /// every layer above passes reads through unchanged. Stores that cannot
+    /// keep the default.
+    fn can_read_now(&self) -> bool {
+        false
+    }
+    /// A read that never waits for the device, so that it may run on the
+    /// thread that received the request: `Ok(true)` when `buf` is filled,
+    /// `Ok(false)` when the bytes are not all at hand (the caller then reads
+    /// with [`Backend::read_at`] where waiting is fine: the I/O pool).
+    /// Called only where [`Backend::can_read_now`].
+    fn read_now(&self, _buf: &mut [u8], _offset: u64) -> Result<bool> {
+        Ok(false)
+    }
     /// With `fua`, the data is durable when this returns.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Makes every completed write durable.
@@ -228,6 +243,15 @@ pub trait Layer: Send + Sync + 'static {
     fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
         self.next().read_shared(offset, len)
     }
+    /// Not passed through either, for the same reason as
+    /// [`Layer::can_share_reads`]: a read served at once skips the layers'
+    /// `read_at`.
+    fn can_read_now(&self) -> bool {
+        false
+    }
+    fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
+        self.next().read_now(buf, offset)
+    }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.next().write_at(buf, offset, fua)
     }
@@ -300,6 +324,12 @@ impl<L: Layer> Backend for L {
     }
     fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
         Layer::read_shared(self, offset, len)
+    }
+    fn can_read_now(&self) -> bool {
+        Layer::can_read_now(self)
+    }
+    fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
+        Layer::read_now(self, buf, offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         Layer::write_at(self, buf, offset, fua)

@@ -24,6 +24,9 @@ impl Layer for ReadOnlyLayer {
     fn can_share_reads(&self) -> bool {
         self.next.can_share_reads()
     }
+    fn can_read_now(&self) -> bool {
+        self.next.can_read_now()
+    }
     fn can_trim(&self) -> bool {
         false
     }

@@ -185,6 +185,28 @@ impl Layer for StatsLayer {
     fn read_shared(&self, offset: u64, len: u64) -> Result<ReadData> {
         self.count(|s| &s.reads, Some((|s| &s.bytes_read, len)), || self.next.read_shared(offset, len))
     }
+    fn can_read_now(&self) -> bool {
+        self.next.can_read_now()
+    }
+    /// Counted as a read only when served or failed here; one that would
+    /// wait is counted by the `read_at` that follows it.
+    fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
+        let shard = &self.stats.shards[shard_index()];
+        let start = shard.reads.load(Relaxed).is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
+        let r = self.next.read_now(buf, offset);
+        if matches!(r, Ok(false)) {
+            return r;
+        }
+        shard.reads.fetch_add(1, Relaxed);
+        if let Some(start) = start {
+            self.stats.latency.record(start.elapsed().as_nanos() as u64);
+        }
+        match r {
+            Ok(_) => shard.bytes_read.fetch_add(buf.len() as u64, Relaxed),
+            Err(_) => shard.errors.fetch_add(1, Relaxed),
+        };
+        r
+    }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let n = buf.len() as u64;
         self.count(|s| &s.writes, Some((|s| &s.bytes_written, n)), || self.next.write_at(buf, offset, fua))

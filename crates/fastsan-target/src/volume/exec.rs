@@ -25,7 +25,30 @@ pub enum Outcome {
     Extents(Vec<Extent>),
 }
 
+/// Longest read [`Volume::read_now`] serves: a longer copy would hold the
+/// receiving thread (and the connections it serves) for long; the pool
+/// copies it instead.
+pub const READ_NOW_AT_MOST: u32 = 128 * 1024;
+
 impl Volume {
+    /// Serves a read on the calling thread when its bytes are all at hand
+    /// (a file's page cache): no hand-off to the I/O pool and back, which is
+    /// most of what a small cached read costs (two thread wake-ups). `None`
+    /// when it would have to wait for the device, or is not such a read: run
+    /// it with [`Volume::execute`] on the pool.
+    pub fn read_now(&self, op: &Op) -> Option<Result<Outcome, Refusal>> {
+        let OpKind::Read { offset, len } = op.kind else { return None };
+        if !self.caps.read_now || len > READ_NOW_AT_MOST {
+            return None;
+        }
+        let mut buf = PooledBuf::take(len as usize);
+        match self.backend.read_now(buf.as_mut(), offset) {
+            Ok(true) => Some(Ok(Outcome::Data(Bytes::from_owner(buf).into()))),
+            Ok(false) => None,
+            Err(e) => Some(Err(e.into())),
+        }
+    }
+
     /// Runs a validated operation, waiting for the flush it needs, if any
     /// (see [`Volume::execute_before_flush`]).
     pub fn execute(&self, op: Op) -> Result<Outcome, Refusal> {

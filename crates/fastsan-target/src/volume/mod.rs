@@ -31,6 +31,9 @@ pub struct Caps {
     pub cache: bool,
     /// Large reads are lent from the store's memory, not copied.
     pub share_reads: bool,
+    /// Reads whose bytes are at hand (a file's page cache) are served on
+    /// the receiving thread ([`Volume::read_now`]), not on the I/O pool.
+    pub read_now: bool,
 }
 
 pub struct Volume {
@@ -154,6 +157,7 @@ impl Volume {
             extents: b.can_extents(),
             cache: b.can_cache(),
             share_reads: b.can_share_reads(),
+            read_now: b.can_read_now(),
         };
         let pool = b.may_block().then(|| IoPool::new(io_threads, &name));
         let flusher =
