@@ -293,7 +293,7 @@ def frontend_checks(r):
 
 
 def durability_table(r):
-    """FLUSH-heavy writes to a file on disk: fastsan against nbdkit's file plugin."""
+    """File volumes on disk, 4K random I/O and FLUSH-heavy writes: fastsan against nbdkit's file plugin."""
     t = r.get("durability") or {}
     if not t:
         return "not measured\n"
@@ -306,10 +306,11 @@ def durability_table(r):
         fs, nk = p.get("fastsan", {}).get("iops"), p.get("nbdkit", {}).get("iops")
         if fs and nk:
             rows.append([label, "fastsan / nbdkit", f"{fs / nk:.2f}x", "", ""])
-    return table(["point", "system", "write IOPS", "mean FLUSH us", "server CPU us/IO"], rows) + (
-        "\nfio --ioengine=nbd, 4K random writes with a FLUSH after every 4 writes of each job (`--fsync=4`), to a "
-        "sparse 1 GiB file on this machine's disk (not tmpfs: each flush reaches the device), served by fastsan "
-        "(`file:` volume) and by nbdkit's file plugin. Server CPU is the target process's, per write.\n")
+    return table(["point", "system", "IOPS", "mean FLUSH us", "server CPU us/IO"], rows) + (
+        "\nfio --ioengine=nbd, 4K at random, to a 1 GiB file on this machine's disk (not tmpfs: each flush "
+        "reaches the device), written whole first, served by fastsan (`file:` volume) and by nbdkit's file "
+        "plugin; the FLUSH points write with a FLUSH after every 4 writes of each job (`--fsync=4`). Server CPU "
+        "is the target process's, per I/O.\n")
 
 
 def frontend_pairs(points):
@@ -569,7 +570,7 @@ def write(r, out):
     md += "\n## 9. Mirroring: a 2-leg mirror vs one leg\n\n" + mirror_table(r)
     md += "\n## 10. TLS: BRP and NBD encrypted vs plaintext, and vs nbdkit --tls=require\n\n" + tls_table(r)
     md += "\n## 11. Front ends: one volume through BRP, NBD and NVMe/TCP\n\n" + frontends_table(r)
-    md += "\n## 12. Durability: FLUSH-heavy writes to a file on disk, fastsan vs nbdkit\n\n" + durability_table(r)
+    md += "\n## 12. File volumes on disk: random I/O and FLUSH-heavy writes, fastsan vs nbdkit\n\n" + durability_table(r)
     md += missed_section(r)
     for c in charts(r, out):
         md += f"\n![{c}]({c})\n"

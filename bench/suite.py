@@ -347,8 +347,9 @@ def main():
                     help="only the mirror experiment: a 2-leg mirror vs one leg, dirty-region log optimized and naive")
     ap.add_argument("--tls", action="store_true",
                     help="only the TLS experiment: BRP and NBD over TLS vs plaintext, and NBD over TLS vs nbdkit --tls=require")
-    ap.add_argument("--durability", action="store_true",
-                    help="only the durability experiment: FLUSH-heavy writes to a file volume on disk, fastsan vs nbdkit's file plugin")
+    ap.add_argument("--files", "--durability", dest="files", action="store_true",
+                    help="only the file-volume experiment: 4K random reads and writes, and FLUSH-heavy writes, to a "
+                         "file on disk, fastsan vs nbdkit's file plugin")
     ap.add_argument("--frontends", action="store_true",
                     help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
@@ -419,7 +420,7 @@ def main():
         # delay the clients' own costs show, reported beside it.
         log("honesty check")
         honesty = {}
-        if "nbdkit" in systems and not (args.attach or args.mirror or args.tls or args.frontends or args.durability):
+        if "nbdkit" in systems and not (args.attach or args.mirror or args.tls or args.frontends or args.files):
             p = free_port()
             slow = System("nbdkit-delay", "nbd")
             slow.spawn(["nbdkit", "-f", "-p", str(p), "-i", "127.0.0.1", "--filter=delay", "memory", "1G",
@@ -448,7 +449,7 @@ def main():
         if args.frontends:
             results["frontends"] = frontends_experiment(run, reps)
             raise StopIteration
-        if args.durability:
+        if args.files:
             results["durability"] = durability_experiment(run, reps, have)
             raise StopIteration
 
@@ -555,7 +556,7 @@ def main():
         # 10. The three front ends on one volume, one client.
         results["frontends"] = frontends_experiment(run, reps)
 
-        # 11. Durability: FLUSH-heavy writes to a file volume on disk.
+        # 11. File volumes on disk: random reads and writes, and FLUSH-heavy writes.
         results["durability"] = durability_experiment(run, reps, have)
     except StopIteration:
         pass
@@ -678,23 +679,29 @@ def tls_experiment(run, reps, have):
 
 
 def durability_experiment(run, reps, have):
-    """Writes that ask for durability, where the device sets the pace: fastsan and nbdkit's file plugin
-    each serve a sparse 1 GiB file on this machine's disk (not tmpfs: a flush must reach the device), and
-    fio's NBD engine writes 4K at random with a FLUSH after every 4 writes, on 4 connections of queue
-    depth 16 and on one of queue depth 1. A FLUSH covers the writes before it, so this measures how
-    much a target keeps doing while its fsyncs run (fastsan: one I/O thread per running flush, its
-    waiters holding none, docs/faults.md)."""
+    """File volumes, the way most data is kept: fastsan and nbdkit's file plugin each serve a 1 GiB file
+    on this machine's disk (not tmpfs: a flush must reach the device), written whole first (so reads
+    find it in the page cache, as a hot working set would be). fio's NBD engine reads and writes 4K at
+    random (1 x QD1, 1 x QD32, 4 x QD8), then writes with a FLUSH after every 4 writes, on 4 connections
+    of queue depth 16 and on one of queue depth 1. A FLUSH covers the writes before it, so the last two
+    measure how much a target keeps doing while its fsyncs run (fastsan: one I/O thread per running
+    flush, its waiters holding none, docs/faults.md). Results are kept under "durability" (the
+    experiment's name until it measured reads too)."""
     if not have("nbdkit"):
-        log("durability: nbdkit is missing; skipped")
+        log("files: nbdkit is missing; skipped")
         return {}
-    log("durability: FLUSH-heavy writes to a file volume on disk")
+    log("files: 4K random I/O and FLUSH-heavy writes to a file volume on disk")
     base = tempfile.mkdtemp(prefix="fastsan-bench-durability-", dir="/var/tmp")
     systems = {}
     try:
         for name in ("fastsan", "nbdkit"):
             path = os.path.join(base, f"{name}.img")
             with open(path, "wb") as f:
-                f.truncate(VOLUME_SIZE)
+                block = os.urandom(1 << 20)
+                for _ in range(VOLUME_SIZE >> 20):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
             p = free_port()
             s = System(name, "fastsan" if name == "fastsan" else "nbd")
             if name == "fastsan":
@@ -706,6 +713,12 @@ def durability_experiment(run, reps, have):
                 s.url = f"nbd://127.0.0.1:{p}/"
             systems[name] = s
         out = {}
+        for rw, qd, jobs in (("randread", 1, 1), ("randread", 32, 1), ("randread", 8, 4),
+                             ("randwrite", 1, 1), ("randwrite", 32, 1), ("randwrite", 8, 4)):
+            fns = {name: with_cpu(lambda s=s, rw=rw, qd=qd, jobs=jobs: run.fio(s.url, rw, "4k", qd, jobs), s.pid)
+                   for name, s in systems.items()}
+            out[f"4K {rw}, {jobs} x QD{qd}"] = run_point(
+                run, reps, "durability", {"rw": rw, "bs": "4k", "qd": qd, "jobs": jobs}, fns)
         for label, qd, jobs in (("4 x QD16", 16, 4), ("1 x QD1", 1, 1)):
             fns = {name: with_cpu(lambda s=s, qd=qd, jobs=jobs: run.fio(s.url, "randwrite", "4k", qd, jobs, fsync=4), s.pid)
                    for name, s in systems.items()}

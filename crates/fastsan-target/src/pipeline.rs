@@ -292,7 +292,7 @@ pub trait Encoder: Send + 'static {
 /// A write that fails or stalls may have stopped in the middle of a reply:
 /// from then on the sink is broken (nothing more is written, so no reply can
 /// follow a cut one and be taken for its data) and the connection is stopped.
-struct SinkState<W, E> {
+struct SinkState<W, E: Encoder> {
     w: W,
     enc: E,
     scratch: Vec<u8>,
@@ -303,26 +303,41 @@ struct SinkState<W, E> {
     /// Why it broke, for whoever writes next ([`SinkState::write_at_once`]
     /// fails on a thread that cannot return it).
     failure: Option<io::Error>,
-    /// The end of a reply [`SinkState::write_at_once`] began and the socket
-    /// did not take at once: written before anything else.
-    leftover: Vec<u8>,
+    /// A reply [`SinkState::write_at_once`] began and the socket did not
+    /// take whole: written before anything else.
+    rest: Option<Rest<E::Meta>>,
 }
 
-/// What [`SinkState::write_at_once`] did with a reply.
+/// The part of a reply the socket did not take at once. The reply is kept
+/// whole, not copied: its credit stays held (the payload budget still
+/// counts it) and its data stays where the encoding points.
+struct Rest<M> {
+    _reply: Reply<M>,
+    /// Its encoded head and tail ([`SinkState::scratch`] when it was encoded).
+    scratch: Vec<u8>,
+    part: Encoded,
+    /// Bytes of it written.
+    sent: usize,
+}
+
+/// What [`SinkState::write_at_once`] did with a reply it took.
 enum AtOnce {
     /// Written (or dropped: the stream failed, or nobody reads it).
     Done,
-    /// Begun: the rest is in `leftover`, or the stream still needs a flush;
-    /// the writer task must finish it.
+    /// Begun: the rest is kept, or the stream still needs a flush, or it
+    /// failed; the writer task must finish it (or end the connection).
     Begun,
-    /// Not touched: the writer task writes it.
-    NotNow,
 }
 
 impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
     /// Encodes `batch` and writes it with one vectored write (more if the
     /// socket takes less).
     async fn write(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
+        self.write_then(batch, &[]).await
+    }
+
+    /// [`SinkState::write`], then `last` (a protocol's goodbye).
+    async fn write_then(&mut self, batch: &[Reply<E::Meta>], last: &[u8]) -> io::Result<()> {
         if self.broken {
             return Err(self.failure.take().unwrap_or_else(|| {
                 io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier")
@@ -335,7 +350,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         // Broken until the write is whole: a write cancelled half-way (its
         // caller gave up: shutdown, the connection stopped) leaves it broken.
         self.broken = true;
-        let r = self.write_leftover_then(batch).await;
+        let r = self.write_all_of(batch, last).await;
         match r {
             Ok(()) => self.broken = false,
             Err(_) => self.activity.abandon(),
@@ -343,15 +358,21 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         r
     }
 
-    async fn write_leftover_then(&mut self, batch: &[Reply<E::Meta>]) -> io::Result<()> {
-        if !self.leftover.is_empty() {
-            write_all_vectored(&mut self.w, &mut [IoSlice::new(&self.leftover)], self.stall).await?;
-            self.leftover.clear();
+    /// The rest of a reply begun, then `batch`, then `last`, then a flush.
+    async fn write_all_of(&mut self, batch: &[Reply<E::Meta>], last: &[u8]) -> io::Result<()> {
+        if let Some(rest) = self.rest.take() {
+            let mut slices = slices(&rest.scratch, std::slice::from_ref(&rest.part));
+            let mut bufs = &mut slices[..];
+            IoSlice::advance_slices(&mut bufs, rest.sent);
+            write_all_vectored(&mut self.w, bufs, self.stall).await?;
         }
         for chunk in batch.chunks(MAX_REPLIES_PER_WRITE) {
             self.encode(chunk);
             let mut slices = slices(&self.scratch, &self.parts);
             write_all_vectored(&mut self.w, &mut slices, self.stall).await?;
+        }
+        if !last.is_empty() {
+            write_all_vectored(&mut self.w, &mut [IoSlice::new(last)], self.stall).await?;
         }
         // TLS may hold records it could not send yet (a no-op on a socket).
         match tokio::time::timeout(self.stall, self.w.flush()).await {
@@ -375,46 +396,63 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
     /// request sends its reply itself instead of waking the writer task (a
     /// thread hand-off: at queue depth 1 on a file volume, 0.75x nbdkit's
     /// IOPS). What the socket does not take is kept, in order, for the
-    /// writer task ([`AtOnce::Begun`]), so this never waits.
-    fn write_at_once(&mut self, reply: &Reply<E::Meta>) -> AtOnce {
-        if self.broken || !self.leftover.is_empty() {
-            return AtOnce::NotNow;
+    /// writer task ([`AtOnce::Begun`]), so this never waits. Gives the reply
+    /// back when it cannot be written now (another reply is half-written).
+    fn write_at_once(&mut self, reply: Reply<E::Meta>) -> Result<AtOnce, Reply<E::Meta>> {
+        if self.broken || self.rest.is_some() {
+            return Err(reply);
         }
         if self.activity.is_abandoned() {
-            return AtOnce::Done;
+            return Ok(AtOnce::Done);
         }
-        self.encode(std::slice::from_ref(reply));
+        self.encode(std::slice::from_ref(&reply));
         let mut slices = slices(&self.scratch, &self.parts);
         let mut bufs = &mut slices[..];
-        while !bufs.is_empty() {
+        let mut sent = 0;
+        // None: all of it went; Some(Ok): the socket is full.
+        let stopped = loop {
+            if bufs.is_empty() {
+                break None;
+            }
             match futures::FutureExt::now_or_never(self.w.write_vectored(bufs)) {
-                Some(Ok(n)) if n > 0 => IoSlice::advance_slices(&mut bufs, n),
-                Some(r) => {
-                    let e = r.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
-                    self.broken = true;
-                    self.failure = Some(e);
-                    self.activity.abandon();
-                    // The writer task learns of it (and ends the connection).
-                    return AtOnce::Begun;
+                Some(Ok(n)) if n > 0 => {
+                    sent += n;
+                    IoSlice::advance_slices(&mut bufs, n);
                 }
-                None => {
-                    for b in bufs.iter() {
-                        self.leftover.extend_from_slice(b);
-                    }
-                    return AtOnce::Begun;
-                }
+                Some(r) => break Some(Err(r.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into()))),
+                None => break Some(Ok(())),
+            }
+        };
+        drop(slices);
+        match stopped {
+            None => {}
+            Some(Ok(())) => {
+                let part = self.parts.pop().expect("one reply encoded");
+                let scratch = std::mem::take(&mut self.scratch);
+                self.rest = Some(Rest { _reply: reply, scratch, part, sent });
+                return Ok(AtOnce::Begun);
+            }
+            Some(Err(e)) => {
+                self.fail(e);
+                return Ok(AtOnce::Begun);
             }
         }
         match futures::FutureExt::now_or_never(self.w.flush()) {
-            Some(Ok(())) => AtOnce::Done,
+            Some(Ok(())) => Ok(AtOnce::Done),
             Some(Err(e)) => {
-                self.broken = true;
-                self.failure = Some(e);
-                self.activity.abandon();
-                AtOnce::Begun
+                self.fail(e);
+                Ok(AtOnce::Begun)
             }
-            None => AtOnce::Begun,
+            None => Ok(AtOnce::Begun),
         }
+    }
+
+    /// The stream failed where the error cannot be returned: broken, the
+    /// connection abandoned, the error kept for the writer task to end with.
+    fn fail(&mut self, e: io::Error) {
+        self.broken = true;
+        self.failure = Some(e);
+        self.activity.abandon();
     }
 }
 
@@ -450,18 +488,19 @@ impl<W: AsyncWrite + Unpin, E: Encoder> Replies<W, E> {
     fn send(&self, reply: Reply<E::Meta>) {
         // This reply holds a slot: the only one held.
         let alone = self.credits.slots.available() + 1 == self.credits.depth;
-        if let Some(mut sink) = alone.then(|| self.sink.try_lock().ok()).flatten() {
-            match sink.write_at_once(&reply) {
-                AtOnce::Done => return,
-                AtOnce::Begun => {
+        let reply = match alone.then(|| self.sink.try_lock().ok()).flatten() {
+            Some(mut sink) => match sink.write_at_once(reply) {
+                Ok(AtOnce::Done) => return,
+                Ok(AtOnce::Begun) => {
                     drop(sink);
-                    // An empty batch: the writer writes what was left, and flushes.
+                    // An empty batch: the writer writes the rest, and flushes.
                     let _ = self.tx.send(Vec::new());
                     return;
                 }
-                AtOnce::NotNow => {}
-            }
-        }
+                Err(reply) => reply,
+            },
+            None => reply,
+        };
         let _ = self.tx.send(vec![reply]);
     }
 }
@@ -582,7 +621,7 @@ where
             activity: activity.clone(),
             broken: false,
             failure: None,
-            leftover: Vec::new(),
+            rest: None,
         }));
         let credits = Arc::new(Credits {
             slots: Tokens::new(depth),
@@ -694,17 +733,9 @@ where
     /// the connection closes; bounded by the stall timeout.
     pub async fn send_last(&self, last: &[u8]) {
         let _ = self.flush().await;
-        let mut sink = self.sink.lock().await;
-        if sink.broken {
-            return;
-        }
-        let stall = sink.stall;
-        // After what an I/O thread's reply left for the writer, if anything.
-        let SinkState { w, leftover, .. } = &mut *sink;
-        let mut slices = [IoSlice::new(leftover), IoSlice::new(last)];
-        let _ = write_all_vectored(w, &mut slices, stall).await;
-        leftover.clear();
-        let _ = tokio::time::timeout(stall, sink.w.flush()).await;
+        // After the rest of a reply an I/O thread began, if any; a stream
+        // that fails here is broken like any other (nothing follows a cut).
+        let _ = self.sink.lock().await.write_then(&[], last).await;
     }
 
     /// Whether replies wait for [`Dispatcher::flush`] (requests run inline).

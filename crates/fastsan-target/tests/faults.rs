@@ -141,7 +141,8 @@ async fn a_stalled_reply_stream_is_closed_never_continued() {
 /// file volume (longer than is served at once: the pool runs it) meets a
 /// client that reads nothing for a while, so the socket takes only part of
 /// the reply; a small read sent meanwhile must come after the whole of it,
-/// and both carry the bytes written.
+/// and both carry the bytes written. The part waiting to be written still
+/// holds its credit (the payload budgets bound it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_an_io_thread_began_is_finished_before_the_next() {
     let (_dir, path) = temp_file("at-once", 16 << 20);
@@ -156,6 +157,8 @@ async fn a_reply_an_io_thread_began_is_finished_before_the_next() {
     }
     raw.request(RequestHeader::new(Command::Read, 0, 100, 0, 8 << 20), &[]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // What waits to be written is still counted against the budgets.
+    assert_eq!(srv.handle.payload_in_flight(), 8 << 20, "the unwritten reply holds its credit");
     raw.request(RequestHeader::new(Command::Read, 0, 101, 4096, 4096), &[]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (h, got) = raw.reply().await;
@@ -164,6 +167,11 @@ async fn a_reply_an_io_thread_began_is_finished_before_the_next() {
     let (h, got) = raw.reply().await;
     assert_eq!((h.status, h.tag), (Status::OK, 101));
     assert!(got[..] == data[4096..8192]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while srv.handle.payload_in_flight() != 0 {
+        assert!(Instant::now() < deadline, "credits come back once the replies are written");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     srv.stop().await;
 }
 

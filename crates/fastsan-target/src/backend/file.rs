@@ -28,19 +28,28 @@ pub struct FileBackend {
     read_only: bool,
     /// From the file's device and inode: another file at the same path is another generation.
     generation: u64,
-    /// Whether the kernel takes `RWF_NOWAIT` reads ([`Backend::read_now`]);
-    /// cleared at the first refusal.
+    /// Whether reads may be tried without waiting ([`Backend::read_now`]):
+    /// opened without access times, and the kernel took `RWF_NOWAIT` so far
+    /// (cleared at its first refusal).
     nowait: AtomicBool,
 }
 
 impl FileBackend {
     pub fn open(path: &Path, read_only: bool, direct: bool) -> io::Result<Self> {
-        let mut opts = OpenOptions::new();
-        opts.read(true).write(!read_only);
-        if direct {
-            opts.custom_flags(libc::O_DIRECT);
-        }
-        let mut file = opts.open(path)?;
+        let open = |flags| {
+            let mut opts = OpenOptions::new();
+            opts.read(true).write(!read_only).custom_flags(flags | if direct { libc::O_DIRECT } else { 0 });
+            opts.open(path)
+        };
+        // Without access times where the file allows it (its owner, or a
+        // privileged target): a read then never writes the inode, which is
+        // what lets a cached read run on a connection's thread
+        // (`read_now`: an access-time update can wait for the journal).
+        let (mut file, noatime) = match open(libc::O_NOATIME) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => (open(0)?, false),
+            Err(e) => return Err(e),
+        };
         let meta = file.metadata()?;
         let block_device = meta.file_type().is_block_device();
         if !block_device && !meta.is_file() {
@@ -61,7 +70,7 @@ impl FileBackend {
             block_device,
             read_only,
             generation,
-            nowait: AtomicBool::new(true),
+            nowait: AtomicBool::new(noatime),
         })
     }
 
@@ -172,9 +181,11 @@ impl Backend for FileBackend {
         }
         Ok(())
     }
-    /// Reads from the page cache only: O_DIRECT reads always go to the device.
+    /// Reads from the page cache only: O_DIRECT reads always go to the
+    /// device; a file opened with access times (not ours, an unprivileged
+    /// target) may write its inode on a read.
     fn can_read_now(&self) -> bool {
-        !self.direct
+        !self.direct && self.nowait.load(Relaxed)
     }
     /// `preadv2` with `RWF_NOWAIT`: the bytes if the page cache has them
     /// all, else nothing (the kernel neither waits for the device nor for a
