@@ -344,7 +344,9 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
             }));
         }
         if self.activity.is_abandoned() {
-            // Nobody reads them: drop the replies (and what they hold).
+            // Nobody reads them: drop the replies (and what they hold), a
+            // reply begun too (the stream is reset, never finished).
+            self.rest = None;
             return Ok(());
         }
         // Broken until the write is whole: a write cancelled half-way (its
