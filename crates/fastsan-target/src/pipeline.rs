@@ -691,36 +691,36 @@ where
         };
         // Counted as running before it may start: a fence waits for it.
         let Some(running) = self.activity.begin() else { return Err(stopped()) };
-        let pool = volume.pool().filter(|_| !self.env.serial);
-        let at_once = pool.and_then(|_| volume.read_now(&op));
-        if let Some(result) = at_once {
-            // A read of bytes at hand: answered as an inline one is.
-            let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
-            let result = account(result, op.moves(), &self.env.stats, at, &self.logged);
-            drop(running);
-            self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
-        } else if let Some(pool) = pool {
-            let job = PoolJob {
-                volume: volume.clone(),
-                op,
-                stats: self.env.stats.clone(),
-                peer: self.peer.clone(),
-                logged: self.logged.clone(),
-                replies: Replies {
-                    tx: self.tx.clone(),
-                    sink: self.sink.clone(),
-                    credits: self.credits.clone(),
-                },
-                reply: (tag, meta, kind, credit),
-                running,
-            };
-            pool.submit(self.client, job.into_job());
-        } else {
-            let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
-            let result = run(volume, op, &self.env.stats, at, &self.logged);
-            drop(running);
-            self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
-        }
+        let moves = op.moves();
+        let result = match volume.pool().filter(|_| !self.env.serial) {
+            None => volume.execute(op),
+            // A read of bytes at hand is answered here, as an inline one is.
+            Some(pool) => match volume.read_now(&op) {
+                Some(result) => result,
+                None => {
+                    let job = PoolJob {
+                        volume: volume.clone(),
+                        op,
+                        stats: self.env.stats.clone(),
+                        peer: self.peer.clone(),
+                        logged: self.logged.clone(),
+                        replies: Replies {
+                            tx: self.tx.clone(),
+                            sink: self.sink.clone(),
+                            credits: self.credits.clone(),
+                        },
+                        reply: (tag, meta, kind, credit),
+                        running,
+                    };
+                    pool.submit(self.client, job.into_job());
+                    return Ok(());
+                }
+            },
+        };
+        let at = Where { peer: &self.peer, volume: volume.name(), tag, kind };
+        let result = account(result, moves, &self.env.stats, at, &self.logged);
+        drop(running);
+        self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
         Ok(())
     }
 
@@ -876,12 +876,6 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
             }
         }
     }
-}
-
-/// Runs a validated op on the device, its flush too, and accounts for it.
-fn run(volume: &Volume, op: Op, stats: &Stats, at: Where<'_>, logged: &Logged) -> Result<Outcome, Refusal> {
-    let moves = op.moves();
-    account(volume.execute(op), moves, stats, at, logged)
 }
 
 /// Accounts for an op's result: the bytes it moved (`moves`: read, written),

@@ -29,8 +29,9 @@ pub struct FileBackend {
     /// From the file's device and inode: another file at the same path is another generation.
     generation: u64,
     /// Whether reads may be tried without waiting ([`Backend::read_now`]):
-    /// opened without access times, and the kernel took `RWF_NOWAIT` so far
-    /// (cleared at its first refusal).
+    /// buffered (O_DIRECT reads always go to the device), opened without
+    /// access times, and the kernel took `RWF_NOWAIT` so far (cleared at its
+    /// first refusal).
     nowait: AtomicBool,
 }
 
@@ -70,7 +71,7 @@ impl FileBackend {
             block_device,
             read_only,
             generation,
-            nowait: AtomicBool::new(noatime),
+            nowait: AtomicBool::new(noatime && !direct),
         })
     }
 
@@ -181,18 +182,17 @@ impl Backend for FileBackend {
         }
         Ok(())
     }
-    /// Reads from the page cache only: O_DIRECT reads always go to the
-    /// device; a file opened with access times (not ours, an unprivileged
-    /// target) may write its inode on a read.
+    /// Reads from the page cache only, of a file opened without access
+    /// times (with them, a read may write the inode).
     fn can_read_now(&self) -> bool {
-        !self.direct && self.nowait.load(Relaxed)
+        self.nowait.load(Relaxed)
     }
     /// `preadv2` with `RWF_NOWAIT`: the bytes if the page cache has them
     /// all, else nothing (the kernel neither waits for the device nor for a
     /// page lock).
     fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         let Ok(at) = libc::off_t::try_from(offset) else { return Ok(false) };
-        if self.direct || !self.nowait.load(Relaxed) {
+        if !self.nowait.load(Relaxed) {
             return Ok(false);
         }
         let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
