@@ -37,6 +37,7 @@ pub struct SglDesc {
 }
 
 impl SglDesc {
+    #[inline]
     pub fn decode(b: &[u8; 16]) -> SglDesc {
         SglDesc { addr: le64(b, 0), length: le32(b, 8), id: b[15] }
     }
@@ -75,6 +76,7 @@ pub struct Sqe {
 }
 
 impl Sqe {
+    #[inline]
     pub fn decode(b: &[u8; SQE_LEN]) -> Sqe {
         Sqe {
             opcode: b[0],
@@ -112,6 +114,7 @@ impl Sqe {
     }
 
     /// The data pointer as an SGL descriptor.
+    #[inline]
     pub fn sgl(&self) -> SglDesc {
         SglDesc::decode(&self.dptr)
     }
@@ -204,6 +207,7 @@ pub struct Cqe {
 }
 
 impl Cqe {
+    #[inline]
     pub fn decode(b: &[u8; CQE_LEN]) -> Cqe {
         let f = le16(b, 14);
         Cqe {
@@ -217,6 +221,7 @@ impl Cqe {
         }
     }
 
+    #[inline]
     pub fn encode(&self) -> [u8; CQE_LEN] {
         let mut b = [0u8; CQE_LEN];
         b[0..4].copy_from_slice(&self.dw0.to_le_bytes());

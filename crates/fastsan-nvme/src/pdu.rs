@@ -227,28 +227,33 @@ impl Frame {
 
     /// A CapsuleCmd's submission queue entry (`None` for other types); a
     /// CapsuleCmd has no header rules beyond the framing.
+    #[inline]
     pub fn sqe(&self, raw: &[u8]) -> Option<Sqe> {
         (self.kind == kind::CAPSULE_CMD).then(|| sqe_of(raw))
     }
 
     /// A CapsuleResp's completion queue entry (`None` for other types): a
     /// host's hot path, as [`Frame::sqe`] is a controller's.
+    #[inline]
     pub fn cqe(&self, raw: &[u8]) -> Option<Cqe> {
         (self.kind == kind::CAPSULE_RESP).then(|| cqe_of(raw))
     }
 
     /// A C2HData PDU's data header (`None` for other types), with DATAL
     /// checked against the data the PDU carries, as [`Frame::header`] does.
+    #[inline]
     pub fn c2h_data(&self, raw: &[u8]) -> Option<Result<DataHeader, ProtocolError>> {
         (self.kind == kind::C2H_DATA).then(|| data_header_of(raw, self.data.len()))
     }
 }
 
+#[inline]
 fn cqe_of(raw: &[u8]) -> Cqe {
     Cqe::decode(raw[CH_LEN..CH_LEN + 16].try_into().expect("a CapsuleResp is framed whole"))
 }
 
 /// An H2CData or C2HData PDU's header: DATAL must be the data carried.
+#[inline]
 fn data_header_of(b: &[u8], data_len: usize) -> Result<DataHeader, ProtocolError> {
     let d = DataHeader { cccid: le16(b, 8), ttag: le16(b, 10), datao: le32(b, 12), datal: le32(b, 16) };
     if d.datal as usize != data_len {
@@ -260,11 +265,13 @@ fn data_header_of(b: &[u8], data_len: usize) -> Result<DataHeader, ProtocolError
     Ok(d)
 }
 
+#[inline]
 fn sqe_of(raw: &[u8]) -> Sqe {
     Sqe::decode(raw[CH_LEN..CH_LEN + SQE_LEN].try_into().expect("a CapsuleCmd is framed whole"))
 }
 
 /// The framing half of [`parse`]: every length, flag and digest checked.
+#[inline]
 pub fn frame(buf: &[u8], digests: Digests, max_data: u32) -> Result<Option<Frame>, ProtocolError> {
     let Some(ch) = buf.first_chunk::<CH_LEN>() else { return Ok(None) };
     let (kind, flags, hlen, pdo, plen) = (ch[0], ch[1], ch[2], ch[3], le32(ch, 4));
@@ -401,6 +408,7 @@ struct Layout {
     plen: usize,
 }
 
+#[inline]
 fn layout(header: &Header, data_len: usize, digests: Digests, align: usize) -> Layout {
     let (hlen, _, has_digests) = shape(header.kind()).expect("every Header has a shape");
     let hd = has_digests && digests.header;
@@ -422,6 +430,9 @@ pub fn encoded_len(header: &Header, data_len: usize, digests: Digests, align: us
 /// padding, for a PDU that will carry `data_len` bytes sent from elsewhere
 /// (a read's data goes out as it is, never copied). The data follows, then
 /// [`data_digest`] when there is one.
+// Always inlined: a caller names one header type, and the match over the
+// others folds away (a target's encoder calls this once per reply).
+#[inline(always)]
 pub fn encode_head(
     header: &Header,
     extra_flags: u8,

@@ -25,6 +25,8 @@ struct Host {
     d: Digests,
     buf: Vec<u8>,
     cid: u16,
+    /// Connect's CATTR (bit 2: SQ flow control disabled).
+    cattr: u8,
 }
 
 fn sqe(opcode: u8) -> Sqe {
@@ -40,11 +42,16 @@ trait With: Sized {
 impl With for Sqe {}
 
 impl Host {
+    /// A host on connection `s`, nothing sent yet.
+    fn over(s: TcpStream) -> Host {
+        Host { s, d: Digests::default(), buf: Vec::new(), cid: 0, cattr: 0 }
+    }
+
     /// Connects and exchanges ICReq/ICResp.
     fn ic(addr: &str, d: Digests) -> Host {
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut h = Host { s, d: Digests::default(), buf: Vec::new(), cid: 0 };
+        let mut h = Host::over(s);
         h.send(&Header::IcReq(IcReq { pfv: 0, hpda: 0, digests: d, maxr2t: 0 }), 0, &[]);
         match h.recv() {
             (Header::IcResp(r), _) => {
@@ -78,7 +85,7 @@ impl Host {
         let c = sqe(OPC_FABRICS).with(|s| {
             s.nsid = fctype::CONNECT as u32;
             s.cdw10 = (qid as u32) << 16;
-            s.cdw11 = 31;
+            s.cdw11 = 31 | (self.cattr as u32) << 16;
             s.cdw12 = kato_ms;
         });
         self.command(c, &data)
@@ -97,13 +104,18 @@ impl Host {
 
     /// The next PDU, or `None` when the target closed the connection.
     fn try_recv(&mut self) -> Option<(Header, Vec<u8>)> {
+        self.try_recv_flags().map(|(h, _, d)| (h, d))
+    }
+
+    /// [`Host::try_recv`], with the PDU's flags.
+    fn try_recv_flags(&mut self) -> Option<(Header, u8, Vec<u8>)> {
         loop {
             if let Some((p, used)) = pdu::parse(&self.buf, self.d, 1 << 24).unwrap() {
-                let Pdu { header, data, data_digest_ok, .. } = p;
+                let Pdu { header, flags, data, data_digest_ok } = p;
                 assert!(data_digest_ok);
                 let d = self.buf[data].to_vec();
                 self.buf.drain(..used);
-                return Some((header, d));
+                return Some((header, flags, d));
             }
             let mut chunk = [0u8; 65536];
             match self.s.read(&mut chunk) {
@@ -445,6 +457,57 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
     drop(t);
 }
 
+/// SQ flow control: with it (Linux's default), each completion reports the
+/// submission queue's head after the commands taken so far, wrapping at the
+/// queue's size; a host that disabled it at Connect (CATTR bit 2, as SPDK's
+/// hosts and `fastsan bench` do) gets each read completed by its data alone
+/// (C2HData marked SUCCESS, no CapsuleResp) and completions without a head.
+#[test]
+fn the_queue_head_is_reported_unless_the_host_disabled_sq_flow_control() {
+    let dir = temp_dir("nvme-sqhd");
+    let t = serve(&dir);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    let cntlid = cqe.dw0 as u16;
+    admin.enable(2);
+    // 32 entries (SQSIZE 31); Connect was the first command, so the head is 1.
+    let (mut io, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cntlid, 0);
+    assert_eq!((cqe.status.is_success(), cqe.sqhd), (true, 1));
+    let data = pattern(7, 4096);
+    for i in 0..70u16 {
+        let cqe = if i % 2 == 0 { io.write(1, i as u64 * 8, &data) } else { io.read(1, 0, 8).0 };
+        assert!(cqe.status.is_success());
+        assert_eq!(cqe.sqhd, (2 + i) % 32, "the head after command {i}");
+    }
+
+    let mut quiet = Host::ic(&t.nvme, Digests::default());
+    quiet.cattr = 1 << 2;
+    let cqe = quiet.try_connect(NQN, 2, cntlid, 0);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    for i in 0..40u16 {
+        let cqe = quiet.write(1, 1024 + i as u64 * 8, &pattern(i as u8, 4096));
+        assert_eq!((cqe.status.is_success(), cqe.sqhd), (true, 0));
+        let mut c = sqe(0x02).with(|s| {
+            s.nsid = 1;
+            s.cdw10 = 1024 + i as u32 * 8;
+            s.cdw12 = 7;
+        });
+        c.dptr = SglDesc { addr: 0, length: 4096, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        quiet.submit(&mut c, &[]);
+        match quiet.try_recv_flags() {
+            Some((Header::C2hData(h), flags, d)) => {
+                assert_eq!((h.cccid, h.datao, flags & (flag::LAST_PDU | flag::SUCCESS)), (c.cid, 0, 0x0c));
+                assert!(d == pattern(i as u8, 4096), "read {i} returns what was written");
+            }
+            other => panic!("expected the read's data, got {other:?}"),
+        }
+    }
+    // Nothing else came for those reads: the next PDU answers the next command.
+    let cqe = quiet.command(sqe(0x00).with(|s| s.nsid = 1), &[]);
+    assert!(cqe.status.is_success());
+    // The other queue kept its count throughout.
+    assert_eq!(io.write(1, 0, &data).sqhd, (2 + 70) % 32);
+}
+
 #[test]
 fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
     let dir = temp_dir("nvme-bad");
@@ -471,8 +534,7 @@ fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
         other => panic!("expected a C2HTermReq, got {other:?}"),
     };
     // A PDU with a wrong header length, before ICReq.
-    let mut h =
-        Host { s: TcpStream::connect(&t.nvme).unwrap(), d: Digests::default(), buf: Vec::new(), cid: 0 };
+    let mut h = Host::over(TcpStream::connect(&t.nvme).unwrap());
     h.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     h.s.write_all(&[0, 0, 64, 0, 128, 0, 0, 0]).unwrap();
     assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);

@@ -475,7 +475,7 @@ pub struct NvmeConn {
     /// The submission queue head after the last command taken, shared with the encoder.
     head: Arc<AtomicU16>,
     /// The host disabled SQ flow control: a read's data may say SUCCESS and
-    /// carry no completion.
+    /// carry no completion, and completions report no head (SQHD 0).
     sqflow_off: bool,
     activity: Arc<Activity>,
     /// Writes waiting for their data, by transfer tag.
@@ -537,8 +537,13 @@ impl NvmeConn {
     }
 
     /// Takes one command off the submission queue (its completions report
-    /// the head as it is when they are sent).
+    /// the head as it is when they are sent). A host that disabled SQ flow
+    /// control does not read the head: nothing is tracked (as Linux's nvmet
+    /// does), so the reader stores nothing the writer's thread must fetch.
     fn take(&mut self) {
+        if self.sqflow_off {
+            return;
+        }
         let next = (self.head.load(Relaxed) + 1) % self.entries;
         self.head.store(next, Relaxed);
     }
@@ -904,6 +909,9 @@ impl NvmeConn {
     }
 
     /// A write's (or a deallocate's) data is all here: its request.
+    /// Always inlined: its result is built where the decoder returns it,
+    /// not copied out of a callee's frame (a store-forwarding stall per write).
+    #[inline(always)]
     fn written(&self, cid: u16, nsid: u32, write: Option<(u64, bool)>, data: Bytes) -> Decoded<NvmeMeta> {
         let Some(mode) = self.ctrl.namespace(nsid) else {
             return self.local(cid, status::INVALID_NAMESPACE, true);
@@ -1107,7 +1115,13 @@ impl Transmission for NvmeConn {
                         buf.advance(f.len);
                         Bytes::new()
                     }
-                    false => buf.split_to(f.len).freeze().slice(f.data.clone()),
+                    // Cut to the data in place: no second reference to drop.
+                    false => {
+                        let mut frame = buf.split_to(f.len);
+                        frame.truncate(f.data.end);
+                        frame.advance(f.data.start);
+                        frame.freeze()
+                    }
                 };
                 let d = if self.qid == 0 { self.admin(&sqe) } else { self.io(&sqe, data, f.data_digest_ok)? };
                 match d {
@@ -1208,7 +1222,7 @@ impl Encoder for NvmeEncoder {
             resp = !success;
         }
         if resp {
-            let sqhd = self.head.load(Relaxed);
+            let sqhd = if self.sqflow_off { 0 } else { self.head.load(Relaxed) };
             let cqe = Cqe { dw0, dw1, sqhd, sqid: self.sqid, cid: m.cid, status, phase: false };
             pdu::encode_head(&Header::CapsuleResp(cqe), 0, 0, self.digests, 0, scratch);
         }
