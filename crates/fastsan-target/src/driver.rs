@@ -400,7 +400,11 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
                     Some(v) => {
                         requests += 1;
-                        match d.dispatch(v, tag, meta, req).await {
+                        let r = match d.dispatch_now(v, tag, meta, req) {
+                            Ok(r) => r,
+                            Err((meta, req)) => d.dispatch(v, tag, meta, req).await,
+                        };
+                        match r {
                             // Another frame came in the same read: this one's replies go first.
                             Ok(()) if conn.frame_ended() && !buf.is_empty() => d.flush().await,
                             r => r,

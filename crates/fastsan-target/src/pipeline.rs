@@ -225,6 +225,14 @@ impl Drop for Held {
     }
 }
 
+/// The bytes a request moves through the device (what its byte budget counts).
+fn moves(req: &Result<IoRequest, Refusal>) -> u64 {
+    req.as_ref().map_or(0, |r| match r.kind {
+        IoKind::Read | IoKind::Write => r.length,
+        _ => 0,
+    })
+}
+
 /// One finished request on its way to the writer. `M` is what the front end
 /// needs to encode the reply (its command, offset, ...).
 pub struct Reply<M> {
@@ -650,6 +658,9 @@ where
     /// is an error when decoding already refused the request. Fails when the
     /// connection is stopped (lost, replaced, or its replies failed): then
     /// the request is not run, and nothing after it either.
+    ///
+    /// The usual case, a credit at hand, is [`Dispatcher::dispatch_now`]:
+    /// a reader tries that first and awaits this only when it must wait.
     pub async fn dispatch(
         &self,
         volume: &Arc<Volume>,
@@ -657,14 +668,10 @@ where
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
     ) -> io::Result<()> {
-        let moves = req.as_ref().map_or(0, |r| match r.kind {
-            IoKind::Read | IoKind::Write => r.length,
-            _ => 0,
-        });
+        let moves = moves(&req);
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
         let credit = match self.credit_now(moves) {
-            // The usual case: credit at hand, no waiting, no wake-up registered.
             Some(c) => c,
             None => tokio::select! {
                 biased;
@@ -673,6 +680,38 @@ where
                 _ = self.env.shutdown.cancelled() => return Ok(()),
             },
         };
+        self.start(volume, tag, meta, req, credit)
+    }
+
+    /// [`Dispatcher::dispatch`] when a credit is at hand now (no waiting, no
+    /// wake-up registered); else the request comes back, for `dispatch`.
+    /// A plain call: `dispatch`'s future, with its waits for a credit, for
+    /// the connection's stop and for shutdown, is over a kilobyte, and a
+    /// reader that awaited it for every request built and copied it each
+    /// time (two 1.3 KiB `memcpy`s per NBD request, 42 ns of ~2.4 us).
+    #[allow(clippy::type_complexity)]
+    pub fn dispatch_now(
+        &self,
+        volume: &Arc<Volume>,
+        tag: u64,
+        meta: E::Meta,
+        req: Result<IoRequest, Refusal>,
+    ) -> Result<io::Result<()>, (E::Meta, Result<IoRequest, Refusal>)> {
+        match self.credit_now(moves(&req)) {
+            Some(credit) => Ok(self.start(volume, tag, meta, req, credit)),
+            None => Err((meta, req)),
+        }
+    }
+
+    /// Runs a request that holds its credit (see [`Dispatcher::dispatch`]).
+    fn start(
+        &self,
+        volume: &Arc<Volume>,
+        tag: u64,
+        meta: E::Meta,
+        req: Result<IoRequest, Refusal>,
+        credit: Credit,
+    ) -> io::Result<()> {
         if self.activity.is_stopped() {
             return Err(stopped());
         }
