@@ -483,6 +483,7 @@ fn the_queue_head_is_reported_unless_the_host_disabled_sq_flow_control() {
     quiet.cattr = 1 << 2;
     let cqe = quiet.try_connect(NQN, 2, cntlid, 0);
     assert!(cqe.status.is_success(), "{cqe:?}");
+    assert_eq!(cqe.sqhd, 0xffff, "Connect says SQ flow control is off");
     for i in 0..40u16 {
         let cqe = quiet.write(1, 1024 + i as u64 * 8, &pattern(i as u8, 4096));
         assert_eq!((cqe.status.is_success(), cqe.sqhd), (true, 0));
@@ -504,7 +505,7 @@ fn the_queue_head_is_reported_unless_the_host_disabled_sq_flow_control() {
     // Nothing else came for those reads: the next PDU answers the next command.
     let cqe = quiet.command(sqe(0x00).with(|s| s.nsid = 1), &[]);
     assert!(cqe.status.is_success());
-    // The other queue kept its count throughout.
+    // The first queue goes on counting.
     assert_eq!(io.write(1, 0, &data).sqhd, (2 + 70) % 32);
 }
 

@@ -122,7 +122,10 @@ impl Handshake for NvmeHandshake {
                         let cqe = Cqe {
                             dw0: conn.ctrl.cntlid as u32,
                             dw1: 0,
-                            sqhd: 1,
+                            // FFFFh tells the host its "SQ flow control
+                            // disabled" was accepted (NVMe over Fabrics,
+                            // Connect response; nvmet does the same).
+                            sqhd: if conn.sqflow_off { 0xffff } else { 1 },
                             sqid: conn.qid,
                             cid: sqe.cid,
                             status: Status::SUCCESS,
