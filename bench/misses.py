@@ -66,11 +66,13 @@ NEXT = {
     "honesty": "fastsan bench and fio disagree on nbdkit where the server sets the pace: the two clients do "
                "not measure the same thing (section 0). Next: compare their commands and their own CPU per "
                "I/O before reading any fastsan bench figure of this run.",
-    "frontends": "NVMe/TCP's codec costs the target ~40 ns per 4K I/O more than NBD's (decode and encode, of "
-                 "~2.5 us; bench/cost_by_symbol.py: \"NVMe/TCP and NBD per symbol\"), and the ratio of the two "
-                 "moves 10-20% between runs with the host (section 11). Next: shrink what NVMe/TCP's decode moves "
-                 "per command (its results are built and moved through the stack several times), then "
-                 "bench/ab.py with more rounds to tell a change from the spread.",
+    "frontends": "NVMe/TCP's codec costs the target ~20 ns per 4K I/O more than NBD's (decode and encode, of "
+                 "~2.5 us; bench/cost_by_symbol.py: \"A request's own cost\"), the shared credit operations "
+                 "~25 ns more (gone with one runtime thread), and the ratio of the two moves 10-20% between runs "
+                 "with the host (section 11); writes are at parity since 6a433db, reads not. Next: why NVMe/TCP's "
+                 "host reads its replies in smaller pieces than NBD's at the same receive room (more wake-ups, "
+                 "which the target's writev pays for), then an adaptive receive room, each with bench/ab.py and "
+                 "enough rounds to tell a change from the spread.",
 }
 
 
