@@ -193,6 +193,9 @@ struct Credits {
     depth: usize,
     budget: Budget,
     server: Budget,
+    /// Where a credit is counted in flight (reached through the credits'
+    /// reference: no second reference count per request).
+    stats: Arc<Stats>,
 }
 
 /// What a request holds of [`Credits`], given back when dropped: also when
@@ -243,19 +246,18 @@ pub struct Reply<M> {
     _credit: Option<Credit>,
 }
 
+/// A request's credit: what it holds, and its count in flight (the
+/// stats' in-flight requests) from its credit to its reply, written or
+/// dropped; one in [`LATENCY_SAMPLE`] per thread is also timed over that
+/// span, into the stats' latency.
 struct Credit {
-    _held: Held,
-    _counted: InFlight,
+    held: Held,
+    timed: Option<std::time::Instant>,
 }
 
-/// A request counted in [`Stats::in_flight`] from its credit to its reply
-/// (written or dropped); one in [`LATENCY_SAMPLE`] per thread is also timed
-/// over that span, into [`Stats::latency`].
-struct InFlight(Arc<Stats>, Option<std::time::Instant>);
-
-impl InFlight {
-    fn new(stats: &Arc<Stats>) -> InFlight {
-        stats.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+impl Credit {
+    fn new(held: Held) -> Credit {
+        held.credits.stats.began();
         thread_local! {
             static COUNT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
         }
@@ -264,15 +266,16 @@ impl InFlight {
             c.get()
         });
         let timed = n.is_multiple_of(LATENCY_SAMPLE).then(std::time::Instant::now);
-        InFlight(stats.clone(), timed)
+        Credit { held, timed }
     }
 }
 
-impl Drop for InFlight {
+impl Drop for Credit {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.1 {
-            self.0.latency.record(t.elapsed().as_nanos().min(u64::MAX as u128) as u64);
+        let stats = &self.held.credits.stats;
+        stats.ended();
+        if let Some(t) = self.timed {
+            stats.latency.record(t.elapsed().as_nanos().min(u64::MAX as u128) as u64);
         }
     }
 }
@@ -638,6 +641,7 @@ where
             depth,
             budget: Budget::new(BYTE_BUDGET as u64),
             server: env.budget.clone(),
+            stats: env.stats.clone(),
         });
         let d = Dispatcher {
             env,
@@ -716,7 +720,7 @@ where
             return Err(stopped());
         }
         let stats = &self.env.stats;
-        Stats::add(&stats.requests, 1);
+        stats.request();
         let kind = req.as_ref().ok().map(|r| r.kind);
         let op = match req.and_then(|r| volume.validate(r, &self.limits)) {
             Ok(op) => op,
@@ -840,7 +844,7 @@ where
             }
             held.server_units = server_units;
         }
-        Some(Credit { _held: held, _counted: InFlight::new(&self.env.stats) })
+        Some(Credit::new(held))
     }
 
     /// Waits for a queue slot and, for requests that move data, byte budget;
@@ -862,7 +866,7 @@ where
             self.share(&c.server, server_units).await?;
             held.server_units = server_units;
         }
-        Ok(Credit { _held: held, _counted: InFlight::new(&self.env.stats) })
+        Ok(Credit::new(held))
     }
 
     /// `units` of `budget`; the replies held are sent first when it must wait.
@@ -927,10 +931,7 @@ fn account(
     logged: &Logged,
 ) -> Result<Outcome, Refusal> {
     match &result {
-        Ok(_) => {
-            Stats::add(&stats.bytes_read, read);
-            Stats::add(&stats.bytes_written, written);
-        }
+        Ok(_) => stats.moved(read, written),
         Err(e) => {
             stats.refused_request(e);
             at.log(e, logged);
@@ -1051,6 +1052,7 @@ mod tests {
             depth: 2,
             budget: Budget::new(64 << 20),
             server: server.clone(),
+            stats: Arc::default(),
         });
         let mut held = Held::new(&c);
         assert!(c.slots.try_take(1));

@@ -1,5 +1,6 @@
 //! Counters of what the target did, for logs, tests and `--metrics`.
 
+use crate::backend::stats::{shard_index, SHARDS};
 use crate::backend::Histogram;
 use crate::request::Refusal;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -7,19 +8,19 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 #[derive(Debug, Default)]
 pub struct Stats {
     pub connections: AtomicU64,
-    pub requests: AtomicU64,
+    /// What every request counts ([`Stats::request`], [`Stats::moved`],
+    /// [`Stats::began`], [`Stats::ended`]): requests, bytes, requests in
+    /// flight, one shard per thread. One counter shared by every connection
+    /// was a cache line passed between the cores at every request.
+    shards: [Shard; SHARDS],
     /// BATCH frames received.
     pub batches: AtomicU64,
     /// Sub-requests that arrived inside BATCH frames.
     pub batched_requests: AtomicU64,
-    pub bytes_read: AtomicU64,
-    pub bytes_written: AtomicU64,
     /// Requests answered with an error status.
     pub errors: AtomicU64,
     /// The same, by [`Refusal::kind`].
     pub errors_by_kind: [AtomicU64; Refusal::KINDS.len()],
-    /// Requests between their credit and their reply now.
-    pub in_flight: AtomicU64,
     /// Sampled time from a request's credit to its reply written (or dropped):
     /// the target's own latency for it, queueing, device and reply included.
     pub latency: Histogram,
@@ -39,6 +40,18 @@ pub struct Stats {
     /// them ([`crate::coalesce`]), and the rounds waited for them.
     pub coalesced: AtomicU64,
     pub coalesce_rounds: AtomicU64,
+}
+
+/// One thread's share of the per-request counters, alone on its cache lines.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Shard {
+    requests: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    /// Requests that began here less those that ended here (wrapping: a
+    /// request may end on another thread); the shards' sum is what is in flight.
+    in_flight: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -100,6 +113,36 @@ impl Stats {
         counter.fetch_add(n, Relaxed);
     }
 
+    fn shard(&self) -> &Shard {
+        &self.shards[shard_index()]
+    }
+
+    /// A request received (a BATCH's sub-requests each count).
+    pub fn request(&self) {
+        self.shard().requests.fetch_add(1, Relaxed);
+    }
+
+    /// Bytes a request read and wrote.
+    pub fn moved(&self, read: u64, written: u64) {
+        let s = self.shard();
+        s.bytes_read.fetch_add(read, Relaxed);
+        s.bytes_written.fetch_add(written, Relaxed);
+    }
+
+    /// A request took its credit: in flight until [`Stats::ended`].
+    pub fn began(&self) {
+        self.shard().in_flight.fetch_add(1, Relaxed);
+    }
+
+    /// Its reply was written (or dropped).
+    pub fn ended(&self) {
+        self.shard().in_flight.fetch_sub(1, Relaxed);
+    }
+
+    fn sum(&self, field: impl Fn(&Shard) -> &AtomicU64) -> u64 {
+        self.shards.iter().fold(0u64, |a, s| a.wrapping_add(field(s).load(Relaxed)))
+    }
+
     /// A request refused or failed.
     pub fn refused_request(&self, r: &Refusal) {
         self.errors.fetch_add(1, Relaxed);
@@ -109,14 +152,14 @@ impl Stats {
     pub fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             connections: self.connections.load(Relaxed),
-            requests: self.requests.load(Relaxed),
+            requests: self.sum(|s| &s.requests),
             batches: self.batches.load(Relaxed),
             batched_requests: self.batched_requests.load(Relaxed),
-            bytes_read: self.bytes_read.load(Relaxed),
-            bytes_written: self.bytes_written.load(Relaxed),
+            bytes_read: self.sum(|s| &s.bytes_read),
+            bytes_written: self.sum(|s| &s.bytes_written),
             errors: self.errors.load(Relaxed),
             errors_by_kind: std::array::from_fn(|i| self.errors_by_kind[i].load(Relaxed)),
-            in_flight: self.in_flight.load(Relaxed),
+            in_flight: self.sum(|s| &s.in_flight),
             latency_ns: self.latency.counts(),
             protocol_errors: self.protocol_errors.load(Relaxed),
             auth_failures: self.auth_failures.load(Relaxed),
@@ -126,5 +169,47 @@ impl Stats {
             coalesced: self.coalesced.load(Relaxed),
             coalesce_rounds: self.coalesce_rounds.load(Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Requests begin on one thread and end on another (a pool's, or the
+    /// writer's): each shard then holds part of the count, some below zero,
+    /// and the snapshot still says how many are in flight.
+    #[test]
+    fn requests_in_flight_are_counted_across_threads() {
+        let stats = std::sync::Arc::new(Stats::default());
+        for _ in 0..10 {
+            stats.request();
+            stats.began();
+            stats.moved(4096, 512);
+        }
+        let s = stats.clone();
+        std::thread::spawn(move || {
+            for _ in 0..7 {
+                s.ended();
+            }
+        })
+        .join()
+        .unwrap();
+        let snap = stats.snapshot();
+        assert_eq!((snap.requests, snap.in_flight), (10, 3));
+        assert_eq!((snap.bytes_read, snap.bytes_written), (40960, 5120));
+        let s = stats.clone();
+        std::thread::spawn(move || {
+            s.request();
+            s.began();
+            s.ended();
+            s.ended();
+            s.ended();
+            s.ended();
+        })
+        .join()
+        .unwrap();
+        let snap = stats.snapshot();
+        assert_eq!((snap.requests, snap.in_flight), (11, 0));
     }
 }

@@ -71,10 +71,10 @@ struct Shard {
 }
 
 /// Shards per volume: each thread counts in its own (threads beyond this share).
-const SHARDS: usize = 16;
+pub(crate) const SHARDS: usize = 16;
 
 /// The shard of the calling thread.
-fn shard_index() -> usize {
+pub(crate) fn shard_index() -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
         static INDEX: usize = NEXT.fetch_add(1, Relaxed) % SHARDS;
