@@ -1,9 +1,22 @@
 //! Counters of what the target did, for logs, tests and `--metrics`.
 
-use crate::backend::stats::{shard_index, SHARDS};
 use crate::backend::Histogram;
 use crate::request::Refusal;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// Shards of a set of counters that every request moves (a front end's
+/// here, a volume's in the stats layer): each thread counts in its own
+/// (threads beyond this share), and a snapshot sums them.
+pub(crate) const SHARDS: usize = 16;
+
+/// The shard of the calling thread.
+pub(crate) fn shard_index() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: usize = NEXT.fetch_add(1, Relaxed) % SHARDS;
+    }
+    INDEX.with(|i| *i)
+}
 
 #[derive(Debug, Default)]
 pub struct Stats {

@@ -22,7 +22,7 @@ mod memory;
 mod null;
 mod readonly;
 mod remote;
-pub(crate) mod stats;
+mod stats;
 
 pub use delay::DelayLayer;
 pub use faults::{Effect, FaultLayer, FaultOps, FaultRule, Faults};

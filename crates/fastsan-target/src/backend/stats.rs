@@ -6,7 +6,8 @@
 
 use super::{Backend, Layer, Result, ZeroFlags};
 use crate::request::{Extent, ReadData};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use crate::stats::{shard_index, SHARDS};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -68,18 +69,6 @@ struct Shard {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     errors: AtomicU64,
-}
-
-/// Shards per volume: each thread counts in its own (threads beyond this share).
-pub(crate) const SHARDS: usize = 16;
-
-/// The shard of the calling thread.
-pub(crate) fn shard_index() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static INDEX: usize = NEXT.fetch_add(1, Relaxed) % SHARDS;
-    }
-    INDEX.with(|i| *i)
 }
 
 /// One volume's counters. Each thread counts in a shard of its own, so
