@@ -575,6 +575,13 @@ impl Eager {
             self.skip -= 1;
             return None;
         }
+        // A read the runtime does not see still spends the task's budget,
+        // as the runtime's reads do: a reader whose socket always has more
+        // must still give way (to its connection's writer task, to the
+        // worker's other connections and to its sockets and timers) at least
+        // every 128 reads (a helper's review). Out of budget: nothing now,
+        // and the reader's next wait yields.
+        tokio::task::coop::consume_budget().now_or_never()?;
         let r = recv_now(fd, into);
         match r {
             Some(_) => self.backoff = 1,
@@ -735,9 +742,10 @@ mod tests {
 
     /// `Eager` reads what a real socket holds without the runtime's help,
     /// backs off after finding nothing, and reports the peer's close as the
-    /// end of the stream. Nothing here awaits after the accept, so the
-    /// runtime never polls its sockets and records no readiness: every byte
-    /// read is read by `Eager` itself.
+    /// end of the stream. The runtime takes a stream it accepted for ready:
+    /// the first read, through the runtime, finds nothing and clears that;
+    /// nothing here awaits after the accept, so the runtime never polls its
+    /// sockets again and every byte read after it is read by `Eager`.
     #[tokio::test]
     async fn an_eager_read_takes_what_the_socket_holds_and_backs_off_when_it_holds_nothing() {
         use std::io::Write;
@@ -777,6 +785,50 @@ mod tests {
         arrive();
         assert_eq!(eager.read_now(&mut rd, &mut buf).unwrap().unwrap(), 0);
         assert_eq!(&buf[..], b"firstsecond");
+    }
+
+    /// A reader whose socket always has more spends the task's budget on
+    /// `Eager`'s reads as on the runtime's, so it gives way to the worker
+    /// (and its connection's writer task) at least every 128 reads; what it
+    /// reads after the yield continues where it stopped.
+    #[tokio::test]
+    async fn eager_reads_spend_the_tasks_budget() {
+        use std::io::Write;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let fd = server.socket();
+        let (mut rd, _wr) = server.into_split();
+        let mut eager = Eager::new(fd);
+        let mut buf = BytesMut::with_capacity(4096);
+        // Clears the readiness the runtime assumed at the accept: from here
+        // on, what this task reads without awaiting, `Eager` reads.
+        assert!(eager.read_now(&mut rd, &mut buf).is_none());
+        let sent: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&sent).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        // One byte at a time: until the first read (after the miss's skip),
+        // then as long as the budget lasts.
+        let mut first = 0;
+        while eager.read_now(&mut rd, &mut (&mut buf).limit(1)).is_none() {
+            first += 1;
+            assert!(first < 3, "the socket holds 1000 bytes");
+        }
+        let mut run = 1;
+        while let Some(r) = eager.read_now(&mut rd, &mut (&mut buf).limit(1)) {
+            assert_eq!(r.unwrap(), 1);
+            run += 1;
+            assert!(run <= 128, "read on past the task's budget");
+        }
+        assert!(run > 16, "stopped after {run} reads, not at the budget");
+        // After a yield, the rest, in order.
+        while buf.len() < sent.len() {
+            tokio::task::yield_now().await;
+            while let Some(r) = eager.read_now(&mut rd, &mut buf) {
+                assert!(r.unwrap() > 0);
+            }
+        }
+        assert_eq!(&buf[..], &sent[..]);
     }
 
     /// The whole NBD path, handshake to disconnect, over an in-memory stream.
