@@ -6,7 +6,7 @@
 //! end **decodes** every complete request in them, the [`Dispatcher`]
 //! checks, executes and answers each, and the replies of one read leave
 //! together; then the next read asks the socket itself before it waits for
-//! the runtime to say it has data ([`Eager`]). It waits for credits, stops at
+//! the runtime to say it has data (`Eager`). It waits for credits, stops at
 //! shutdown, tells end-of-stream in the middle of a frame (an error) from a
 //! clean close, and logs how every connection ended, with its peer.
 //!
@@ -740,6 +740,18 @@ mod tests {
         assert!((0..3 * STREAK).all(|_| !exchange(&mut off, 1, Some(us(25)))));
     }
 
+    /// A loopback connection: its client's end (blocking, std), the
+    /// accepted end's halves and an `Eager` on its socket.
+    async fn eager_socket(
+    ) -> (std::net::TcpStream, tokio::net::tcp::OwnedReadHalf, tokio::net::tcp::OwnedWriteHalf, Eager) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let eager = Eager::new(server.socket());
+        let (rd, wr) = server.into_split();
+        (client, rd, wr, eager)
+    }
+
     /// `Eager` reads what a real socket holds without the runtime's help,
     /// backs off after finding nothing, and reports the peer's close as the
     /// end of the stream. The runtime takes a stream it accepted for ready:
@@ -749,12 +761,7 @@ mod tests {
     #[tokio::test]
     async fn an_eager_read_takes_what_the_socket_holds_and_backs_off_when_it_holds_nothing() {
         use std::io::Write;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (server, _) = listener.accept().await.unwrap();
-        let fd = server.socket();
-        let (mut rd, _wr) = server.into_split();
-        let mut eager = Eager::new(fd);
+        let (mut client, mut rd, _wr, mut eager) = eager_socket().await;
         let mut buf = BytesMut::with_capacity(4096);
         let arrive = || std::thread::sleep(Duration::from_millis(30));
         // Nothing sent: nothing read, and the next read lets the socket be.
@@ -794,12 +801,7 @@ mod tests {
     #[tokio::test]
     async fn eager_reads_spend_the_tasks_budget() {
         use std::io::Write;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (server, _) = listener.accept().await.unwrap();
-        let fd = server.socket();
-        let (mut rd, _wr) = server.into_split();
-        let mut eager = Eager::new(fd);
+        let (mut client, mut rd, _wr, mut eager) = eager_socket().await;
         let mut buf = BytesMut::with_capacity(4096);
         // Clears the readiness the runtime assumed at the accept: from here
         // on, what this task reads without awaiting, `Eager` reads.
