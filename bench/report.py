@@ -292,6 +292,10 @@ def frontend_checks(r):
     return checks
 
 
+# The systems of the files experiment's O_DIRECT points (bench/suite.py, direct_points).
+DIRECT, DIRECT_PEER, DEVICE = "fastsan (direct)", "qemu-nbd (cache=none, io_uring)", "device (fio io_uring, O_DIRECT)"
+
+
 def durability_table(r):
     """File volumes on disk, 4K random I/O and FLUSH-heavy writes: fastsan against nbdkit's file plugin."""
     t = r.get("durability") or {}
@@ -302,15 +306,18 @@ def durability_table(r):
         for n, e in p.items():
             flush = e.get("flush_lat_mean_us")
             rows.append([label, n, fmt(e.get("iops")), f"{flush:.0f}" if flush else "-",
-                         f"{e.get('server_cpu_us_per_io', 0):.2f}"])
-        fs, nk = p.get("fastsan", {}).get("iops"), p.get("nbdkit", {}).get("iops")
-        if fs and nk:
-            rows.append([label, "fastsan / nbdkit", f"{fs / nk:.2f}x", "", ""])
+                         f"{e['server_cpu_us_per_io']:.2f}" if "server_cpu_us_per_io" in e else "-"])
+        for ours, theirs in (("fastsan", "nbdkit"), (DIRECT, DIRECT_PEER), (DIRECT, DEVICE)):
+            a, b = p.get(ours, {}).get("iops"), p.get(theirs, {}).get("iops")
+            if a and b:
+                rows.append([label, f"{ours} / {theirs}", f"{a / b:.2f}x", "", ""])
     return table(["point", "system", "IOPS", "mean FLUSH us", "server CPU us/IO"], rows) + (
         "\nfio --ioengine=nbd, 4K at random, to a 1 GiB file on this machine's disk (not tmpfs: each flush "
         "reaches the device), written whole first, served by fastsan (`file:` volume) and by nbdkit's file "
-        "plugin; the FLUSH points write with a FLUSH after every 4 writes of each job (`--fsync=4`). Server CPU "
-        "is the target process's, per I/O.\n")
+        "plugin; the FLUSH points write with a FLUSH after every 4 writes of each job (`--fsync=4`). The "
+        "O_DIRECT points bypass the page cache, as a served NVMe drive would: fastsan's `file:PATH,direct` "
+        "against qemu-nbd `--cache=none --aio=io_uring`, and the device itself (fio with io_uring and "
+        "O_DIRECT on a file of its own: no server, the floor). Server CPU is the target process's, per I/O.\n")
 
 
 def frontend_pairs(points):
@@ -370,7 +377,7 @@ def frontends_table(r):
     for label, p in t.items():
         for n, e in p.items():
             rows.append([label, n, fmt(e.get("iops")), f"{e.get('lat_mean_us', 0):.0f}",
-                         f"{e.get('server_cpu_us_per_io', 0):.2f}"])
+                         f"{e['server_cpu_us_per_io']:.2f}" if "server_cpu_us_per_io" in e else "-"])
     out = table(["point", "front end", "IOPS", "mean us", "server CPU us/IO"], rows)
     out += "\n" + table(["comparison", "ratio", "target", "verdict"], checks)
     out += pairs_text(r.get("frontends_pairs") or {})

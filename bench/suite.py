@@ -349,7 +349,8 @@ def main():
                     help="only the TLS experiment: BRP and NBD over TLS vs plaintext, and NBD over TLS vs nbdkit --tls=require")
     ap.add_argument("--files", "--durability", dest="files", action="store_true",
                     help="only the file-volume experiment: 4K random reads and writes, and FLUSH-heavy writes, to a "
-                         "file on disk, fastsan vs nbdkit's file plugin")
+                         "file on disk, fastsan vs nbdkit's file plugin; then with O_DIRECT, fastsan vs qemu-nbd "
+                         "(cache=none, io_uring) and the device itself")
     ap.add_argument("--frontends", action="store_true",
                     help="only the front-end experiment: one volume through BRP, NBD and NVMe/TCP, one client (fastsan bench)")
     ap.add_argument("--attach", action="store_true",
@@ -685,8 +686,8 @@ def durability_experiment(run, reps, have):
     random (1 x QD1, 1 x QD32, 4 x QD8), then writes with a FLUSH after every 4 writes, on 4 connections
     of queue depth 16 and on one of queue depth 1. A FLUSH covers the writes before it, so the last two
     measure how much a target keeps doing while its fsyncs run (fastsan: one I/O thread per running
-    flush, its waiters holding none, docs/faults.md). Results are kept under "durability" (the
-    experiment's name until it measured reads too)."""
+    flush, its waiters holding none, docs/faults.md). Then the O_DIRECT points (`direct_points`).
+    Results are kept under "durability" (the experiment's name until it measured reads too)."""
     if not have("nbdkit"):
         log("files: nbdkit is missing; skipped")
         return {}
@@ -695,13 +696,7 @@ def durability_experiment(run, reps, have):
     systems = {}
     try:
         for name in ("fastsan", "nbdkit"):
-            path = os.path.join(base, f"{name}.img")
-            with open(path, "wb") as f:
-                block = os.urandom(1 << 20)
-                for _ in range(VOLUME_SIZE >> 20):
-                    f.write(block)
-                f.flush()
-                os.fsync(f.fileno())
+            path = write_image(base, name)
             p = free_port()
             s = System(name, "fastsan" if name == "fastsan" else "nbd")
             if name == "fastsan":
@@ -724,11 +719,63 @@ def durability_experiment(run, reps, have):
                    for name, s in systems.items()}
             out[f"4K randwrite, a FLUSH every 4 writes, {label}"] = run_point(
                 run, reps, "durability", {"rw": "randwrite", "bs": "4k", "qd": qd, "jobs": jobs, "fsync": 4}, fns)
+        for s in systems.values():
+            s.stop()
+        systems.clear()
+        out.update(direct_points(run, reps, have, base, systems))
         return out
     finally:
         for s in systems.values():
             s.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def write_image(base, name):
+    """A 1 GiB file of random bytes in `base`, on the device (fsynced): every block allocated."""
+    path = os.path.join(base, f"{name}.img")
+    with open(path, "wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(VOLUME_SIZE >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def direct_points(run, reps, have, base, systems):
+    """Serving a device without the page cache, as an NVMe drive would be served: fastsan's `file:`
+    volume with `,direct` (O_DIRECT) against qemu-nbd with `--cache=none --aio=io_uring` (nbdkit's file
+    plugin has no O_DIRECT), each on its own 1 GiB file on this machine's disk, and the device itself:
+    fio with io_uring and O_DIRECT on a third file, the floor of what any server can pass on. 4K reads
+    at 1 x QD1, 1 x QD32 and 4 x QD8, writes at 1 x QD32 and 4 x QD8. Every I/O reaches the device, so
+    these points are the device's and the servers' I/O paths, not the page cache's."""
+    log("files: 4K random I/O with O_DIRECT: fastsan ,direct, qemu-nbd --cache=none --aio=io_uring, the device")
+    path = write_image(base, "fastsan-direct")
+    p = free_port()
+    s = System("fastsan", "fastsan")
+    s.spawn([FASTSAN, "serve", "--brp", f"127.0.0.1:{free_port()}", "--nbd", f"127.0.0.1:{p}",
+             "--volume", f"v=file:{path},direct"], p)
+    s.url = f"nbd://127.0.0.1:{p}/v"
+    systems["fastsan (direct)"] = s
+    if have("qemu-nbd"):
+        path = write_image(base, "qemu-nbd-direct")
+        p = free_port()
+        s = System("qemu-nbd", "nbd")
+        s.spawn(["qemu-nbd", "-f", "raw", "-b", "127.0.0.1", "-p", str(p), "-t", "--shared=64", "-x", "",
+                 "--cache=none", "--aio=io_uring", path], p)
+        s.url = f"nbd://127.0.0.1:{p}/"
+        systems["qemu-nbd (cache=none, io_uring)"] = s
+    device = write_image(base, "device")
+    out = {}
+    for rw, qd, jobs in (("randread", 1, 1), ("randread", 32, 1), ("randread", 8, 4),
+                         ("randwrite", 32, 1), ("randwrite", 8, 4)):
+        fns = {name: with_cpu(lambda s=s, rw=rw, qd=qd, jobs=jobs: run.fio(s.url, rw, "4k", qd, jobs), s.pid)
+               for name, s in systems.items()}
+        fns["device (fio io_uring, O_DIRECT)"] = (
+            lambda rw=rw, qd=qd, jobs=jobs: run.fio(device, rw, "4k", qd, jobs, engine="io_uring", direct=True))
+        out[f"4K {rw}, {jobs} x QD{qd}, O_DIRECT"] = run_point(
+            run, reps, "durability", {"rw": rw, "bs": "4k", "qd": qd, "jobs": jobs, "direct": True}, fns)
+    return out
 
 
 def frontends_experiment(run, reps):

@@ -62,6 +62,17 @@ class Durability(unittest.TestCase):
         self.assertIn(f"| {point} | fastsan / nbdkit | 1.50x |  |  |", text)
         self.assertEqual(report.durability_table({}), "not measured\n")
 
+    def test_direct_points_compare_with_qemu_nbd_and_the_device(self):
+        point = "4K randread, 1 x QD32, O_DIRECT"
+        r = {"durability": {point: {report.DIRECT: {"iops": 40000.0, "server_cpu_us_per_io": 20.0},
+                                    report.DIRECT_PEER: {"iops": 32000.0, "server_cpu_us_per_io": 25.0},
+                                    report.DEVICE: {"iops": 80000.0}}}}
+        text = report.durability_table(r)
+        self.assertIn(f"| {point} | {report.DIRECT} / {report.DIRECT_PEER} | 1.25x |  |  |", text)
+        self.assertIn(f"| {point} | {report.DIRECT} / {report.DEVICE} | 0.50x |  |  |", text)
+        self.assertIn(f"| {point} | {report.DEVICE} | 80 K | - | - |", text)
+        self.assertNotIn("fastsan / nbdkit", text)
+
 
 if __name__ == "__main__":
     unittest.main()
