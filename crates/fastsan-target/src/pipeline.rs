@@ -740,6 +740,27 @@ where
             // A read of bytes at hand is answered here, as an inline one is.
             Some(pool) => match volume.read_now(&op) {
                 Some(result) => result,
+                // To the device without an I/O thread (a direct file's ring):
+                // answered from the thread that sees it finish.
+                None if volume.can_submit(&op) => {
+                    let replies = Replies {
+                        tx: self.tx.clone(),
+                        sink: self.sink.clone(),
+                        credits: self.credits.clone(),
+                    };
+                    let (v, stats, peer, logged) =
+                        (volume.clone(), self.env.stats.clone(), self.peer.clone(), self.logged.clone());
+                    volume.submit(
+                        op,
+                        Box::new(move |result| {
+                            let at = Where { peer: &peer, volume: v.name(), tag, kind };
+                            let result = account(result, moves, &stats, at, &logged);
+                            drop(running);
+                            replies.send(Reply { tag, meta, result, _credit: Some(credit) });
+                        }),
+                    );
+                    return Ok(());
+                }
                 None => {
                     let job = PoolJob {
                         volume: volume.clone(),

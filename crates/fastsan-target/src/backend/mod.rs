@@ -23,6 +23,8 @@ mod null;
 mod readonly;
 mod remote;
 mod stats;
+#[cfg(target_os = "linux")]
+pub mod uring;
 
 pub use delay::DelayLayer;
 pub use faults::{Effect, FaultLayer, FaultOps, FaultRule, Faults};
@@ -76,6 +78,15 @@ impl From<io::Error> for BackendError {
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// A read or a write handed to a store that finishes it later ([`Backend::submit`]).
+pub enum DeviceIo {
+    Read { offset: u64, len: u32 },
+    Write { offset: u64, data: bytes::Bytes },
+}
+
+/// What a submitted I/O gives back when it finishes: a read's data (`None` for a write).
+pub type DeviceDone = Box<dyn FnOnce(Result<Option<ReadData>>) + Send>;
 
 /// How to write zeroes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -155,6 +166,24 @@ pub trait Backend: Send + Sync + 'static {
     /// Called only where [`Backend::can_read_now`].
     fn read_now(&self, _buf: &mut [u8], _offset: u64) -> Result<bool> {
         Ok(false)
+    }
+    /// Whether [`Backend::submit`] takes plain reads and writes: the store
+    /// keeps many device I/Os in flight itself (a `,direct` file's ring,
+    /// [`uring`]) and every layer above can follow one to its end. Then they
+    /// need no I/O thread each. Stores that cannot keep the default.
+    fn can_submit(&self) -> bool {
+        false
+    }
+    /// Whether [`Backend::submit`] takes writes too (else only reads).
+    fn can_submit_writes(&self) -> bool {
+        false
+    }
+    /// Starts `io` and returns at once; `done` runs when it finishes, on
+    /// another thread, with a read's data. Called only where
+    /// [`Backend::can_submit`].
+    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+        let _ = io;
+        done(Err(BackendError::Unsupported));
     }
     /// With `fua`, the data is durable when this returns.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
@@ -252,6 +281,18 @@ pub trait Layer: Send + Sync + 'static {
     fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         self.next().read_now(buf, offset)
     }
+    /// Not passed through either: a submitted I/O skips the layers'
+    /// `read_at` and `write_at`. A layer that can follow one to its end
+    /// (stats: it counts at submission and at completion) opts in.
+    fn can_submit(&self) -> bool {
+        false
+    }
+    fn can_submit_writes(&self) -> bool {
+        false
+    }
+    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+        self.next().submit(io, done)
+    }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.next().write_at(buf, offset, fua)
     }
@@ -330,6 +371,15 @@ impl<L: Layer> Backend for L {
     }
     fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         Layer::read_now(self, buf, offset)
+    }
+    fn can_submit(&self) -> bool {
+        Layer::can_submit(self)
+    }
+    fn can_submit_writes(&self) -> bool {
+        Layer::can_submit_writes(self)
+    }
+    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+        Layer::submit(self, io, done)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         Layer::write_at(self, buf, offset, fua)

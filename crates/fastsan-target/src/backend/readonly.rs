@@ -1,7 +1,7 @@
 //! The read-only layer (`,ro`): refuses every change and says so in the
 //! capabilities, whatever the store below could do.
 
-use super::{Backend, BackendError, Layer, Result, ZeroFlags};
+use super::{Backend, BackendError, DeviceDone, DeviceIo, Layer, Result, ZeroFlags};
 use std::sync::Arc;
 
 pub struct ReadOnlyLayer {
@@ -26,6 +26,15 @@ impl Layer for ReadOnlyLayer {
     }
     fn can_read_now(&self) -> bool {
         self.next.can_read_now()
+    }
+    fn can_submit(&self) -> bool {
+        self.next.can_submit()
+    }
+    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+        match io {
+            DeviceIo::Read { .. } => self.next.submit(io, done),
+            DeviceIo::Write { .. } => done(Err(BackendError::ReadOnly)),
+        }
     }
     fn can_trim(&self) -> bool {
         false

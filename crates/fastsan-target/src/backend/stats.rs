@@ -4,7 +4,7 @@
 //! [`LATENCY_SAMPLE`] of each kind: reading the clock twice per call cost
 //! 3.5% of the target's CPU on 4K reads from memory (perf, BRP randread).
 
-use super::{Backend, Layer, Result, ZeroFlags};
+use super::{Backend, DeviceDone, DeviceIo, Layer, Result, ZeroFlags};
 use crate::request::{Extent, ReadData};
 use crate::stats::{shard_index, SHARDS};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -195,6 +195,37 @@ impl Layer for StatsLayer {
             Err(_) => shard.errors.fetch_add(1, Relaxed),
         };
         r
+    }
+    fn can_submit(&self) -> bool {
+        self.next.can_submit()
+    }
+    fn can_submit_writes(&self) -> bool {
+        self.next.can_submit_writes()
+    }
+    /// Counted as a call is: the operation when
+    /// submitted, its bytes, failure and (sampled) latency when it finishes.
+    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+        let (ops, moved, n): (Counter, Counter, u64) = match &io {
+            DeviceIo::Read { len, .. } => (|s| &s.reads, |s| &s.bytes_read, u64::from(*len)),
+            DeviceIo::Write { data, .. } => (|s| &s.writes, |s| &s.bytes_written, data.len() as u64),
+        };
+        let count = ops(&self.stats.shards[shard_index()]).fetch_add(1, Relaxed);
+        let start = count.is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
+        let stats = self.stats.clone();
+        self.next.submit(
+            io,
+            Box::new(move |r| {
+                if let Some(start) = start {
+                    stats.latency.record(start.elapsed().as_nanos() as u64);
+                }
+                let shard = &stats.shards[shard_index()];
+                match &r {
+                    Ok(_) => moved(shard).fetch_add(n, Relaxed),
+                    Err(_) => shard.errors.fetch_add(1, Relaxed),
+                };
+                done(r)
+            }),
+        )
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let n = buf.len() as u64;

@@ -2,6 +2,7 @@
 //! runs a validated [`Op`] on the volume's backend stack.
 
 use super::{Op, OpKind, Volume};
+use crate::backend::{BackendError, DeviceIo};
 use crate::pool::PooledBuf;
 use crate::request::{Extent, ReadData, Refusal};
 use bytes::Bytes;
@@ -47,6 +48,39 @@ impl Volume {
             Ok(false) => None,
             Err(e) => Some(Err(e.into())),
         }
+    }
+
+    /// Whether `op` can go to the device without an I/O thread
+    /// ([`Volume::submit`]): a plain read, or a plain write where the store
+    /// takes writes too (FUA and the rest keep their flush logic on the I/O
+    /// pool), of a volume whose store keeps its own I/Os in flight.
+    pub fn can_submit(&self, op: &Op) -> bool {
+        match op.kind {
+            OpKind::Read { .. } => self.caps.submit,
+            OpKind::Write { fua: false, .. } => self.caps.submit_writes,
+            _ => false,
+        }
+    }
+
+    /// Starts an operation [`Volume::can_submit`] takes and returns at once;
+    /// `done` gets its outcome, as [`Volume::execute`] would give it, on the
+    /// store's completion thread.
+    pub fn submit(&self, op: Op, done: Box<dyn FnOnce(Result<Outcome, Refusal>) + Send>) {
+        let io = match op.kind {
+            OpKind::Read { offset, len } => DeviceIo::Read { offset, len },
+            OpKind::Write { offset, data, fua: false } => DeviceIo::Write { offset, data },
+            _ => return done(Err(BackendError::Unsupported.into())),
+        };
+        self.backend.submit(
+            io,
+            Box::new(move |r| {
+                done(match r {
+                    Ok(Some(data)) => Ok(Outcome::Data(data)),
+                    Ok(None) => Ok(Outcome::Done),
+                    Err(e) => Err(e.into()),
+                })
+            }),
+        )
     }
 
     /// Runs a validated operation, waiting for the flush it needs, if any

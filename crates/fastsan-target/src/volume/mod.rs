@@ -34,6 +34,11 @@ pub struct Caps {
     /// Reads whose bytes are at hand (a file's page cache) are served on
     /// the receiving thread ([`Volume::read_now`]), not on the I/O pool.
     pub read_now: bool,
+    /// Plain reads and writes go to the device without an I/O thread each
+    /// ([`Volume::submit`]: a `,direct` file's ring).
+    pub submit: bool,
+    /// Writes too (a block device's ring).
+    pub submit_writes: bool,
 }
 
 pub struct Volume {
@@ -158,6 +163,8 @@ impl Volume {
             cache: b.can_cache(),
             share_reads: b.can_share_reads(),
             read_now: b.can_read_now(),
+            submit: b.can_submit(),
+            submit_writes: b.can_submit() && b.can_submit_writes(),
         };
         let pool = b.may_block().then(|| IoPool::new(io_threads, &name));
         let flusher =

@@ -1,0 +1,437 @@
+//! A ring of device I/O (io_uring) for direct file volumes: many reads and
+//! writes in flight at once without a thread each, submitted by whoever
+//! holds the request and finished by one completion thread.
+//!
+//! Why: a `,direct` file volume serves every I/O from the device, and today
+//! each one is a hand-off to an I/O thread that then blocks in `pread` or
+//! `pwrite` until the device answers: ~1.5-3.8 context switches per I/O
+//! under fio at QD16-64, 1.2-1.5x qemu-nbd's server CPU per I/O
+//! (docs/benchmarks.md, section 12, "With O_DIRECT"). Here a connection's
+//! thread pushes the I/O and goes on; the completion thread wakes once for
+//! everything that finished meanwhile and calls each I/O's `Done`.
+//!
+//! A `,direct` [`super::FileBackend`] keeps one ring; its volume sends plain
+//! reads and writes here ([`super::Backend::submit`], which the layers that
+//! can follow an I/O to its end pass through: stats, read-only), and FLUSH,
+//! TRIM, FUA writes and the rest to its I/O pool as before. More I/Os than
+//! the ring holds wait in its queue, in order, for completions to free room.
+
+use io_uring::{opcode, types, IoUring};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+
+pub use super::file::{AlignedBuf, DIRECT_ALIGN as ALIGN};
+
+/// What a finished I/O hands back: its buffer, and whether every byte moved.
+pub type Done = Box<dyn FnOnce(AlignedBuf, io::Result<()>) + Send>;
+
+/// One I/O in flight: owned by the ring from its push until its `Done` runs
+/// (its buffer with it, so the device never writes into freed memory).
+struct Op {
+    fd: RawFd,
+    write: bool,
+    /// `RWF_DSYNC`: the write is durable when it completes (FUA).
+    dsync: bool,
+    buf: AlignedBuf,
+    offset: u64,
+    /// Bytes moved so far (a device may move fewer than asked: the rest is asked again).
+    moved: usize,
+    done: Done,
+}
+
+impl Op {
+    /// The submission of what is left of this I/O; `user_data` is the op itself.
+    fn entry(self: &mut Box<Op>) -> io_uring::squeue::Entry {
+        let me = &mut **self as *mut Op as u64;
+        // SAFETY (for the kernel's use of the pointer): the rest of the
+        // buffer lives as long as the op, which is not dropped before its
+        // completion comes back (`Ring::finish`, `Drop for Ring`).
+        let at = unsafe { self.buf.as_mut_ptr().add(self.moved) };
+        let left = (self.buf.len() - self.moved) as u32;
+        let offset = self.offset + self.moved as u64;
+        let e = if self.write {
+            let flags = if self.dsync { libc::RWF_DSYNC } else { 0 };
+            opcode::Write::new(types::Fd(self.fd), at, left).offset(offset).rw_flags(flags).build()
+        } else {
+            opcode::Read::new(types::Fd(self.fd), at, left).offset(offset).build()
+        };
+        e.user_data(me)
+    }
+}
+
+/// A `user_data` no op carries: the ring is closing.
+const CLOSE: u64 = 0;
+/// The longest the completion thread waits before it looks again.
+const WAIT: types::Timespec = types::Timespec::new().nsec(100_000_000);
+
+/// The submission side, under one lock: the ring's queue has one producer
+/// at a time, and what does not fit waits here.
+struct Queue {
+    /// Ops the kernel holds (pushed, not yet reaped): at most `Shared::limit`,
+    /// so that the completion queue always has room for them.
+    in_kernel: usize,
+    /// Ops waiting for room, pushed in order as completions free it.
+    waiting: VecDeque<Box<Op>>,
+}
+
+struct Shared {
+    ring: IoUring,
+    queue: Mutex<Queue>,
+    limit: usize,
+    closing: AtomicBool,
+    reaper: OnceLock<std::thread::ThreadId>,
+}
+
+// (Shared is Sync as IoUring is. What keeps its queues sound is that at most
+// one SubmissionQueue exists at a time, made and dropped under `queue`'s
+// lock, and only the completion thread makes a CompletionQueue.)
+
+/// An io_uring and the thread that finishes its I/Os.
+pub struct Ring {
+    shared: Arc<Shared>,
+    reaper: Option<JoinHandle<()>>,
+}
+
+impl Ring {
+    /// A ring of `entries` submissions (the kernel rounds up to a power of
+    /// two); fails where the kernel has no io_uring or refuses it
+    /// (`kernel.io_uring_disabled`, seccomp): the caller keeps its threads.
+    pub fn new(entries: u32) -> io::Result<Ring> {
+        let ring = IoUring::new(entries)?;
+        // Reads and writes at an offset came with kernel 5.6, timed waits
+        // with 5.11: an older kernel keeps the volume on its I/O threads.
+        let mut probe = io_uring::Probe::new();
+        ring.submitter().register_probe(&mut probe)?;
+        let ops = [opcode::Read::CODE, opcode::Write::CODE, opcode::Nop::CODE];
+        if !ops.iter().all(|&op| probe.is_supported(op)) || !ring.params().is_feature_ext_arg() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "this kernel's io_uring lacks READ, WRITE or timed waits",
+            ));
+        }
+        // One completion's room kept for the NOP that closes the ring.
+        let limit = ring.params().cq_entries() as usize - 1;
+        let shared = Arc::new(Shared {
+            ring,
+            queue: Mutex::new(Queue { in_kernel: 0, waiting: VecDeque::new() }),
+            limit,
+            closing: AtomicBool::new(false),
+            reaper: OnceLock::new(),
+        });
+        let s = shared.clone();
+        let reaper = std::thread::Builder::new().name("fastsan-ring".into()).spawn(move || reap(&s))?;
+        let _ = shared.reaper.set(reaper.thread().id());
+        Ok(Ring { shared, reaper: Some(reaper) })
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of `fd` into `buf`; `done` runs
+    /// on the completion thread with the buffer. `fd` must stay open until then.
+    pub fn read(&self, fd: RawFd, buf: AlignedBuf, offset: u64, done: Done) {
+        self.shared.push(Box::new(Op { fd, write: false, dsync: false, buf, offset, moved: 0, done }));
+    }
+
+    /// Writes `buf` at `offset` of `fd` (durable when it completes, if
+    /// `dsync`); as [`Ring::read`].
+    pub fn write(&self, fd: RawFd, buf: AlignedBuf, offset: u64, dsync: bool, done: Done) {
+        self.shared.push(Box::new(Op { fd, write: true, dsync, buf, offset, moved: 0, done }));
+    }
+}
+
+impl Shared {
+    /// Queues `op` for the kernel: at once if there is room, else after the
+    /// ops already waiting.
+    fn push(&self, op: Box<Op>) {
+        let mut q = self.queue.lock();
+        q.waiting.push_back(op);
+        self.fill(&mut q);
+        drop(q);
+        // A failed submission leaves the entries queued: the completion
+        // thread's next wait hands them over.
+        let _ = self.ring.submit();
+    }
+
+    /// Moves waiting ops into the ring while it has room (under the lock).
+    fn fill(&self, q: &mut Queue) {
+        while q.in_kernel < self.limit {
+            let Some(mut op) = q.waiting.pop_front() else { return };
+            let entry = op.entry();
+            // SAFETY: the submission queue is ours under the lock; the
+            // entry's buffer and the op it names live until its completion.
+            if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
+                // The queue holds entries the kernel has not taken yet: hand them over.
+                let _ = self.ring.submit();
+                // SAFETY: as above.
+                if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
+                    q.waiting.push_front(op);
+                    return;
+                }
+            }
+            // The op is the kernel's now (its address is the entry's user_data).
+            let _ = Box::into_raw(op);
+            q.in_kernel += 1;
+        }
+    }
+
+    /// A completion: the op finished, failed, or moved part of its bytes
+    /// (then the rest is asked for again).
+    fn finish(&self, mut op: Box<Op>, result: i32) {
+        let r = match result {
+            n if n > 0 => {
+                op.moved += n as usize;
+                if op.moved < op.buf.len() {
+                    return self.push(op);
+                }
+                Ok(())
+            }
+            // Nothing moved: the file ends before the range does.
+            0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended inside the I/O's range")),
+            e if -e == libc::EINTR || -e == libc::EAGAIN => return self.push(op),
+            e => Err(io::Error::from_raw_os_error(-e)),
+        };
+        let Op { buf, done, .. } = *op;
+        done(buf, r);
+    }
+
+    fn idle(&self) -> bool {
+        let q = self.queue.lock();
+        q.in_kernel == 0 && q.waiting.is_empty()
+    }
+}
+
+/// The completion thread: waits for completions, finishes their ops, and
+/// ends once the ring closes with nothing left in flight or waiting.
+fn reap(s: &Shared) {
+    loop {
+        // Waits for a completion, at most WAIT: entries a producer queued
+        // but could not submit (the kernel refused for a moment) are handed
+        // over here, at the latest after one wait. (The kernel returns at
+        // once when it submits fewer entries than counted, as when a producer
+        // submitted them meanwhile: one more turn of this loop.)
+        let args = types::SubmitArgs::new().timespec(&WAIT);
+        match s.ring.submitter().submit_with_args(1, &args) {
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                ) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "io_uring wait failed; retrying");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        // SAFETY: only this thread reads the completion queue.
+        let done: Vec<(u64, i32)> =
+            unsafe { s.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
+        let ops = done.iter().filter(|(u, _)| *u != CLOSE).count();
+        if ops > 0 {
+            // Their room first: a partial op asked again below finds it.
+            let mut q = s.queue.lock();
+            // More completions than ops handed over would mean the queue's
+            // memory no longer says what the kernel holds: stop here, loudly,
+            // rather than free an op twice.
+            q.in_kernel =
+                q.in_kernel.checked_sub(ops).expect("an io_uring completed more I/Os than it was given");
+            s.fill(&mut q);
+            drop(q);
+            let _ = s.ring.submit();
+        }
+        for (user_data, result) in done {
+            if user_data == CLOSE {
+                continue;
+            }
+            // SAFETY: every other user_data is an op `fill` handed to the
+            // kernel, completed once and reclaimed here once.
+            let op = unsafe { Box::from_raw(user_data as *mut Op) };
+            // A panic in one I/O's completion (its reply) must not stop every
+            // other I/O of the volume, as it does not on the I/O threads.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.finish(op, result))).is_err() {
+                tracing::error!("an I/O's completion panicked; the ring goes on");
+            }
+        }
+        if s.closing.load(Acquire) && s.idle() {
+            return;
+        }
+    }
+}
+
+impl Drop for Ring {
+    /// Waits for every I/O in flight or waiting to finish (their buffers are
+    /// the device's until then), then ends the completion thread.
+    fn drop(&mut self) {
+        let s = &*self.shared;
+        s.closing.store(true, Release);
+        let nop = opcode::Nop::new().build().user_data(CLOSE);
+        loop {
+            let pushed = {
+                let _q = s.queue.lock();
+                // SAFETY: the submission queue is ours under the lock; a NOP
+                // names no memory. Dropped (its tail written) under the lock.
+                let mut sq = unsafe { s.ring.submission_shared() };
+                let pushed = unsafe { sq.push(&nop) }.is_ok();
+                drop(sq);
+                pushed
+            };
+            let _ = s.ring.submit();
+            if pushed {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        // A `Done` that dropped the ring's last owner runs on the completion
+        // thread itself, which then ends on its own once idle.
+        if s.reaper.get() == Some(&std::thread::current().id()) {
+            // Only the last I/O's completion can drop the last owner (every
+            // one holds its volume), so none is left to name the descriptor.
+            debug_assert!(s.idle(), "a ring dropped by its own completion with I/Os left");
+            return;
+        }
+        if let Some(t) = self.reaper.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::{File, OpenOptions};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A file of `len` bytes in /var/tmp (tmpfs may refuse O_DIRECT), opened
+    /// O_DIRECT; removed when dropped.
+    struct Direct {
+        file: File,
+        path: std::path::PathBuf,
+    }
+    impl Drop for Direct {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+    fn direct_file(tag: &str, len: u64, write: bool) -> Direct {
+        let path =
+            std::path::Path::new("/var/tmp").join(format!("fastsan-ring-{tag}-{}", std::process::id()));
+        File::create(&path).and_then(|f| f.set_len(len)).expect("a file");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(write)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .expect("O_DIRECT");
+        Direct { file, path }
+    }
+    fn block(seed: u64) -> AlignedBuf {
+        let mut b = AlignedBuf::new(ALIGN);
+        for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
+            *x = (seed.wrapping_mul(31) + i as u64 / 7) as u8;
+        }
+        b
+    }
+    type Got = (u64, AlignedBuf, io::Result<()>);
+    /// A `Done` that sends what it got, tagged.
+    fn reply(tx: &mpsc::Sender<Got>, tag: u64) -> Done {
+        let tx = tx.clone();
+        Box::new(move |b, r| {
+            let _ = tx.send((tag, b, r));
+        })
+    }
+    fn next(rx: &mpsc::Receiver<Got>) -> Got {
+        rx.recv_timeout(Duration::from_secs(20)).expect("the I/O finishes")
+    }
+
+    #[test]
+    fn many_writes_and_reads_in_flight_from_several_threads_read_back_what_was_written() {
+        let f = direct_file("rw", 256 * ALIGN as u64, true);
+        // Far fewer entries than I/Os: most wait for room.
+        let ring = Ring::new(8).expect("an io_uring");
+        let fd = f.file.as_raw_fd();
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|t| {
+            for q in 0..4u64 {
+                let (ring, tx) = (&ring, tx.clone());
+                t.spawn(move || {
+                    for i in (q * 64)..(q * 64 + 64) {
+                        ring.write(fd, block(i), i * ALIGN as u64, i % 5 == 0, reply(&tx, i));
+                    }
+                });
+            }
+        });
+        for _ in 0..256 {
+            let (i, _, r) = next(&rx);
+            r.unwrap_or_else(|e| panic!("write {i}: {e}"));
+        }
+        for i in 0..256u64 {
+            ring.read(fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
+        }
+        for _ in 0..256 {
+            let (i, b, r) = next(&rx);
+            r.unwrap_or_else(|e| panic!("read {i}: {e}"));
+            assert!(b.as_slice() == block(i).as_slice(), "block {i} read back other bytes");
+        }
+    }
+
+    #[test]
+    fn a_read_past_the_end_and_a_write_the_file_refuses_fail_with_their_causes() {
+        let f = direct_file("err", 2 * ALIGN as u64, false);
+        let ring = Ring::new(8).expect("an io_uring");
+        let (tx, rx) = mpsc::channel();
+        let fd = f.file.as_raw_fd();
+        // Two blocks from the last one: one moves, the rest finds the end.
+        ring.read(fd, AlignedBuf::new(2 * ALIGN), ALIGN as u64, reply(&tx, 1));
+        let (_, _, r) = next(&rx);
+        assert_eq!(r.expect_err("past the end").kind(), io::ErrorKind::UnexpectedEof);
+        // Opened read-only: the kernel refuses the write.
+        ring.write(fd, block(3), 0, false, reply(&tx, 2));
+        let (_, _, r) = next(&rx);
+        assert_eq!(r.expect_err("a read-only descriptor").raw_os_error(), Some(libc::EBADF));
+    }
+
+    #[test]
+    fn ios_beyond_the_rings_room_wait_their_turn_and_dropping_it_waits_for_them_all() {
+        // Reads of an empty pipe stay in flight until bytes come.
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into the array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors are ours, each owned once.
+        let (rd, wr): (File, File) = unsafe {
+            use std::os::fd::FromRawFd;
+            (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]))
+        };
+        let ring = Ring::new(2).expect("an io_uring");
+        let (limit, reads) = (ring.shared.limit, ring.shared.limit + 3);
+        let finished = Arc::new(AtomicUsize::new(0));
+        for tag in 0..reads {
+            let n = finished.clone();
+            let done: Done = Box::new(move |b, r| {
+                r.expect("read");
+                assert!(b.as_slice().iter().all(|&x| x == 7), "read {tag}: the bytes written");
+                n.fetch_add(1, SeqCst);
+            });
+            ring.read(rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, done);
+        }
+        {
+            let q = ring.shared.queue.lock();
+            assert_eq!((q.in_kernel, q.waiting.len()), (limit, 3), "the ring full, the rest waiting");
+        }
+        assert_eq!(finished.load(SeqCst), 0, "nothing finished before bytes came");
+        // The bytes come a while after the ring begins to close.
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            let mut wr = wr;
+            std::io::Write::write_all(&mut wr, &vec![7u8; ALIGN * reads]).expect("written");
+        });
+        drop(ring);
+        assert_eq!(finished.load(SeqCst), reads, "every read finished before the ring went");
+        writer.join().expect("the writer");
+    }
+}

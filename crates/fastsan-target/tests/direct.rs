@@ -1,0 +1,173 @@
+//! `,direct` file volumes: reads (and a block device's writes) go to the
+//! device through the volume's ring (io_uring), many in flight, and come
+//! back right; FLUSH and FUA writes still take the I/O pool; a device that
+//! runs out of space fails the write that hit it and nothing acknowledged
+//! before.
+
+mod common;
+
+use common::{pattern, TestServer};
+use fastsan_brp::Status;
+use fastsan_initiator::{Error, Options, Volume};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MIB: u64 = 1 << 20;
+
+/// A directory on a disk filesystem (tmpfs may refuse O_DIRECT).
+fn disk_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("fastsan-direct-{name}-"))
+        .tempdir_in("/var/tmp")
+        .expect("a directory")
+}
+
+fn sparse(path: &Path, len: u64) {
+    std::fs::File::create(path).unwrap().set_len(len).unwrap();
+}
+
+async fn connect(srv: &TestServer, connections: usize) -> Volume {
+    Volume::connect(&srv.url("v"), Options { connections, ..Default::default() }).await.expect("connects")
+}
+
+/// Hundreds of writes in flight at once (more than the ring's 128 entries),
+/// of 4 KiB to 1 MiB, then as many reads: every byte read is the byte
+/// written, through the target and straight from the device too; a FUA
+/// write and a FLUSH (the I/O pool's) mixed in. `writes_in_ring`: whether
+/// the volume's writes take the ring too (a block device's) or its I/O
+/// threads (a regular file's).
+async fn many_in_flight(path: &Path, writes_in_ring: bool) {
+    let spec = format!("v=file:{},direct", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |c| c.queue_depth = 256).await;
+    let caps = srv.handle.catalog().get("v").unwrap().caps();
+    assert!(caps.submit, "a direct volume reads through its ring");
+    assert_eq!(caps.submit_writes, writes_in_ring, "and writes through it only on a block device");
+    let vol = connect(&srv, 2).await;
+
+    // 300 pieces: 4 KiB at 4 KiB steps, then 64 KiB ones, then four of 1 MiB.
+    let mut pieces: Vec<(u64, usize)> = (0..256).map(|i| (i * 4096, 4096)).collect();
+    pieces.extend((0..40).map(|i| (2 * MIB + i * 65536, 65536)));
+    pieces.extend((0..4).map(|i| (8 * MIB + i * MIB, MIB as usize)));
+    let writes = pieces.iter().map(|&(at, len)| {
+        let (vol, data) = (&vol, pattern(1, at, len));
+        async move { vol.write_at(&data, at, at % (3 * 4096) == 0).await }
+    });
+    for (r, &(at, _)) in futures::future::join_all(writes).await.into_iter().zip(&pieces) {
+        r.unwrap_or_else(|e| panic!("write at {at}: {e}"));
+    }
+    vol.flush().await.expect("flushed");
+    let reads = pieces.iter().map(|&(at, len)| vol.read(at, len as u64));
+    for (r, &(at, len)) in futures::future::join_all(reads).await.into_iter().zip(&pieces) {
+        let got = r.unwrap_or_else(|e| panic!("read at {at}: {e}"));
+        assert!(got[..] == pattern(1, at, len)[..], "read at {at}+{len}: not the bytes written");
+    }
+    // On the device itself, where the target put them.
+    let file = std::fs::File::open(path).unwrap();
+    for &(at, len) in pieces.iter().step_by(7) {
+        let mut buf = vec![0; len];
+        file.read_exact_at(&mut buf, at).unwrap();
+        assert!(buf == pattern(1, at, len), "the device at {at}+{len}");
+    }
+    let st = srv.handle.volume_stats("v").unwrap();
+    assert!(st.writes >= 300 && st.reads >= 300 && st.errors == 0, "counted through the ring: {st:?}");
+    drop(vol);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_file_reads_through_its_ring_with_hundreds_in_flight() {
+    let dir = disk_dir("ring");
+    let path = dir.path().join("v.img");
+    sparse(&path, 64 * MIB);
+    many_in_flight(&path, false).await;
+}
+
+/// A loop device over a file: a block device, whose writes take the ring too.
+struct Loop(String);
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).output();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_block_device_reads_and_writes_through_its_ring_with_hundreds_in_flight() {
+    let dir = disk_dir("ring-dev");
+    let img = dir.path().join("dev.img");
+    sparse(&img, 64 * MIB);
+    let out =
+        Command::new("losetup").args(["-f", "--show", img.to_str().unwrap()]).output().expect("losetup");
+    assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+    let dev = Loop(String::from_utf8(out.stdout).unwrap().trim().to_owned());
+    many_in_flight(Path::new(&dev.0), true).await;
+}
+
+/// A small filesystem of its own, mounted for the test (root, loop devices).
+struct SmallFs {
+    mnt: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    fn mount(mib: u64) -> SmallFs {
+        let dir = disk_dir("enospc");
+        let (img, mnt) = (dir.path().join("fs.img"), dir.path().join("mnt"));
+        sparse(&img, mib * MIB);
+        std::fs::create_dir(&mnt).unwrap();
+        let run = |cmd: &str, args: &[&str]| {
+            let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+            assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run("mkfs.ext4", &["-q", "-F", img.to_str().unwrap()]);
+        run("mount", &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()]);
+        SmallFs { mnt, _dir: dir }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mnt).output();
+    }
+}
+
+/// A direct volume on a filesystem with less room than the volume: writes
+/// succeed until the device is full, the one that finds it full gets
+/// NO_SPACE, every write acknowledged before reads back right (through the
+/// ring), and the target goes on serving this client and a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_device_fails_the_write_that_hit_it_and_keeps_every_acknowledged_one() {
+    let fs = SmallFs::mount(16);
+    let path = fs.mnt.join("v.img");
+    sparse(&path, 64 * MIB);
+    let spec = format!("v=file:{},direct", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    assert!(srv.handle.catalog().get("v").unwrap().caps().submit);
+    let vol = connect(&srv, 1).await;
+    let mut acked = Vec::new();
+    let mut full = None;
+    for i in 0..64 {
+        match vol.write_at(&pattern(2, i * MIB, MIB as usize), i * MIB, false).await {
+            Ok(()) => acked.push(i),
+            Err(e) => {
+                full = Some((i, e));
+                break;
+            }
+        }
+    }
+    let Some((at, e)) = full else { panic!("64 MiB fit on a 16 MiB filesystem") };
+    assert!(matches!(e, Error::Status(Status::NO_SPACE)), "the write at {at} MiB: {e:?}");
+    assert!(acked.len() >= 4, "only {} MiB written before the device was full", acked.len());
+    // Every acknowledged write, through this client and a new one.
+    let other = connect(&srv, 1).await;
+    for v in [&vol, &other] {
+        for &i in &acked {
+            let got = v.read(i * MIB, MIB).await.unwrap_or_else(|e| panic!("read at {i} MiB: {e}"));
+            assert!(got[..] == pattern(2, i * MIB, MIB as usize)[..], "{i} MiB: not the bytes acknowledged");
+        }
+    }
+    assert!(srv.handle.volume_stats("v").unwrap().errors >= 1, "the failure is counted");
+    drop((vol, other));
+    srv.stop().await;
+}
