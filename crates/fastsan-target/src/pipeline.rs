@@ -541,8 +541,14 @@ pub struct Dispatcher<W, E: Encoder> {
 /// A validated request on its way through a volume's I/O pool, with what
 /// its reply needs. A long TRIM or WRITE_ZEROES runs one piece per turn.
 struct PoolJob<W, E: Encoder> {
-    volume: Arc<Volume>,
     op: Op,
+    answer: Answer<W, E>,
+}
+
+/// What a request run off the reader's thread (on the I/O pool, after a
+/// flush, through a volume's ring) needs to be answered from wherever it ends.
+struct Answer<W, E: Encoder> {
+    volume: Arc<Volume>,
     stats: Arc<Stats>,
     peer: Arc<str>,
     logged: Arc<Logged>,
@@ -551,18 +557,26 @@ struct PoolJob<W, E: Encoder> {
     running: crate::fence::Running,
 }
 
+impl<W: AsyncWrite + Unpin, E: Encoder> Answer<W, E> {
+    /// Counts and logs the outcome, lets the fence go, and sends the reply.
+    fn send(self, moves: (u64, u64), result: Result<Outcome, Refusal>) {
+        let Answer { volume, stats, peer, logged, replies, reply: (tag, meta, kind, credit), running } = self;
+        let at = Where { peer: &peer, volume: volume.name(), tag, kind };
+        let result = account(result, moves, &stats, at, &logged);
+        drop(running);
+        replies.send(Reply { tag, meta, result, _credit: Some(credit) });
+    }
+}
+
 impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> PoolJob<W, E> {
     fn into_job(self) -> Job {
         Job::new(move || {
-            let PoolJob { volume, mut op, stats, peer, logged, replies, reply, running } = self;
+            let PoolJob { mut op, answer } = self;
             let rest = op.split_off();
-            let (tag, meta, kind, credit) = reply;
             let moves = op.moves();
-            let result = match (volume.execute_before_flush(op), rest) {
-                (Ok(_), Some(rest)) if !running.activity().is_abandoned() => {
-                    let reply = (tag, meta, kind, credit);
-                    let next = PoolJob { volume, op: rest, stats, peer, logged, replies, reply, running };
-                    return Some(next.into_job());
+            let result = match (answer.volume.execute_before_flush(op), rest) {
+                (Ok(_), Some(rest)) if !answer.running.activity().is_abandoned() => {
+                    return Some(PoolJob { op: rest, answer }.into_job());
                 }
                 // Nobody will read the reply: the rest is not worth running
                 // (and a reconnect's fence would wait for it).
@@ -571,22 +585,15 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> PoolJob<W, E> {
                 // flush, this one going on with other work meanwhile (a slow
                 // fsync holds one thread, not one per FLUSH and FUA write).
                 (Ok((outcome, true)), None) => {
-                    let v = volume.clone();
-                    volume.flush_then(Box::new(move |r| {
-                        let at = Where { peer: &peer, volume: v.name(), tag, kind };
-                        let result =
-                            account(r.map(|()| outcome).map_err(Refusal::from), moves, &stats, at, &logged);
-                        drop(running);
-                        replies.send(Reply { tag, meta, result, _credit: Some(credit) });
+                    let v = answer.volume.clone();
+                    v.flush_then(Box::new(move |r| {
+                        answer.send(moves, r.map(|()| outcome).map_err(Refusal::from))
                     }));
                     return None;
                 }
                 (result, _) => result.map(|(outcome, _)| outcome),
             };
-            let at = Where { peer: &peer, volume: volume.name(), tag, kind };
-            let result = account(result, moves, &stats, at, &logged);
-            drop(running);
-            replies.send(Reply { tag, meta, result, _credit: Some(credit) });
+            answer.send(moves, result);
             None
         })
     }
@@ -743,39 +750,12 @@ where
                 // To the device without an I/O thread (a direct file's ring):
                 // answered from the thread that sees it finish.
                 None if volume.can_submit(&op) => {
-                    let replies = Replies {
-                        tx: self.tx.clone(),
-                        sink: self.sink.clone(),
-                        credits: self.credits.clone(),
-                    };
-                    let (v, stats, peer, logged) =
-                        (volume.clone(), self.env.stats.clone(), self.peer.clone(), self.logged.clone());
-                    volume.submit(
-                        op,
-                        Box::new(move |result| {
-                            let at = Where { peer: &peer, volume: v.name(), tag, kind };
-                            let result = account(result, moves, &stats, at, &logged);
-                            drop(running);
-                            replies.send(Reply { tag, meta, result, _credit: Some(credit) });
-                        }),
-                    );
+                    let answer = self.answer(volume, (tag, meta, kind, credit), running);
+                    volume.submit(op, Box::new(move |result| answer.send(moves, result)));
                     return Ok(());
                 }
                 None => {
-                    let job = PoolJob {
-                        volume: volume.clone(),
-                        op,
-                        stats: self.env.stats.clone(),
-                        peer: self.peer.clone(),
-                        logged: self.logged.clone(),
-                        replies: Replies {
-                            tx: self.tx.clone(),
-                            sink: self.sink.clone(),
-                            credits: self.credits.clone(),
-                        },
-                        reply: (tag, meta, kind, credit),
-                        running,
-                    };
+                    let job = PoolJob { op, answer: self.answer(volume, (tag, meta, kind, credit), running) };
                     pool.submit(self.client, job.into_job());
                     return Ok(());
                 }
@@ -786,6 +766,24 @@ where
         drop(running);
         self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
         Ok(())
+    }
+
+    /// What a request answered off the reader's thread carries.
+    fn answer(
+        &self,
+        volume: &Arc<Volume>,
+        reply: (u64, E::Meta, Option<IoKind>, Credit),
+        running: crate::fence::Running,
+    ) -> Answer<W, E> {
+        Answer {
+            volume: volume.clone(),
+            stats: self.env.stats.clone(),
+            peer: self.peer.clone(),
+            logged: self.logged.clone(),
+            replies: Replies { tx: self.tx.clone(), sink: self.sink.clone(), credits: self.credits.clone() },
+            reply,
+            running,
+        }
     }
 
     /// Queues a reply the front end made itself ([`crate::frontend::Decoded::Local`]):
