@@ -19,6 +19,8 @@ figure; fio's is not counted). OUT.json keeps every run.
 
 AB_FILE_DIR=DIR serves a 1 GiB file volume in DIR (a sparse file, removed at the end) instead
 of the memory volume: the I/O pool's path (written whole first, so mostly the page cache).
+AB_DIRECT=1 with it serves the file with O_DIRECT (`file:PATH,direct`): every I/O goes to the
+disk, through the volume's io_uring where it has one. DIR must be on a disk filesystem.
 """
 import json
 import os
@@ -41,7 +43,7 @@ def start(binary):
         image = os.path.join(os.environ["AB_FILE_DIR"], f"fastsan-ab-{nbd}.img")
         with open(image, "wb") as f:
             f.truncate(1 << 30)
-        volume = f"file:{image}"
+        volume = f"file:{image}" + (",direct" if os.environ.get("AB_DIRECT") else "")
     t.spawn([binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}", "--nvme",
              f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", f"vol0={volume}"], nbd)
     suite.wait_port(nvme)

@@ -429,7 +429,12 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                     local = true;
                     Ok(())
                 }
-                Ok(Decoded::Incomplete { need }) => break need,
+                Ok(Decoded::Incomplete { need }) => {
+                    // Every request this read brought is dispatched: their
+                    // device I/Os start together (before any linger below).
+                    d.kick();
+                    break need;
+                }
                 Ok(Decoded::Disconnect) => return End::Disconnect,
                 Err(e) => return End::Protocol(e),
             };

@@ -536,6 +536,9 @@ pub struct Dispatcher<W, E: Encoder> {
     activity: Arc<Activity>,
     /// This connection, as the I/O pools' fair queues know it.
     client: u64,
+    /// The volume whose store holds I/Os this connection submitted and has
+    /// not kicked yet ([`Dispatcher::kick`]).
+    unkicked: parking_lot::Mutex<Option<Arc<Volume>>>,
 }
 
 /// A validated request on its way through a volume's I/O pool, with what
@@ -661,6 +664,7 @@ where
             logged: Arc::new(Logged::default()),
             activity,
             client: NEXT_CLIENT.fetch_add(1, Relaxed),
+            unkicked: parking_lot::Mutex::new(None),
         };
         (d, Writer { rx, sink })
     }
@@ -680,6 +684,8 @@ where
         req: Result<IoRequest, Refusal>,
     ) -> io::Result<()> {
         let moves = moves(&req);
+        // Credits come back as I/Os finish: the ones submitted start first.
+        self.kick();
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
         let credit = match self.credit_now(moves) {
@@ -751,7 +757,8 @@ where
                 // answered from the thread that sees it finish.
                 None if volume.can_submit(&op) => {
                     let answer = self.answer(volume, (tag, meta, kind, credit), running);
-                    volume.submit(op, Box::new(move |result| answer.send(moves, result)));
+                    volume.submit(self.client, op, Box::new(move |result| answer.send(moves, result)));
+                    self.unkicked(volume);
                     return Ok(());
                 }
                 None => {
@@ -766,6 +773,32 @@ where
         drop(running);
         self.pending.lock().push(Reply { tag, meta, result, _credit: Some(credit) });
         Ok(())
+    }
+
+    /// Notes that `volume` holds I/Os of this connection not kicked yet (a
+    /// different one held before is kicked now: a connection that takes
+    /// turns between volumes, as NVMe/TCP namespaces, batches less).
+    fn unkicked(&self, volume: &Arc<Volume>) {
+        let before = {
+            let mut held = self.unkicked.lock();
+            if held.as_ref().is_some_and(|v| Arc::ptr_eq(v, volume)) {
+                return;
+            }
+            held.replace(volume.clone())
+        };
+        if let Some(before) = before {
+            before.kick();
+        }
+    }
+
+    /// Starts the device I/Os this connection submitted since the last
+    /// kick, together: the reader kicks once it has dispatched what one read
+    /// brought, and before it waits (for a credit, for its replies' room).
+    pub fn kick(&self) {
+        let held = self.unkicked.lock().take();
+        if let Some(v) = held {
+            v.kick();
+        }
     }
 
     /// What a request answered off the reader's thread carries.
@@ -812,6 +845,7 @@ where
     /// dispatching what one read brought; it also runs before waiting for a
     /// credit (the held replies are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
+        self.kick();
         let mut batch = {
             let mut pending = self.pending.lock();
             if pending.is_empty() {
@@ -901,6 +935,10 @@ where
 
 impl<W, E: Encoder> Drop for Dispatcher<W, E> {
     fn drop(&mut self) {
+        // A connection that ends mid-read: what it submitted starts now.
+        if let Some(v) = self.unkicked.get_mut().take() {
+            v.kick();
+        }
         let p = std::mem::take(&mut *self.pending.lock());
         if !p.is_empty() {
             let _ = self.tx.send(p);

@@ -16,48 +16,66 @@ impl Job {
     }
 }
 
-/// Each client's jobs in its own queue, and the clients with work in a
-/// ring: threads take one job from the client at the front, which then goes
-/// to the back. A client with thousands of jobs queued gets one turn in
+/// Each client's work in its own queue, and the clients with work in a
+/// ring: the next item comes from the client at the front, which then goes
+/// to the back. A client with thousands of items queued gets one turn in
 /// each round, like everybody else. (Each client's queue is bounded by its
-/// credits: the queue depth of its connection.)
-#[derive(Default)]
-struct Queues {
+/// credits: the queue depth of its connection.) The I/O pool's jobs wait
+/// here, and so do the I/Os a volume's io_uring has no room for yet.
+pub(crate) struct FairQueues<T> {
     ring: VecDeque<u64>,
-    jobs: HashMap<u64, VecDeque<Job>>,
+    items: HashMap<u64, VecDeque<T>>,
 }
 
-impl Queues {
-    fn push(&mut self, client: u64, job: Job) {
-        let mine = self.jobs.entry(client).or_default();
-        mine.push_back(job);
+impl<T> Default for FairQueues<T> {
+    fn default() -> Self {
+        FairQueues { ring: VecDeque::new(), items: HashMap::new() }
+    }
+}
+
+impl<T> FairQueues<T> {
+    pub fn push(&mut self, client: u64, item: T) {
+        let mine = self.items.entry(client).or_default();
+        mine.push_back(item);
         if mine.len() == 1 {
             self.ring.push_back(client);
         }
     }
 
-    /// A job's continuation: first in its client's queue (a client's own
-    /// requests finish in order), the client still behind the others.
-    fn push_front(&mut self, client: u64, job: Job) {
-        let mine = self.jobs.entry(client).or_default();
-        mine.push_front(job);
+    /// The rest of an item (a job's continuation, an I/O's bytes asked
+    /// again) or one that could not go on: first in its client's queue,
+    /// the client still behind the others.
+    pub fn push_front(&mut self, client: u64, item: T) {
+        let mine = self.items.entry(client).or_default();
+        mine.push_front(item);
         if mine.len() == 1 {
             self.ring.push_back(client);
         }
     }
 
-    fn pop(&mut self) -> Option<(u64, Job)> {
+    pub fn pop(&mut self) -> Option<(u64, T)> {
         let client = self.ring.pop_front()?;
-        let mine = self.jobs.get_mut(&client).expect("a client in the ring has jobs");
-        let job = mine.pop_front().expect("a client in the ring has jobs");
+        let mine = self.items.get_mut(&client).expect("a client in the ring has items");
+        let item = mine.pop_front().expect("a client in the ring has items");
         if mine.is_empty() {
-            self.jobs.remove(&client);
+            self.items.remove(&client);
         } else {
             self.ring.push_back(client);
         }
-        Some((client, job))
+        Some((client, item))
+    }
+
+    /// Items queued, all clients together.
+    pub fn len(&self) -> usize {
+        self.items.values().map(VecDeque::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ring.is_empty()
     }
 }
+
+type Queues = FairQueues<Job>;
 
 /// The threads of one volume: a device that stalls holds only its own
 /// threads, never another volume's I/O. The fair queues say which job runs
@@ -136,7 +154,7 @@ impl IoPool {
 
     /// Jobs waiting (not running), all clients together.
     pub fn queued(&self) -> usize {
-        self.handle.as_ref().map_or(0, |h| h.queues.lock().jobs.values().map(VecDeque::len).sum())
+        self.handle.as_ref().map_or(0, |h| h.queues.lock().len())
     }
 }
 

@@ -127,8 +127,18 @@ impl SmallFs {
 }
 
 impl Drop for SmallFs {
+    /// Unmounts (its loop device goes with it): the stopped target's I/O
+    /// threads may hold the volume's file a moment longer, so a busy mount
+    /// is tried again, then detached lazily rather than left behind.
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mnt).output();
+        for _ in 0..50 {
+            match Command::new("umount").arg(&self.mnt).output() {
+                Ok(out) if out.status.success() => return,
+                _ => std::thread::sleep(std::time::Duration::from_millis(100)),
+            }
+        }
+        eprintln!("{} still busy after 5 s (a descriptor left open?): detached lazily", self.mnt.display());
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).output();
     }
 }
 

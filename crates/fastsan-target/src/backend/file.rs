@@ -221,11 +221,12 @@ impl Backend for FileBackend {
     /// copied into one; `Volume::validate` keeps both to whole 4 KiB blocks
     /// of a direct file).
     #[cfg(target_os = "linux")]
-    fn submit(&self, io: super::DeviceIo, done: super::DeviceDone) {
+    fn submit(&self, client: u64, io: super::DeviceIo, done: super::DeviceDone) {
         use super::uring::AlignedBuf;
         let Some(ring) = &self.ring else { return done(Err(BackendError::Unsupported)) };
         match io {
             super::DeviceIo::Read { offset, len } => ring.read(
+                client,
                 self.fd(),
                 AlignedBuf::new(len as usize),
                 offset,
@@ -238,6 +239,7 @@ impl Backend for FileBackend {
                 buf.as_mut_slice().copy_from_slice(&data);
                 drop(data);
                 ring.write(
+                    client,
                     self.fd(),
                     buf,
                     offset,
@@ -245,6 +247,12 @@ impl Backend for FileBackend {
                     Box::new(move |_, r| done(r.map(|()| None).map_err(Into::into))),
                 )
             }
+        }
+    }
+    #[cfg(target_os = "linux")]
+    fn kick(&self) {
+        if let Some(ring) = &self.ring {
+            ring.kick()
         }
     }
     /// Reads from the page cache only, of a file opened without access

@@ -178,13 +178,18 @@ pub trait Backend: Send + Sync + 'static {
     fn can_submit_writes(&self) -> bool {
         false
     }
-    /// Starts `io` and returns at once; `done` runs when it finishes, on
-    /// another thread, with a read's data. Called only where
-    /// [`Backend::can_submit`].
-    fn submit(&self, io: DeviceIo, done: DeviceDone) {
-        let _ = io;
+    /// Starts `io`, client `client`'s (a connection: clients whose I/Os
+    /// wait for room take turns), and returns at once; `done` runs when it
+    /// finishes, on another thread, with a read's data. The store may hold
+    /// the I/O until the next [`Backend::kick`] to start several at once.
+    /// Called only where [`Backend::can_submit`].
+    fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
+        let _ = (client, io);
         done(Err(BackendError::Unsupported));
     }
+    /// Starts the I/Os [`Backend::submit`] holds (all clients'): a caller
+    /// kicks when it has submitted what it has at hand, and before it waits.
+    fn kick(&self) {}
     /// With `fua`, the data is durable when this returns.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Makes every completed write durable.
@@ -290,8 +295,11 @@ pub trait Layer: Send + Sync + 'static {
     fn can_submit_writes(&self) -> bool {
         false
     }
-    fn submit(&self, io: DeviceIo, done: DeviceDone) {
-        self.next().submit(io, done)
+    fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
+        self.next().submit(client, io, done)
+    }
+    fn kick(&self) {
+        self.next().kick()
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.next().write_at(buf, offset, fua)
@@ -378,8 +386,11 @@ impl<L: Layer> Backend for L {
     fn can_submit_writes(&self) -> bool {
         Layer::can_submit_writes(self)
     }
-    fn submit(&self, io: DeviceIo, done: DeviceDone) {
-        Layer::submit(self, io, done)
+    fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
+        Layer::submit(self, client, io, done)
+    }
+    fn kick(&self) {
+        Layer::kick(self)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         Layer::write_at(self, buf, offset, fua)

@@ -30,9 +30,12 @@ impl Layer for ReadOnlyLayer {
     fn can_submit(&self) -> bool {
         self.next.can_submit()
     }
-    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+    fn kick(&self) {
+        self.next.kick()
+    }
+    fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
         match io {
-            DeviceIo::Read { .. } => self.next.submit(io, done),
+            DeviceIo::Read { .. } => self.next.submit(client, io, done),
             DeviceIo::Write { .. } => done(Err(BackendError::ReadOnly)),
         }
     }

@@ -202,9 +202,14 @@ impl Layer for StatsLayer {
     fn can_submit_writes(&self) -> bool {
         self.next.can_submit_writes()
     }
+    fn kick(&self) {
+        self.next.kick()
+    }
     /// Counted as a call is: the operation when
-    /// submitted, its bytes, failure and (sampled) latency when it finishes.
-    fn submit(&self, io: DeviceIo, done: DeviceDone) {
+    /// submitted, its bytes, failure and (sampled) latency when it finishes
+    /// (from its submission: the wait for the connection's kick and for
+    /// room in the store's ring included).
+    fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
         let (ops, moved, n): (Counter, Counter, u64) = match &io {
             DeviceIo::Read { len, .. } => (|s| &s.reads, |s| &s.bytes_read, u64::from(*len)),
             DeviceIo::Write { data, .. } => (|s| &s.writes, |s| &s.bytes_written, data.len() as u64),
@@ -213,6 +218,7 @@ impl Layer for StatsLayer {
         let start = count.is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
         let stats = self.stats.clone();
         self.next.submit(
+            client,
             io,
             Box::new(move |r| {
                 if let Some(start) = start {

@@ -14,11 +14,22 @@
 //! reads and writes here ([`super::Backend::submit`], which the layers that
 //! can follow an I/O to its end pass through: stats, read-only), and FLUSH,
 //! TRIM, FUA writes and the rest to its I/O pool as before. More I/Os than
-//! the ring holds wait in its queue, in order, for completions to free room.
+//! the ring holds wait in its queues, a queue per client taking turns as on
+//! the I/O pool, for completions to free room.
+//!
+//! Pushing an I/O does not enter the kernel: [`Ring::kick`] hands over
+//! every I/O pushed since the last one in one system call, so that a
+//! connection that read 20 requests at once starts their 20 device I/Os
+//! together (one `io_uring_enter`, under one block-layer plug: the reads
+//! the kernel can issue at once reach the device as a batch, one
+//! notification of a virtual disk rather than 20).
+//! A connection kicks when it has dispatched what one read brought, and
+//! before it waits for anything; I/Os nobody kicks start at the completion
+//! thread's next wake, which is at most [`WAIT`] away.
 
+use crate::pool::FairQueues;
 use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering::*};
@@ -33,6 +44,8 @@ pub type Done = Box<dyn FnOnce(AlignedBuf, io::Result<()>) + Send>;
 /// One I/O in flight: owned by the ring from its push until its `Done` runs
 /// (its buffer with it, so the device never writes into freed memory).
 struct Op {
+    /// Whose I/O (a connection): the waiting ones take turns by client.
+    client: u64,
     fd: RawFd,
     write: bool,
     /// `RWF_DSYNC`: the write is durable when it completes (FUA).
@@ -75,14 +88,19 @@ struct Queue {
     /// Ops the kernel holds (pushed, not yet reaped): at most `Shared::limit`,
     /// so that the completion queue always has room for them.
     in_kernel: usize,
-    /// Ops waiting for room, pushed in order as completions free it.
-    waiting: VecDeque<Box<Op>>,
+    /// Ops waiting for room, moved in as completions free it: a queue per
+    /// client, the clients in turn, so that one with hundreds waiting
+    /// cannot hold back another's single I/O.
+    waiting: FairQueues<Box<Op>>,
 }
 
 struct Shared {
     ring: IoUring,
     queue: Mutex<Queue>,
     limit: usize,
+    /// Ops pushed into the ring since the last kick (the kernel has not
+    /// been told of them yet).
+    pushed: AtomicBool,
     closing: AtomicBool,
     reaper: OnceLock<std::thread::ThreadId>,
 }
@@ -118,8 +136,9 @@ impl Ring {
         let limit = ring.params().cq_entries() as usize - 1;
         let shared = Arc::new(Shared {
             ring,
-            queue: Mutex::new(Queue { in_kernel: 0, waiting: VecDeque::new() }),
+            queue: Mutex::new(Queue { in_kernel: 0, waiting: FairQueues::default() }),
             limit,
+            pushed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             reaper: OnceLock::new(),
         });
@@ -129,52 +148,98 @@ impl Ring {
         Ok(Ring { shared, reaper: Some(reaper) })
     }
 
-    /// Reads `buf.len()` bytes at `offset` of `fd` into `buf`; `done` runs
-    /// on the completion thread with the buffer. `fd` must stay open until then.
-    pub fn read(&self, fd: RawFd, buf: AlignedBuf, offset: u64, done: Done) {
-        self.shared.push(Box::new(Op { fd, write: false, dsync: false, buf, offset, moved: 0, done }));
+    /// Reads `buf.len()` bytes at `offset` of `fd` into `buf`, as client
+    /// `client`'s I/O; `done` runs on the completion thread with the buffer.
+    /// `fd` must stay open until then. The read starts at the next
+    /// [`Ring::kick`] (or the completion thread's next wake).
+    pub fn read(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, done: Done) {
+        let op = Op { client, fd, write: false, dsync: false, buf, offset, moved: 0, done };
+        self.shared.push(Box::new(op));
     }
 
     /// Writes `buf` at `offset` of `fd` (durable when it completes, if
     /// `dsync`); as [`Ring::read`].
-    pub fn write(&self, fd: RawFd, buf: AlignedBuf, offset: u64, dsync: bool, done: Done) {
-        self.shared.push(Box::new(Op { fd, write: true, dsync, buf, offset, moved: 0, done }));
+    pub fn write(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, dsync: bool, done: Done) {
+        let op = Op { client, fd, write: true, dsync, buf, offset, moved: 0, done };
+        self.shared.push(Box::new(op));
+    }
+
+    /// Hands the I/Os pushed since the last kick to the kernel, in one
+    /// system call; none when there are none.
+    pub fn kick(&self) {
+        self.shared.kick()
     }
 }
 
 impl Shared {
-    /// Queues `op` for the kernel: at once if there is room, else after the
-    /// ops already waiting.
+    fn kick(&self) {
+        // (An op pushed after the swap sets the flag again: the next kick's.)
+        if self.pushed.swap(false, AcqRel) && self.ring.submit().is_err() {
+            // The entries stay queued: the next kick, or the completion
+            // thread's next wait, hands them over.
+            self.pushed.store(true, Release);
+        }
+    }
+
+    /// Queues `op` for the kernel (to start at the next kick): into the
+    /// ring if there is room, else behind its client's ops already waiting.
     fn push(&self, op: Box<Op>) {
         let mut q = self.queue.lock();
-        q.waiting.push_back(op);
+        // Nobody waiting and room: straight in (the usual case, without the
+        // fair queues' bookkeeping).
+        let op = if q.waiting.is_empty() && q.in_kernel < self.limit {
+            match self.enter(&mut q, op) {
+                Ok(()) => return,
+                Err(op) => op,
+            }
+        } else {
+            op
+        };
+        q.waiting.push(op.client, op);
         self.fill(&mut q);
-        drop(q);
-        // A failed submission leaves the entries queued: the completion
-        // thread's next wait hands them over.
-        let _ = self.ring.submit();
+    }
+
+    /// The rest of an op the device moved part of: first among its
+    /// client's (the completion thread's next wait hands it over).
+    fn push_again(&self, op: Box<Op>) {
+        let mut q = self.queue.lock();
+        q.waiting.push_front(op.client, op);
+        self.fill(&mut q);
     }
 
     /// Moves waiting ops into the ring while it has room (under the lock).
     fn fill(&self, q: &mut Queue) {
         while q.in_kernel < self.limit {
-            let Some(mut op) = q.waiting.pop_front() else { return };
-            let entry = op.entry();
-            // SAFETY: the submission queue is ours under the lock; the
-            // entry's buffer and the op it names live until its completion.
-            if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
-                // The queue holds entries the kernel has not taken yet: hand them over.
-                let _ = self.ring.submit();
-                // SAFETY: as above.
-                if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
-                    q.waiting.push_front(op);
-                    return;
-                }
+            let Some((client, op)) = q.waiting.pop() else { return };
+            if let Err(op) = self.enter(q, op) {
+                q.waiting.push_front(client, op);
+                return;
             }
-            // The op is the kernel's now (its address is the entry's user_data).
-            let _ = Box::into_raw(op);
-            q.in_kernel += 1;
         }
+    }
+
+    /// Puts `op` into the ring's submission queue (under the lock, with
+    /// room counted), or gives it back when the queue is full even after
+    /// handing the kernel what it holds.
+    fn enter(&self, q: &mut Queue, mut op: Box<Op>) -> Result<(), Box<Op>> {
+        let entry = op.entry();
+        // SAFETY: the submission queue is ours under the lock (each one made
+        // here is dropped, its tail written, at the end of its statement);
+        // the entry's buffer and the op it names live until its completion.
+        if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
+            // The queue holds entries the kernel has not taken yet: hand them over.
+            let _ = self.ring.submit();
+            // SAFETY: as above.
+            if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
+                return Err(op);
+            }
+        }
+        // The op is the kernel's now (its address is the entry's user_data).
+        let _ = Box::into_raw(op);
+        q.in_kernel += 1;
+        // After the entry's tail is written: a kick that sees the flag sees the entry.
+        self.pushed.store(true, Release);
+        Ok(())
     }
 
     /// A completion: the op finished, failed, or moved part of its bytes
@@ -184,13 +249,13 @@ impl Shared {
             n if n > 0 => {
                 op.moved += n as usize;
                 if op.moved < op.buf.len() {
-                    return self.push(op);
+                    return self.push_again(op);
                 }
                 Ok(())
             }
             // Nothing moved: the file ends before the range does.
             0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended inside the I/O's range")),
-            e if -e == libc::EINTR || -e == libc::EAGAIN => return self.push(op),
+            e if -e == libc::EINTR || -e == libc::EAGAIN => return self.push_again(op),
             e => Err(io::Error::from_raw_os_error(-e)),
         };
         let Op { buf, done, .. } = *op;
@@ -207,11 +272,15 @@ impl Shared {
 /// ends once the ring closes with nothing left in flight or waiting.
 fn reap(s: &Shared) {
     loop {
-        // Waits for a completion, at most WAIT: entries a producer queued
-        // but could not submit (the kernel refused for a moment) are handed
-        // over here, at the latest after one wait. (The kernel returns at
+        // Submits what is queued and waits for a completion, at most WAIT:
+        // entries nobody kicked, or a producer could not submit (the kernel
+        // refused for a moment), are handed over here, at the latest after
+        // one wait. (The kernel returns at
         // once when it submits fewer entries than counted, as when a producer
         // submitted them meanwhile: one more turn of this loop.)
+        // (What it submits needs no kick: the flag is cleared before the
+        // queue's length is read.)
+        s.pushed.store(false, Release);
         let args = types::SubmitArgs::new().timespec(&WAIT);
         match s.ring.submitter().submit_with_args(1, &args) {
             Ok(_) => {}
@@ -239,7 +308,7 @@ fn reap(s: &Shared) {
                 q.in_kernel.checked_sub(ops).expect("an io_uring completed more I/Os than it was given");
             s.fill(&mut q);
             drop(q);
-            let _ = s.ring.submit();
+            s.kick();
         }
         for (user_data, result) in done {
             if user_data == CLOSE {
@@ -361,7 +430,10 @@ mod tests {
                 let (ring, tx) = (&ring, tx.clone());
                 t.spawn(move || {
                     for i in (q * 64)..(q * 64 + 64) {
-                        ring.write(fd, block(i), i * ALIGN as u64, i % 5 == 0, reply(&tx, i));
+                        ring.write(q, fd, block(i), i * ALIGN as u64, i % 5 == 0, reply(&tx, i));
+                        if i % 8 == 7 {
+                            ring.kick();
+                        }
                     }
                 });
             }
@@ -371,8 +443,9 @@ mod tests {
             r.unwrap_or_else(|e| panic!("write {i}: {e}"));
         }
         for i in 0..256u64 {
-            ring.read(fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
+            ring.read(i % 3, fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
         }
+        ring.kick();
         for _ in 0..256 {
             let (i, b, r) = next(&rx);
             r.unwrap_or_else(|e| panic!("read {i}: {e}"));
@@ -387,26 +460,84 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let fd = f.file.as_raw_fd();
         // Two blocks from the last one: one moves, the rest finds the end.
-        ring.read(fd, AlignedBuf::new(2 * ALIGN), ALIGN as u64, reply(&tx, 1));
+        ring.read(0, fd, AlignedBuf::new(2 * ALIGN), ALIGN as u64, reply(&tx, 1));
+        ring.kick();
         let (_, _, r) = next(&rx);
         assert_eq!(r.expect_err("past the end").kind(), io::ErrorKind::UnexpectedEof);
         // Opened read-only: the kernel refuses the write.
-        ring.write(fd, block(3), 0, false, reply(&tx, 2));
+        ring.write(0, fd, block(3), 0, false, reply(&tx, 2));
+        ring.kick();
         let (_, _, r) = next(&rx);
         assert_eq!(r.expect_err("a read-only descriptor").raw_os_error(), Some(libc::EBADF));
     }
 
-    #[test]
-    fn ios_beyond_the_rings_room_wait_their_turn_and_dropping_it_waits_for_them_all() {
-        // Reads of an empty pipe stay in flight until bytes come.
+    /// A pipe: reads of it stay in flight until bytes come.
+    fn pipe() -> (File, File) {
         let mut fds = [0; 2];
         // SAFETY: pipe writes two descriptors into the array.
         assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
         // SAFETY: both descriptors are ours, each owned once.
-        let (rd, wr): (File, File) = unsafe {
+        unsafe {
             use std::os::fd::FromRawFd;
             (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]))
-        };
+        }
+    }
+
+    #[test]
+    fn an_io_nobody_kicks_still_starts_at_the_completion_threads_next_wake() {
+        let f = direct_file("nokick", 4 * ALIGN as u64, true);
+        let ring = Ring::new(8).expect("an io_uring");
+        // The completion thread waiting already (else its first wait submits).
+        std::thread::sleep(Duration::from_millis(20));
+        let (tx, rx) = mpsc::channel();
+        ring.write(0, f.file.as_raw_fd(), block(9), ALIGN as u64, false, reply(&tx, 1));
+        let (_, _, r) = next(&rx);
+        r.expect("the write");
+        ring.read(0, f.file.as_raw_fd(), AlignedBuf::new(ALIGN), ALIGN as u64, reply(&tx, 2));
+        let (_, b, r) = next(&rx);
+        r.expect("the read");
+        assert!(b.as_slice() == block(9).as_slice(), "the block written");
+    }
+
+    #[test]
+    fn a_client_with_one_io_waiting_goes_before_the_rest_of_a_client_with_many() {
+        let ((busy_rd, busy_wr), (quiet_rd, quiet_wr)) = (pipe(), pipe());
+        let ring = Ring::new(2).expect("an io_uring");
+        let limit = ring.shared.limit;
+        let (tx, rx) = mpsc::channel();
+        // Client 1 fills the ring and has 8 more waiting; then client 2 asks once.
+        for i in 0..limit as u64 + 8 {
+            ring.read(1, busy_rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, reply(&tx, i));
+        }
+        ring.read(2, quiet_rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, reply(&tx, 1000));
+        ring.kick();
+        let mut quiet_wr = quiet_wr;
+        std::io::Write::write_all(&mut quiet_wr, &[5u8; ALIGN]).expect("written");
+        // Two of client 1's reads finish: the first frees room for client 1's
+        // next (its turn came first), the second for client 2's, not for the
+        // next of client 1's eight (in the order they came, it would wait for 9).
+        let mut busy_wr = busy_wr;
+        std::io::Write::write_all(&mut busy_wr, &[7u8; 2 * ALIGN]).expect("written");
+        let mut got = Vec::new();
+        while !got.contains(&1000) {
+            let (tag, b, r) = rx.recv_timeout(Duration::from_secs(5)).unwrap_or_else(|_| {
+                panic!("client 2's read still waits behind client 1's after {got:?} finished")
+            });
+            r.expect("read");
+            assert!(b.as_slice().iter().all(|&x| x == if tag == 1000 { 5 } else { 7 }), "read {tag}");
+            got.push(tag);
+        }
+        assert_eq!(got.len(), 3, "client 2's read finished after two of client 1's: {got:?}");
+        assert_eq!(ring.shared.queue.lock().waiting.len(), 6, "client 1's other reads still wait");
+        // The rest of client 1's reads get their bytes; dropping the ring waits for them.
+        std::io::Write::write_all(&mut busy_wr, &vec![7u8; (limit + 6) * ALIGN]).expect("written");
+        drop(ring);
+        assert_eq!(rx.try_iter().count(), limit + 6, "every other read finished");
+    }
+
+    #[test]
+    fn ios_beyond_the_rings_room_wait_their_turn_and_dropping_it_waits_for_them_all() {
+        let (rd, wr) = pipe();
         let ring = Ring::new(2).expect("an io_uring");
         let (limit, reads) = (ring.shared.limit, ring.shared.limit + 3);
         let finished = Arc::new(AtomicUsize::new(0));
@@ -417,8 +548,9 @@ mod tests {
                 assert!(b.as_slice().iter().all(|&x| x == 7), "read {tag}: the bytes written");
                 n.fetch_add(1, SeqCst);
             });
-            ring.read(rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, done);
+            ring.read(tag as u64 % 2, rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, done);
         }
+        ring.kick();
         {
             let q = ring.shared.queue.lock();
             assert_eq!((q.in_kernel, q.waiting.len()), (limit, 3), "the ring full, the rest waiting");

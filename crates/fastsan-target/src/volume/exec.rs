@@ -62,16 +62,18 @@ impl Volume {
         }
     }
 
-    /// Starts an operation [`Volume::can_submit`] takes and returns at once;
-    /// `done` gets its outcome, as [`Volume::execute`] would give it, on the
-    /// store's completion thread.
-    pub fn submit(&self, op: Op, done: Box<dyn FnOnce(Result<Outcome, Refusal>) + Send>) {
+    /// Starts an operation [`Volume::can_submit`] takes, client `client`'s,
+    /// and returns at once; `done` gets its outcome, as [`Volume::execute`]
+    /// would give it, on the store's completion thread. The device may see
+    /// it only at the next [`Volume::kick`].
+    pub fn submit(&self, client: u64, op: Op, done: Box<dyn FnOnce(Result<Outcome, Refusal>) + Send>) {
         let io = match op.kind {
             OpKind::Read { offset, len } => DeviceIo::Read { offset, len },
             OpKind::Write { offset, data, fua: false } => DeviceIo::Write { offset, data },
             _ => return done(Err(BackendError::Unsupported.into())),
         };
         self.backend.submit(
+            client,
             io,
             Box::new(move |r| {
                 done(match r {
@@ -81,6 +83,12 @@ impl Volume {
                 })
             }),
         )
+    }
+
+    /// Starts the operations [`Volume::submit`] has handed to the store
+    /// since the last kick, all together (one system call for a ring).
+    pub fn kick(&self) {
+        self.backend.kick()
     }
 
     /// Runs a validated operation, waiting for the flush it needs, if any
