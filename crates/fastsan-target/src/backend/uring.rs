@@ -25,7 +25,7 @@
 //! notification of a virtual disk rather than 20).
 //! A connection kicks when it has dispatched what one read brought, and
 //! before it waits for anything; I/Os nobody kicks start at the completion
-//! thread's next wake, which is at most [`WAIT`] away.
+//! thread's next wake, which is at most 100 ms away.
 
 use crate::pool::FairQueues;
 use io_uring::{opcode, types, IoUring};
