@@ -211,11 +211,7 @@ impl Backend for FileBackend {
     }
     #[cfg(target_os = "linux")]
     fn can_submit_writes(&self) -> bool {
-        // io_uring runs the writes to one regular file that cannot start at
-        // once one after the other (it hashes them by inode): under fio 4K
-        // random writes at QD32 on one connection, 0.70x of the I/O threads'
-        // IOPS on ext4. A block device's are not serialized.
-        self.ring.is_some() && self.block_device
+        self.ring.is_some()
     }
     /// Through the ring: the data in a buffer aligned for O_DIRECT (a write's
     /// copied into one; `Volume::validate` keeps both to whole 4 KiB blocks
@@ -238,12 +234,20 @@ impl Backend for FileBackend {
                 let mut buf = AlignedBuf::new(data.len());
                 buf.as_mut_slice().copy_from_slice(&data);
                 drop(data);
+                // A regular file's write that cannot start at once (one that
+                // allocates blocks, or finds the inode locked) leaves the
+                // ring for threads that may wait: io_uring would run such
+                // writes to one file one after the other (it hashes them by
+                // inode; measured 0.70x of the I/O threads' IOPS at fio 4K
+                // random writes, QD32, on a sparse ext4 file). A block
+                // device's are never serialized.
+                let flags = super::uring::WriteFlags { dsync: false, nowait: !self.block_device };
                 ring.write(
                     client,
                     self.fd(),
                     buf,
                     offset,
-                    false,
+                    flags,
                     Box::new(move |_, r| done(r.map(|()| None).map_err(Into::into))),
                 )
             }

@@ -2,9 +2,9 @@
 //! writes in flight at once without a thread each, submitted by whoever
 //! holds the request and finished by one completion thread.
 //!
-//! Why: a `,direct` file volume serves every I/O from the device, and today
-//! each one is a hand-off to an I/O thread that then blocks in `pread` or
-//! `pwrite` until the device answers: ~1.5-3.8 context switches per I/O
+//! Why: a `,direct` file volume serves every I/O from the device, and on
+//! the I/O pool each one is a hand-off to an I/O thread that then blocks in
+//! `pread` or `pwrite` until the device answers: ~1.5-3.8 context switches per I/O
 //! under fio at QD16-64, 1.2-1.5x qemu-nbd's server CPU per I/O
 //! (docs/benchmarks.md, section 12, "With O_DIRECT"). Here a connection's
 //! thread pushes the I/O and goes on; the completion thread wakes once for
@@ -15,7 +15,10 @@
 //! can follow an I/O to its end pass through: stats, read-only), and FLUSH,
 //! TRIM, FUA writes and the rest to its I/O pool as before. More I/Os than
 //! the ring holds wait in its queues, a queue per client taking turns as on
-//! the I/O pool, for completions to free room.
+//! the I/O pool, for completions to free room. A write the kernel cannot
+//! start without waiting (one that allocates blocks of a regular file) is
+//! refused at once ([`WriteFlags::nowait`]) and written by one of the ring's
+//! own threads that may wait, started at the first such write.
 //!
 //! Pushing an I/O does not enter the kernel: [`Ring::kick`] hands over
 //! every I/O pushed since the last one in one system call, so that a
@@ -41,6 +44,23 @@ pub use super::file::{AlignedBuf, DIRECT_ALIGN as ALIGN};
 /// What a finished I/O hands back: its buffer, and whether every byte moved.
 pub type Done = Box<dyn FnOnce(AlignedBuf, io::Result<()>) + Send>;
 
+/// How a write goes to the device.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteFlags {
+    /// `RWF_DSYNC`: the write is durable when it completes (FUA).
+    pub dsync: bool,
+    /// `RWF_NOWAIT`: the kernel takes the write only if it can start it
+    /// without waiting (an overwrite of allocated blocks, the inode's lock
+    /// free); else the rest runs on a thread of the ring's that may wait
+    /// (a write that allocates). Without it, io_uring hands such writes to
+    /// its own workers, which run one file's one after another.
+    pub nowait: bool,
+}
+
+/// Threads for the writes the kernel would not start without waiting
+/// ([`WriteFlags::nowait`]), started at the first such write.
+const WAITING_THREADS: usize = 8;
+
 /// One I/O in flight: owned by the ring from its push until its `Done` runs
 /// (its buffer with it, so the device never writes into freed memory).
 struct Op {
@@ -48,8 +68,8 @@ struct Op {
     client: u64,
     fd: RawFd,
     write: bool,
-    /// `RWF_DSYNC`: the write is durable when it completes (FUA).
-    dsync: bool,
+    /// A write's flags.
+    flags: WriteFlags,
     buf: AlignedBuf,
     offset: u64,
     /// Bytes moved so far (a device may move fewer than asked: the rest is asked again).
@@ -68,7 +88,8 @@ impl Op {
         let left = (self.buf.len() - self.moved) as u32;
         let offset = self.offset + self.moved as u64;
         let e = if self.write {
-            let flags = if self.dsync { libc::RWF_DSYNC } else { 0 };
+            let flags = if self.flags.dsync { libc::RWF_DSYNC } else { 0 }
+                | if self.flags.nowait { libc::RWF_NOWAIT } else { 0 };
             opcode::Write::new(types::Fd(self.fd), at, left).offset(offset).rw_flags(flags).build()
         } else {
             opcode::Read::new(types::Fd(self.fd), at, left).offset(offset).build()
@@ -88,6 +109,8 @@ struct Queue {
     /// Ops the kernel holds (pushed, not yet reaped): at most `Shared::limit`,
     /// so that the completion queue always has room for them.
     in_kernel: usize,
+    /// Ops on the threads that may wait ([`WriteFlags::nowait`]).
+    blocking: usize,
     /// Ops waiting for room, moved in as completions free it: a queue per
     /// client, the clients in turn, so that one with hundreds waiting
     /// cannot hold back another's single I/O.
@@ -98,6 +121,8 @@ struct Shared {
     ring: IoUring,
     queue: Mutex<Queue>,
     limit: usize,
+    /// The threads that may wait, once a write needs them.
+    waiters: OnceLock<crate::pool::IoPool>,
     /// Ops pushed into the ring since the last kick (the kernel has not
     /// been told of them yet).
     pushed: AtomicBool,
@@ -136,14 +161,15 @@ impl Ring {
         let limit = ring.params().cq_entries() as usize - 1;
         let shared = Arc::new(Shared {
             ring,
-            queue: Mutex::new(Queue { in_kernel: 0, waiting: FairQueues::default() }),
+            queue: Mutex::new(Queue { in_kernel: 0, blocking: 0, waiting: FairQueues::default() }),
             limit,
+            waiters: OnceLock::new(),
             pushed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             reaper: OnceLock::new(),
         });
         let s = shared.clone();
-        let reaper = std::thread::Builder::new().name("fastsan-ring".into()).spawn(move || reap(&s))?;
+        let reaper = std::thread::Builder::new().name("fastsan-ring".into()).spawn(move || reap(s))?;
         let _ = shared.reaper.set(reaper.thread().id());
         Ok(Ring { shared, reaper: Some(reaper) })
     }
@@ -153,14 +179,14 @@ impl Ring {
     /// `fd` must stay open until then. The read starts at the next
     /// [`Ring::kick`] (or the completion thread's next wake).
     pub fn read(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, done: Done) {
-        let op = Op { client, fd, write: false, dsync: false, buf, offset, moved: 0, done };
+        let op = Op { client, fd, write: false, flags: WriteFlags::default(), buf, offset, moved: 0, done };
         self.shared.push(Box::new(op));
     }
 
     /// Writes `buf` at `offset` of `fd` (durable when it completes, if
-    /// `dsync`); as [`Ring::read`].
-    pub fn write(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, dsync: bool, done: Done) {
-        let op = Op { client, fd, write: true, dsync, buf, offset, moved: 0, done };
+    /// `flags.dsync`); as [`Ring::read`].
+    pub fn write(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, flags: WriteFlags, done: Done) {
+        let op = Op { client, fd, write: true, flags, buf, offset, moved: 0, done };
         self.shared.push(Box::new(op));
     }
 
@@ -244,7 +270,7 @@ impl Shared {
 
     /// A completion: the op finished, failed, or moved part of its bytes
     /// (then the rest is asked for again).
-    fn finish(&self, mut op: Box<Op>, result: i32) {
+    fn finish(self: &Arc<Self>, mut op: Box<Op>, result: i32) {
         let r = match result {
             n if n > 0 => {
                 op.moved += n as usize;
@@ -255,6 +281,7 @@ impl Shared {
             }
             // Nothing moved: the file ends before the range does.
             0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended inside the I/O's range")),
+            e if -e == libc::EAGAIN && op.flags.nowait => return self.wait_for(op),
             e if -e == libc::EINTR || -e == libc::EAGAIN => return self.push_again(op),
             e => Err(io::Error::from_raw_os_error(-e)),
         };
@@ -262,15 +289,55 @@ impl Shared {
         done(buf, r);
     }
 
+    /// The rest of a write the kernel would not start without waiting
+    /// ([`WriteFlags::nowait`]): written on a thread that may wait, then
+    /// finished as the ring's own are.
+    fn wait_for(self: &Arc<Self>, op: Box<Op>) {
+        self.queue.lock().blocking += 1;
+        let pool = self.waiters.get_or_init(|| crate::pool::IoPool::new(WAITING_THREADS, "ring-wait"));
+        let s = self.clone();
+        let client = op.client;
+        pool.submit(
+            client,
+            crate::pool::Job::new(move || {
+                let Op { fd, flags, buf, offset, moved, done, .. } = *op;
+                // SAFETY: `fd` stays open until `done` has run (the ring's
+                // contract with its callers); the File is never dropped, so
+                // it never closes the descriptor.
+                let file = std::mem::ManuallyDrop::new(unsafe {
+                    <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+                });
+                use std::os::unix::fs::FileExt;
+                let r = file.write_all_at(&buf.as_slice()[moved..], offset + moved as u64).and_then(|()| {
+                    if flags.dsync {
+                        file.sync_data()
+                    } else {
+                        Ok(())
+                    }
+                });
+                // Done with the descriptor: a ring closing may go now (before
+                // `done`, which may drop the ring's last owner, and whose
+                // drop waits for this count).
+                s.queue.lock().blocking -= 1;
+                drop(s);
+                // As on the completion thread: a panic in `done` is the request's alone.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(buf, r))).is_err() {
+                    tracing::error!("an I/O's completion panicked; the ring goes on");
+                }
+                None
+            }),
+        );
+    }
+
     fn idle(&self) -> bool {
         let q = self.queue.lock();
-        q.in_kernel == 0 && q.waiting.is_empty()
+        q.in_kernel == 0 && q.blocking == 0 && q.waiting.is_empty()
     }
 }
 
 /// The completion thread: waits for completions, finishes their ops, and
 /// ends once the ring closes with nothing left in flight or waiting.
-fn reap(s: &Shared) {
+fn reap(s: Arc<Shared>) {
     loop {
         // Submits what is queued and waits for a completion, at most WAIT:
         // entries nobody kicked, or a producer could not submit (the kernel
@@ -430,7 +497,8 @@ mod tests {
                 let (ring, tx) = (&ring, tx.clone());
                 t.spawn(move || {
                     for i in (q * 64)..(q * 64 + 64) {
-                        ring.write(q, fd, block(i), i * ALIGN as u64, i % 5 == 0, reply(&tx, i));
+                        let flags = WriteFlags { dsync: i % 5 == 0, nowait: i % 3 == 0 };
+                        ring.write(q, fd, block(i), i * ALIGN as u64, flags, reply(&tx, i));
                         if i % 8 == 7 {
                             ring.kick();
                         }
@@ -454,6 +522,44 @@ mod tests {
     }
 
     #[test]
+    fn writes_the_kernel_would_not_start_at_once_finish_on_threads_that_may_wait() {
+        // A sparse file: its first writes allocate blocks, which a write
+        // that may not wait cannot do (ext4 and XFS answer EAGAIN).
+        let f = direct_file("nowait", 64 * ALIGN as u64, true);
+        let ring = Ring::new(8).expect("an io_uring");
+        let (tx, rx) = mpsc::channel();
+        let fd = f.file.as_raw_fd();
+        let nowait = WriteFlags { dsync: false, nowait: true };
+        for round in 0..2u64 {
+            for i in 0..64u64 {
+                ring.write(i % 2, fd, block(i + round), i * ALIGN as u64, nowait, reply(&tx, i));
+            }
+            ring.kick();
+            for _ in 0..64 {
+                let (i, _, r) = next(&rx);
+                r.unwrap_or_else(|e| panic!("write {i}, round {round}: {e}"));
+            }
+            if round == 0 {
+                assert!(
+                    ring.shared.waiters.get().is_some(),
+                    "allocating writes went to the threads that may wait"
+                );
+            }
+        }
+        // The second round overwrote the first (allocated by then) in the ring.
+        for i in 0..64u64 {
+            ring.read(0, fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
+        }
+        ring.kick();
+        for _ in 0..64 {
+            let (i, b, r) = next(&rx);
+            r.unwrap_or_else(|e| panic!("read {i}: {e}"));
+            assert!(b.as_slice() == block(i + 1).as_slice(), "block {i}: the second round's bytes");
+        }
+        assert_eq!(ring.shared.queue.lock().blocking, 0, "no write left on the waiting threads");
+    }
+
+    #[test]
     fn a_read_past_the_end_and_a_write_the_file_refuses_fail_with_their_causes() {
         let f = direct_file("err", 2 * ALIGN as u64, false);
         let ring = Ring::new(8).expect("an io_uring");
@@ -465,7 +571,7 @@ mod tests {
         let (_, _, r) = next(&rx);
         assert_eq!(r.expect_err("past the end").kind(), io::ErrorKind::UnexpectedEof);
         // Opened read-only: the kernel refuses the write.
-        ring.write(0, fd, block(3), 0, false, reply(&tx, 2));
+        ring.write(0, fd, block(3), 0, WriteFlags::default(), reply(&tx, 2));
         ring.kick();
         let (_, _, r) = next(&rx);
         assert_eq!(r.expect_err("a read-only descriptor").raw_os_error(), Some(libc::EBADF));
@@ -490,7 +596,7 @@ mod tests {
         // The completion thread waiting already (else its first wait submits).
         std::thread::sleep(Duration::from_millis(20));
         let (tx, rx) = mpsc::channel();
-        ring.write(0, f.file.as_raw_fd(), block(9), ALIGN as u64, false, reply(&tx, 1));
+        ring.write(0, f.file.as_raw_fd(), block(9), ALIGN as u64, WriteFlags::default(), reply(&tx, 1));
         let (_, _, r) = next(&rx);
         r.expect("the write");
         ring.read(0, f.file.as_raw_fd(), AlignedBuf::new(ALIGN), ALIGN as u64, reply(&tx, 2));
