@@ -35,7 +35,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
@@ -51,9 +51,12 @@ pub struct WriteFlags {
     pub dsync: bool,
     /// `RWF_NOWAIT`: the kernel takes the write only if it can start it
     /// without waiting (an overwrite of allocated blocks, the inode's lock
-    /// free); else the rest runs on a thread of the ring's that may wait
-    /// (a write that allocates). Without it, io_uring hands such writes to
-    /// its own workers, which run one file's one after another.
+    /// free, no timestamp to update, room in the device's queue); else the
+    /// rest runs on a thread of the ring's that may wait (a write that
+    /// allocates, and the odd overwrite). Without it, io_uring hands such
+    /// writes to its own workers, which run one file's one after another.
+    /// A file that does not take `RWF_NOWAIT` at all (some network and FUSE
+    /// filesystems) has every such write written on those threads.
     pub nowait: bool,
 }
 
@@ -123,6 +126,10 @@ struct Shared {
     limit: usize,
     /// The threads that may wait, once a write needs them.
     waiters: OnceLock<crate::pool::IoPool>,
+    /// Writes those threads have written (refused `RWF_NOWAIT`).
+    waited: AtomicU64,
+    /// The file refuses `RWF_NOWAIT` outright (EOPNOTSUPP).
+    nowait_refused: AtomicBool,
     /// Ops pushed into the ring since the last kick (the kernel has not
     /// been told of them yet).
     pushed: AtomicBool,
@@ -164,6 +171,8 @@ impl Ring {
             queue: Mutex::new(Queue { in_kernel: 0, blocking: 0, waiting: FairQueues::default() }),
             limit,
             waiters: OnceLock::new(),
+            waited: AtomicU64::new(0),
+            nowait_refused: AtomicBool::new(false),
             pushed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             reaper: OnceLock::new(),
@@ -184,10 +193,16 @@ impl Ring {
     }
 
     /// Writes `buf` at `offset` of `fd` (durable when it completes, if
-    /// `flags.dsync`); as [`Ring::read`].
+    /// `flags.dsync`); as [`Ring::read`], but where the kernel would not
+    /// start a `nowait` write at once, the write and its `done` run on one
+    /// of the ring's threads that may wait.
     pub fn write(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, flags: WriteFlags, done: Done) {
-        let op = Op { client, fd, write: true, flags, buf, offset, moved: 0, done };
-        self.shared.push(Box::new(op));
+        let op = Box::new(Op { client, fd, write: true, flags, buf, offset, moved: 0, done });
+        // A file that refused RWF_NOWAIT once refuses it always: straight to the threads.
+        if flags.nowait && self.shared.nowait_refused.load(Relaxed) {
+            return self.shared.wait_for(op);
+        }
+        self.shared.push(op);
     }
 
     /// Hands the I/Os pushed since the last kick to the kernel, in one
@@ -282,6 +297,14 @@ impl Shared {
             // Nothing moved: the file ends before the range does.
             0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended inside the I/O's range")),
             e if -e == libc::EAGAIN && op.flags.nowait => return self.wait_for(op),
+            e if -e == libc::EOPNOTSUPP && op.flags.nowait => {
+                if !self.nowait_refused.swap(true, Relaxed) {
+                    tracing::info!(
+                        "the file takes no RWF_NOWAIT writes: they run on the ring's waiting threads"
+                    );
+                }
+                return self.wait_for(op);
+            }
             e if -e == libc::EINTR || -e == libc::EAGAIN => return self.push_again(op),
             e => Err(io::Error::from_raw_os_error(-e)),
         };
@@ -293,8 +316,10 @@ impl Shared {
     /// ([`WriteFlags::nowait`]): written on a thread that may wait, then
     /// finished as the ring's own are.
     fn wait_for(self: &Arc<Self>, op: Box<Op>) {
-        self.queue.lock().blocking += 1;
         let pool = self.waiters.get_or_init(|| crate::pool::IoPool::new(WAITING_THREADS, "ring-wait"));
+        self.waited.fetch_add(1, Relaxed);
+        // Counted before it is queued: a closing ring waits for it.
+        self.queue.lock().blocking += 1;
         let s = self.clone();
         let client = op.client;
         pool.submit(
@@ -539,11 +564,12 @@ mod tests {
                 let (i, _, r) = next(&rx);
                 r.unwrap_or_else(|e| panic!("write {i}, round {round}: {e}"));
             }
+            let waited = ring.shared.waited.swap(0, SeqCst);
             if round == 0 {
-                assert!(
-                    ring.shared.waiters.get().is_some(),
-                    "allocating writes went to the threads that may wait"
-                );
+                assert!(waited > 0, "allocating writes went to the threads that may wait");
+            } else {
+                // Overwrites start in the ring; the odd one waits for a timestamp's update.
+                assert!(waited < 48, "{waited} of 64 overwrites went to the threads that may wait");
             }
         }
         // The second round overwrote the first (allocated by then) in the ring.
@@ -557,6 +583,41 @@ mod tests {
             assert!(b.as_slice() == block(i + 1).as_slice(), "block {i}: the second round's bytes");
         }
         assert_eq!(ring.shared.queue.lock().blocking, 0, "no write left on the waiting threads");
+    }
+
+    #[test]
+    fn a_file_that_refuses_nowait_writes_has_them_written_on_the_waiting_threads() {
+        let f = direct_file("eopnotsupp", 4 * ALIGN as u64, true);
+        let ring = Ring::new(8).expect("an io_uring");
+        let (tx, rx) = mpsc::channel();
+        let fd = f.file.as_raw_fd();
+        // As the kernel answers a file without FMODE_NOWAIT (FUSE, some NFS).
+        let op = Op {
+            client: 0,
+            fd,
+            write: true,
+            flags: WriteFlags { dsync: false, nowait: true },
+            buf: block(1),
+            offset: 0,
+            moved: 0,
+            done: reply(&tx, 1),
+        };
+        ring.shared.finish(Box::new(op), -libc::EOPNOTSUPP);
+        let (_, _, r) = next(&rx);
+        r.expect("written on a waiting thread");
+        assert!(ring.shared.nowait_refused.load(SeqCst), "the refusal is remembered");
+        // The next one goes there at once (no ring round trip), and lands.
+        ring.write(0, fd, block(2), ALIGN as u64, WriteFlags { dsync: false, nowait: true }, reply(&tx, 2));
+        let (_, _, r) = next(&rx);
+        r.expect("written");
+        assert_eq!(ring.shared.waited.load(SeqCst), 2, "both on the waiting threads");
+        for (i, at) in [(1, 0), (2, ALIGN as u64)] {
+            ring.read(0, fd, AlignedBuf::new(ALIGN), at, reply(&tx, i));
+            ring.kick();
+            let (_, b, r) = next(&rx);
+            r.expect("read");
+            assert!(b.as_slice() == block(i).as_slice(), "block {i} read back");
+        }
     }
 
     #[test]

@@ -64,8 +64,9 @@ impl Volume {
 
     /// Starts an operation [`Volume::can_submit`] takes, client `client`'s,
     /// and returns at once; `done` gets its outcome, as [`Volume::execute`]
-    /// would give it, on the store's completion thread. The device may see
-    /// it only at the next [`Volume::kick`].
+    /// would give it, on a thread of the store's (its ring's completion
+    /// thread, or one that may wait). The device may see it only at the next
+    /// [`Volume::kick`].
     pub fn submit(&self, client: u64, op: Op, done: Box<dyn FnOnce(Result<Outcome, Refusal>) + Send>) {
         let io = match op.kind {
             OpKind::Read { offset, len } => DeviceIo::Read { offset, len },
