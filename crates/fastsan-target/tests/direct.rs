@@ -2,7 +2,9 @@
 //! volume's ring (io_uring), many in flight, and come back right (a regular
 //! file's writes that allocate through the ring's threads that may wait);
 //! FLUSH and FUA writes still take the I/O pool; a device that runs out of
-//! space fails the write that hit it and nothing acknowledged before.
+//! space (a file's filesystem, or a block device's, where the ring itself
+//! sees the error) fails the write that hit it and nothing acknowledged
+//! before.
 
 mod common;
 
@@ -95,15 +97,27 @@ impl Drop for Loop {
     }
 }
 
+impl Loop {
+    /// A loop device over `img` (`--direct-io=on`: its writes reach the
+    /// file's filesystem at once, so that a full one fails them).
+    fn over(img: &Path, direct_io: bool) -> Loop {
+        let mut args = vec!["-f", "--show"];
+        if direct_io {
+            args.push("--direct-io=on");
+        }
+        args.push(img.to_str().unwrap());
+        let out = Command::new("losetup").args(&args).output().expect("losetup");
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        Loop(String::from_utf8(out.stdout).unwrap().trim().to_owned())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_block_device_reads_and_writes_through_its_ring_with_hundreds_in_flight() {
     let dir = disk_dir("ring-dev");
     let img = dir.path().join("dev.img");
     sparse(&img, 64 * MIB);
-    let out =
-        Command::new("losetup").args(["-f", "--show", img.to_str().unwrap()]).output().expect("losetup");
-    assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
-    let dev = Loop(String::from_utf8(out.stdout).unwrap().trim().to_owned());
+    let dev = Loop::over(&img, false);
     many_in_flight(Path::new(&dev.0)).await;
 }
 
@@ -148,15 +162,32 @@ impl Drop for SmallFs {
 /// A direct volume on a filesystem with less room than the volume: writes
 /// succeed until the device is full, the one that finds it full gets
 /// NO_SPACE, every write acknowledged before reads back right (through the
-/// ring), and the target goes on serving this client and a new one.
+/// ring), and the target goes on serving this client and a new one. A
+/// regular file's allocating writes fail on the ring's waiting threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_device_fails_the_write_that_hit_it_and_keeps_every_acknowledged_one() {
     let fs = SmallFs::mount(16);
     let path = fs.mnt.join("v.img");
     sparse(&path, 64 * MIB);
+    fills_up(&path).await;
+}
+
+/// The same on a block device (a loop device over a file of that small
+/// filesystem): the write fails in the ring itself, as the device's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_block_device_fails_the_write_that_hit_it_in_the_ring_and_keeps_every_acknowledged_one() {
+    let fs = SmallFs::mount(16);
+    let img = fs.mnt.join("dev.img");
+    sparse(&img, 64 * MIB);
+    let dev = Loop::over(&img, true);
+    fills_up(Path::new(&dev.0)).await;
+}
+
+async fn fills_up(path: &Path) {
     let spec = format!("v=file:{},direct", path.display());
     let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
-    assert!(srv.handle.catalog().get("v").unwrap().caps().submit);
+    let caps = srv.handle.catalog().get("v").unwrap().caps();
+    assert!(caps.submit && caps.submit_writes, "through the ring");
     let vol = connect(&srv, 1).await;
     let mut acked = Vec::new();
     let mut full = None;
