@@ -536,9 +536,10 @@ pub struct Dispatcher<W, E: Encoder> {
     activity: Arc<Activity>,
     /// This connection, as the I/O pools' fair queues know it.
     client: u64,
-    /// The volume whose store holds I/Os this connection submitted and has
-    /// not kicked yet ([`Dispatcher::kick`]).
-    unkicked: parking_lot::Mutex<Option<Arc<Volume>>>,
+    /// The volumes whose stores hold I/Os this connection submitted and has
+    /// not kicked yet ([`Dispatcher::kick`]); one, mostly (several for an
+    /// NVMe/TCP queue that takes turns between namespaces).
+    unkicked: parking_lot::Mutex<Vec<Arc<Volume>>>,
 }
 
 /// A validated request on its way through a volume's I/O pool, with what
@@ -664,7 +665,7 @@ where
             logged: Arc::new(Logged::default()),
             activity,
             client: NEXT_CLIENT.fetch_add(1, Relaxed),
-            unkicked: parking_lot::Mutex::new(None),
+            unkicked: parking_lot::Mutex::new(Vec::new()),
         };
         (d, Writer { rx, sink })
     }
@@ -775,28 +776,20 @@ where
         Ok(())
     }
 
-    /// Notes that `volume` holds I/Os of this connection not kicked yet (a
-    /// different one held before is kicked now: a connection that takes
-    /// turns between volumes, as NVMe/TCP namespaces, batches less).
+    /// Notes that `volume` holds I/Os of this connection not kicked yet.
     fn unkicked(&self, volume: &Arc<Volume>) {
-        let before = {
-            let mut held = self.unkicked.lock();
-            if held.as_ref().is_some_and(|v| Arc::ptr_eq(v, volume)) {
-                return;
-            }
-            held.replace(volume.clone())
-        };
-        if let Some(before) = before {
-            before.kick();
+        let mut held = self.unkicked.lock();
+        if !held.iter().any(|v| Arc::ptr_eq(v, volume)) {
+            held.push(volume.clone());
         }
     }
 
     /// Starts the device I/Os this connection submitted since the last
     /// kick, together: the reader kicks once it has dispatched what one read
     /// brought, and before it waits (for a credit, for its replies' room).
+    /// (Under the lock, which only the reader takes: the list keeps its room.)
     pub fn kick(&self) {
-        let held = self.unkicked.lock().take();
-        if let Some(v) = held {
+        for v in self.unkicked.lock().drain(..) {
             v.kick();
         }
     }
@@ -936,7 +929,7 @@ where
 impl<W, E: Encoder> Drop for Dispatcher<W, E> {
     fn drop(&mut self) {
         // A connection that ends mid-read: what it submitted starts now.
-        if let Some(v) = self.unkicked.get_mut().take() {
+        for v in self.unkicked.get_mut().drain(..) {
             v.kick();
         }
         let p = std::mem::take(&mut *self.pending.lock());
