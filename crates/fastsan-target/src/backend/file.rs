@@ -101,15 +101,15 @@ impl FileBackend {
             meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev()
         };
         #[cfg(target_os = "linux")]
-        let ring = match (direct, block_device || ring_trusts(&file)) {
-            (true, true) => super::uring::Ring::new(RING_ENTRIES)
+        let ring = if !direct {
+            None
+        } else if block_device || ring_trusts(&file) {
+            super::uring::Ring::new(RING_ENTRIES)
                 .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "no io_uring: the volume's direct I/O runs on the I/O threads"))
-                .ok(),
-            (true, false) => {
-                tracing::info!(path = %path.display(), "not on a local disk filesystem: the volume's direct I/O runs on the I/O threads, not through io_uring");
-                None
-            }
-            (false, _) => None,
+                .ok()
+        } else {
+            tracing::info!(path = %path.display(), "not on a local disk filesystem: the volume's direct I/O runs on the I/O threads, not through io_uring");
+            None
         };
         Ok(FileBackend {
             #[cfg(target_os = "linux")]
@@ -439,8 +439,6 @@ pub struct AlignedBuf {
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Box<[u8]>.
 unsafe impl Send for AlignedBuf {}
-// SAFETY: a shared reference gives only read access to the bytes.
-unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     /// `len` zeroed bytes (at least one).

@@ -140,14 +140,28 @@ impl StatsLayer {
         moved: Option<(Counter, u64)>,
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        let shard = &self.stats.shards[shard_index()];
-        let n = ops(shard).fetch_add(1, Relaxed);
-        let start = n.is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
+        let start = self.stats.begin(ops);
         let r = f();
+        self.stats.end(start, moved, &r);
+        r
+    }
+}
+
+impl VolumeStats {
+    /// A call begins: counted in `ops`, and its start if it is to be timed.
+    fn begin(&self, ops: Counter) -> Option<Instant> {
+        let n = ops(&self.shards[shard_index()]).fetch_add(1, Relaxed);
+        n.is_multiple_of(LATENCY_SAMPLE).then(Instant::now)
+    }
+
+    /// A call ended with `r`: its latency if timed, its bytes in `moved` on
+    /// success, a failure otherwise (on the shard of the thread it ended on).
+    fn end<T>(&self, start: Option<Instant>, moved: Option<(Counter, u64)>, r: &Result<T>) {
         if let Some(start) = start {
-            self.stats.latency.record(start.elapsed().as_nanos() as u64);
+            self.latency.record(start.elapsed().as_nanos() as u64);
         }
-        match (&r, moved) {
+        let shard = &self.shards[shard_index()];
+        match (r, moved) {
             (Ok(_), Some((counter, bytes))) => {
                 counter(shard).fetch_add(bytes, Relaxed);
             }
@@ -156,7 +170,6 @@ impl StatsLayer {
             }
             _ => {}
         }
-        r
     }
 }
 
@@ -210,25 +223,17 @@ impl Layer for StatsLayer {
     /// (from its submission: the wait for the connection's kick and for
     /// room in the store's ring included).
     fn submit(&self, client: u64, io: DeviceIo, done: DeviceDone) {
-        let (ops, moved, n): (Counter, Counter, u64) = match &io {
-            DeviceIo::Read { len, .. } => (|s| &s.reads, |s| &s.bytes_read, u64::from(*len)),
-            DeviceIo::Write { data, .. } => (|s| &s.writes, |s| &s.bytes_written, data.len() as u64),
+        let (ops, moved): (Counter, (Counter, u64)) = match &io {
+            DeviceIo::Read { len, .. } => (|s| &s.reads, (|s| &s.bytes_read, u64::from(*len))),
+            DeviceIo::Write { data, .. } => (|s| &s.writes, (|s| &s.bytes_written, data.len() as u64)),
         };
-        let count = ops(&self.stats.shards[shard_index()]).fetch_add(1, Relaxed);
-        let start = count.is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
+        let start = self.stats.begin(ops);
         let stats = self.stats.clone();
         self.next.submit(
             client,
             io,
             Box::new(move |r| {
-                if let Some(start) = start {
-                    stats.latency.record(start.elapsed().as_nanos() as u64);
-                }
-                let shard = &stats.shards[shard_index()];
-                match &r {
-                    Ok(_) => moved(shard).fetch_add(n, Relaxed),
-                    Err(_) => shard.errors.fetch_add(1, Relaxed),
-                };
+                stats.end(start, Some(moved), &r);
                 done(r)
             }),
         )
