@@ -363,15 +363,16 @@ impl Shared {
 /// The completion thread: waits for completions, finishes their ops, and
 /// ends once the ring closes with nothing left in flight or waiting.
 fn reap(s: Arc<Shared>) {
+    // The completions of one wake, in a list kept from wake to wake.
+    let mut done: Vec<(u64, i32)> = Vec::new();
     loop {
         // Submits what is queued and waits for a completion, at most WAIT:
         // entries nobody kicked, or a producer could not submit (the kernel
         // refused for a moment), are handed over here, at the latest after
-        // one wait. (The kernel returns at
-        // once when it submits fewer entries than counted, as when a producer
-        // submitted them meanwhile: one more turn of this loop.)
-        // (What it submits needs no kick: the flag is cleared before the
-        // queue's length is read.)
+        // one wait. (The kernel returns at once when it submits fewer
+        // entries than counted, as when a producer submitted them meanwhile:
+        // one more turn of this loop.) What it submits needs no kick: the
+        // flag is cleared before the queue's length is read.
         s.pushed.store(false, Release);
         let args = types::SubmitArgs::new().timespec(&WAIT);
         match s.ring.submitter().submit_with_args(1, &args) {
@@ -387,8 +388,7 @@ fn reap(s: Arc<Shared>) {
             }
         }
         // SAFETY: only this thread reads the completion queue.
-        let done: Vec<(u64, i32)> =
-            unsafe { s.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
+        done.extend(unsafe { s.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
         let ops = done.iter().filter(|(u, _)| *u != CLOSE).count();
         if ops > 0 {
             // Their room first: a partial op asked again below finds it.
@@ -402,7 +402,7 @@ fn reap(s: Arc<Shared>) {
             drop(q);
             s.kick();
         }
-        for (user_data, result) in done {
+        for (user_data, result) in done.drain(..) {
             if user_data == CLOSE {
                 continue;
             }
