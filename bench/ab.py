@@ -21,6 +21,9 @@ AB_FILE_DIR=DIR serves a 1 GiB file volume in DIR (a sparse file, removed at the
 of the memory volume: the I/O pool's path (written whole first, so mostly the page cache).
 AB_DIRECT=1 with it serves the file with O_DIRECT (`file:PATH,direct`): every I/O goes to the
 disk, through the volume's io_uring where it has one. DIR must be on a disk filesystem.
+AB_BLOCK=1 with them serves a block device instead: a loop device (`losetup --direct-io=on`, so
+that it passes each I/O to the disk) over the file; the ring's block-device path (writes without
+RWF_NOWAIT, which a block device's writes never need). Needs root and loop devices.
 """
 import json
 import os
@@ -43,12 +46,17 @@ def start(binary):
         image = os.path.join(os.environ["AB_FILE_DIR"], f"fastsan-ab-{nbd}.img")
         with open(image, "wb") as f:
             f.truncate(1 << 30)
-        volume = f"file:{image}" + (",direct" if os.environ.get("AB_DIRECT") else "")
+        path = image
+        if os.environ.get("AB_BLOCK"):
+            path = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", image],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        volume = f"file:{path}" + (",direct" if os.environ.get("AB_DIRECT") else "")
     t.spawn([binary, "serve", "--brp", f"127.0.0.1:{brp}", "--nbd", f"127.0.0.1:{nbd}", "--nvme",
              f"127.0.0.1:{nvme}", "--nvme-nqn", NQN, "--volume", f"vol0={volume}"], nbd)
     suite.wait_port(nvme)
     suite.write_whole([f"brp://127.0.0.1:{brp}/vol0"])
-    return {"target": t, "binary": binary, "brp": brp, "nbd": nbd, "nvme": nvme, "image": image}
+    return {"target": t, "binary": binary, "brp": brp, "nbd": nbd, "nvme": nvme, "image": image,
+            "loop": path if image and path != image else None}
 
 
 def run(s, point, fio_json):
@@ -96,6 +104,8 @@ def main():
     finally:
         for s in systems.values():
             s["target"].stop()
+            if s["loop"]:
+                subprocess.run(["losetup", "--detach", s["loop"]], check=False)
             if s["image"]:
                 os.unlink(s["image"])
     med = lambda runs, key: statistics.median(x[key] for x in runs)  # noqa: E731

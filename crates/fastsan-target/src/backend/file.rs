@@ -240,25 +240,25 @@ impl Backend for FileBackend {
     fn can_submit_writes(&self) -> bool {
         self.ring.is_some()
     }
-    /// Through the ring: the data in a buffer aligned for O_DIRECT (a write's
-    /// copied into one; `Volume::validate` keeps both to whole 4 KiB blocks
-    /// of a direct file).
+    /// Through the ring: the data in a buffer aligned for O_DIRECT, most
+    /// often one the ring registered (a write's copied into it whole; a
+    /// read's sent as it is, its slot free again once the reply is gone;
+    /// `Volume::validate` keeps both to whole 4 KiB blocks of a direct file).
     #[cfg(target_os = "linux")]
     fn submit(&self, client: u64, io: super::DeviceIo, done: super::DeviceDone) {
-        use super::uring::AlignedBuf;
         let Some(ring) = &self.ring else { return done(Err(BackendError::Unsupported)) };
         match io {
             super::DeviceIo::Read { offset, len } => ring.read(
                 client,
                 self.fd(),
-                AlignedBuf::new(len as usize),
+                ring.buffer(len as usize),
                 offset,
                 Box::new(move |buf, r| {
                     done(r.map(|()| Some(Bytes::from_owner(buf).into())).map_err(Into::into))
                 }),
             ),
             super::DeviceIo::Write { offset, data } => {
-                let mut buf = AlignedBuf::new(data.len());
+                let mut buf = ring.buffer(data.len());
                 buf.as_mut_slice().copy_from_slice(&data);
                 drop(data);
                 // A regular file's write that cannot start at once (one that

@@ -18,6 +18,8 @@ mod blocks;
 mod delay;
 mod faults;
 mod file;
+#[cfg(target_os = "linux")]
+mod iobuf;
 mod memory;
 mod null;
 mod readonly;

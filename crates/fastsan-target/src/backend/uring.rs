@@ -18,7 +18,9 @@
 //! the I/O pool, for completions to free room. A write the kernel cannot
 //! start without waiting (one that allocates blocks of a regular file) is
 //! refused at once ([`WriteFlags::nowait`]) and written by one of the ring's
-//! own threads that may wait, started at the first such write.
+//! own threads that may wait, started at the first such write. Buffers
+//! come from an arena registered with the ring ([`Ring::buffer`], see
+//! `iobuf.rs`), so that the kernel pins no pages per I/O.
 //!
 //! Pushing an I/O does not enter the kernel: [`Ring::kick`] hands over
 //! every I/O pushed since the last one in one system call, so that a
@@ -40,9 +42,11 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 pub use super::file::{AlignedBuf, DIRECT_ALIGN as ALIGN};
+use super::iobuf::Arena;
+pub use super::iobuf::IoBuf;
 
 /// What a finished I/O hands back: its buffer, and whether every byte moved.
-pub type Done = Box<dyn FnOnce(AlignedBuf, io::Result<()>) + Send>;
+pub type Done = Box<dyn FnOnce(IoBuf, io::Result<()>) + Send>;
 
 /// How a write goes to the device.
 #[derive(Debug, Clone, Copy, Default)]
@@ -73,7 +77,7 @@ struct Op {
     write: bool,
     /// A write's flags.
     flags: WriteFlags,
-    buf: AlignedBuf,
+    buf: IoBuf,
     offset: u64,
     /// Bytes moved so far (a device may move fewer than asked: the rest is asked again).
     moved: usize,
@@ -90,12 +94,18 @@ impl Op {
         let at = unsafe { self.buf.as_mut_ptr().add(self.moved) };
         let left = (self.buf.len() - self.moved) as u32;
         let offset = self.offset + self.moved as u64;
-        let e = if self.write {
-            let flags = if self.flags.dsync { libc::RWF_DSYNC } else { 0 }
-                | if self.flags.nowait { libc::RWF_NOWAIT } else { 0 };
-            opcode::Write::new(types::Fd(self.fd), at, left).offset(offset).rw_flags(flags).build()
-        } else {
-            opcode::Read::new(types::Fd(self.fd), at, left).offset(offset).build()
+        let fd = types::Fd(self.fd);
+        let flags = if self.flags.dsync { libc::RWF_DSYNC } else { 0 }
+            | if self.flags.nowait { libc::RWF_NOWAIT } else { 0 };
+        // A buffer in the ring's registered arena names it: the kernel
+        // neither looks up nor pins its pages.
+        let e = match (self.write, self.buf.fixed_index()) {
+            (true, Some(i)) => {
+                opcode::WriteFixed::new(fd, at, left, i).offset(offset).rw_flags(flags).build()
+            }
+            (true, None) => opcode::Write::new(fd, at, left).offset(offset).rw_flags(flags).build(),
+            (false, Some(i)) => opcode::ReadFixed::new(fd, at, left, i).offset(offset).build(),
+            (false, None) => opcode::Read::new(fd, at, left).offset(offset).build(),
         };
         e.user_data(me)
     }
@@ -122,6 +132,10 @@ struct Queue {
 
 struct Shared {
     ring: IoUring,
+    /// The buffers registered with the ring (none if the kernel refused
+    /// them). After `ring`: dropped after it, though every buffer taken
+    /// holds the arena too.
+    arena: Option<Arc<Arena>>,
     queue: Mutex<Queue>,
     limit: usize,
     /// The threads that may wait, once a write needs them.
@@ -158,16 +172,29 @@ impl Ring {
         let mut probe = io_uring::Probe::new();
         ring.submitter().register_probe(&mut probe)?;
         let ops = [opcode::Read::CODE, opcode::Write::CODE, opcode::Nop::CODE];
+        let fixed = [opcode::ReadFixed::CODE, opcode::WriteFixed::CODE];
         if !ops.iter().all(|&op| probe.is_supported(op)) || !ring.params().is_feature_ext_arg() {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "this kernel's io_uring lacks READ, WRITE or timed waits",
             ));
         }
+        let arena = fixed.iter().all(|&op| probe.is_supported(op)).then(Arena::new).and_then(|arena| {
+            // SAFETY: the arena's memory stays allocated as long as the ring
+            // (`Shared` holds the arena) and every buffer taken from it.
+            match unsafe { ring.submitter().register_buffers(&[arena.iovec()]) } {
+                Ok(()) => Some(arena),
+                Err(e) => {
+                    tracing::info!(error = %e, "io_uring refused the buffers to register (RLIMIT_MEMLOCK?): each I/O pins its own");
+                    None
+                }
+            }
+        });
         // One completion's room kept for the NOP that closes the ring.
         let limit = ring.params().cq_entries() as usize - 1;
         let shared = Arc::new(Shared {
             ring,
+            arena,
             queue: Mutex::new(Queue { in_kernel: 0, blocking: 0, waiting: FairQueues::default() }),
             limit,
             waiters: OnceLock::new(),
@@ -187,7 +214,7 @@ impl Ring {
     /// `client`'s I/O; `done` runs on the completion thread with the buffer.
     /// `fd` must stay open until then. The read starts at the next
     /// [`Ring::kick`] (or the completion thread's next wake).
-    pub fn read(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, done: Done) {
+    pub fn read(&self, client: u64, fd: RawFd, buf: IoBuf, offset: u64, done: Done) {
         let op = Op { client, fd, write: false, flags: WriteFlags::default(), buf, offset, moved: 0, done };
         self.shared.push(Box::new(op));
     }
@@ -196,13 +223,20 @@ impl Ring {
     /// `flags.dsync`); as [`Ring::read`], but where the kernel would not
     /// start a `nowait` write at once, the write and its `done` run on one
     /// of the ring's threads that may wait.
-    pub fn write(&self, client: u64, fd: RawFd, buf: AlignedBuf, offset: u64, flags: WriteFlags, done: Done) {
+    pub fn write(&self, client: u64, fd: RawFd, buf: IoBuf, offset: u64, flags: WriteFlags, done: Done) {
         let op = Box::new(Op { client, fd, write: true, flags, buf, offset, moved: 0, done });
         // A file that refused RWF_NOWAIT once refuses it always: straight to the threads.
         if flags.nowait && self.shared.nowait_refused.load(Relaxed) {
             return self.shared.wait_for(op);
         }
         self.shared.push(op);
+    }
+
+    /// A buffer for an I/O of `len` bytes: from the ring's registered arena
+    /// when it has a slot that fits (holding what its last I/O left there:
+    /// for a read, or a write that fills it), else zeroed from the heap.
+    pub fn buffer(&self, len: usize) -> IoBuf {
+        IoBuf::take(self.shared.arena.as_ref(), len)
     }
 
     /// Hands the I/Os pushed since the last kick to the kernel, in one
@@ -491,14 +525,21 @@ mod tests {
             .expect("O_DIRECT");
         Direct { file, path }
     }
-    fn block(seed: u64) -> AlignedBuf {
-        let mut b = AlignedBuf::new(ALIGN);
+    /// A block of bytes that `seed` picks, in a buffer of its own.
+    fn block(seed: u64) -> IoBuf {
+        let mut b = IoBuf::from(AlignedBuf::new(ALIGN));
         for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
             *x = (seed.wrapping_mul(31) + i as u64 / 7) as u8;
         }
         b
     }
-    type Got = (u64, AlignedBuf, io::Result<()>);
+    /// The same block in a buffer of `ring`'s (a slot of its arena).
+    fn block_in(ring: &Ring, seed: u64) -> IoBuf {
+        let mut b = ring.buffer(ALIGN);
+        b.as_mut_slice().copy_from_slice(block(seed).as_slice());
+        b
+    }
+    type Got = (u64, IoBuf, io::Result<()>);
     /// A `Done` that sends what it got, tagged.
     fn reply(tx: &mpsc::Sender<Got>, tag: u64) -> Done {
         let tx = tx.clone();
@@ -523,7 +564,9 @@ mod tests {
                 t.spawn(move || {
                     for i in (q * 64)..(q * 64 + 64) {
                         let flags = WriteFlags { dsync: i % 5 == 0, nowait: i % 3 == 0 };
-                        ring.write(q, fd, block(i), i * ALIGN as u64, flags, reply(&tx, i));
+                        // Half from the ring's registered arena, half from the heap.
+                        let b = if i % 2 == 0 { block_in(ring, i) } else { block(i) };
+                        ring.write(q, fd, b, i * ALIGN as u64, flags, reply(&tx, i));
                         if i % 8 == 7 {
                             ring.kick();
                         }
@@ -536,7 +579,8 @@ mod tests {
             r.unwrap_or_else(|e| panic!("write {i}: {e}"));
         }
         for i in 0..256u64 {
-            ring.read(i % 3, fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
+            let b = if i % 4 == 0 { AlignedBuf::new(ALIGN).into() } else { ring.buffer(ALIGN) };
+            ring.read(i % 3, fd, b, i * ALIGN as u64, reply(&tx, i));
         }
         ring.kick();
         for _ in 0..256 {
@@ -544,6 +588,8 @@ mod tests {
             r.unwrap_or_else(|e| panic!("read {i}: {e}"));
             assert!(b.as_slice() == block(i).as_slice(), "block {i} read back other bytes");
         }
+        let arena = ring.shared.arena.as_ref().expect("this kernel registers the ring's buffers");
+        assert_eq!(arena.free(), Arena::slots(), "every slot back once its buffer is dropped");
     }
 
     #[test]
@@ -574,7 +620,7 @@ mod tests {
         }
         // The second round overwrote the first (allocated by then) in the ring.
         for i in 0..64u64 {
-            ring.read(0, fd, AlignedBuf::new(ALIGN), i * ALIGN as u64, reply(&tx, i));
+            ring.read(0, fd, ring.buffer(ALIGN), i * ALIGN as u64, reply(&tx, i));
         }
         ring.kick();
         for _ in 0..64 {
@@ -612,7 +658,7 @@ mod tests {
         r.expect("written");
         assert_eq!(ring.shared.waited.load(SeqCst), 2, "both on the waiting threads");
         for (i, at) in [(1, 0), (2, ALIGN as u64)] {
-            ring.read(0, fd, AlignedBuf::new(ALIGN), at, reply(&tx, i));
+            ring.read(0, fd, ring.buffer(ALIGN), at, reply(&tx, i));
             ring.kick();
             let (_, b, r) = next(&rx);
             r.expect("read");
@@ -627,7 +673,7 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let fd = f.file.as_raw_fd();
         // Two blocks from the last one: one moves, the rest finds the end.
-        ring.read(0, fd, AlignedBuf::new(2 * ALIGN), ALIGN as u64, reply(&tx, 1));
+        ring.read(0, fd, ring.buffer(2 * ALIGN), ALIGN as u64, reply(&tx, 1));
         ring.kick();
         let (_, _, r) = next(&rx);
         assert_eq!(r.expect_err("past the end").kind(), io::ErrorKind::UnexpectedEof);
@@ -660,7 +706,7 @@ mod tests {
         ring.write(0, f.file.as_raw_fd(), block(9), ALIGN as u64, WriteFlags::default(), reply(&tx, 1));
         let (_, _, r) = next(&rx);
         r.expect("the write");
-        ring.read(0, f.file.as_raw_fd(), AlignedBuf::new(ALIGN), ALIGN as u64, reply(&tx, 2));
+        ring.read(0, f.file.as_raw_fd(), ring.buffer(ALIGN), ALIGN as u64, reply(&tx, 2));
         let (_, b, r) = next(&rx);
         r.expect("the read");
         assert!(b.as_slice() == block(9).as_slice(), "the block written");
@@ -674,9 +720,9 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         // Client 1 fills the ring and has 8 more waiting; then client 2 asks once.
         for i in 0..limit as u64 + 8 {
-            ring.read(1, busy_rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, reply(&tx, i));
+            ring.read(1, busy_rd.as_raw_fd(), ring.buffer(ALIGN), 0, reply(&tx, i));
         }
-        ring.read(2, quiet_rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, reply(&tx, 1000));
+        ring.read(2, quiet_rd.as_raw_fd(), ring.buffer(ALIGN), 0, reply(&tx, 1000));
         ring.kick();
         let mut quiet_wr = quiet_wr;
         std::io::Write::write_all(&mut quiet_wr, &[5u8; ALIGN]).expect("written");
@@ -715,7 +761,7 @@ mod tests {
                 assert!(b.as_slice().iter().all(|&x| x == 7), "read {tag}: the bytes written");
                 n.fetch_add(1, SeqCst);
             });
-            ring.read(tag as u64 % 2, rd.as_raw_fd(), AlignedBuf::new(ALIGN), 0, done);
+            ring.read(tag as u64 % 2, rd.as_raw_fd(), ring.buffer(ALIGN), 0, done);
         }
         ring.kick();
         {
