@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Copy a local file into a volume, a volume into a local file, or a volume
-/// into another volume.
+/// into another volume (between two local files, use cp).
 ///
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
@@ -27,8 +27,8 @@ use std::time::Instant;
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Source: a local path, brp://HOST:PORT/VOLUME, brp+unix:///VOLUME?socket=PATH,
-    /// nbd://HOST:PORT/EXPORT or mirror:LEG,LEG,log=PATH
+    /// Source: a local path, brp://HOST:PORT/VOLUME (brps:// with TLS),
+    /// brp+unix:///VOLUME?socket=PATH, nbd://HOST:PORT/EXPORT or mirror:LEG,LEG,log=PATH
     src: String,
     /// Destination: a local path or a volume URL, as the source
     dst: String,
@@ -47,9 +47,36 @@ enum End {
     Vol(Remote, String),
 }
 
+/// Whether `s` names a volume (a URL `cp` takes) rather than a local path;
+/// a URL of another scheme is refused, not taken for a file's name.
+fn is_volume(s: &str) -> anyhow::Result<bool> {
+    if BrpUrl::has_scheme(s) || s.starts_with("nbd://") || MirrorSpec::is_mirror(s) {
+        return Ok(true);
+    }
+    if let Some((scheme, _)) = s.split_once("://") {
+        bail!(
+            "{s}: cp does not take {scheme}:// URLs; it copies to and from brp://, brps://,              brp+unix://, nbd:// and mirror: volumes (a local file is a plain path)"
+        );
+    }
+    Ok(false)
+}
+
+/// Refuses the copies that cannot be what was meant: between two local
+/// files (that is cp(1)'s job; a file copied onto itself would be
+/// truncated before it is read) and from a volume onto itself.
+fn check_ends(src: &str, dst: &str) -> anyhow::Result<()> {
+    match (is_volume(src)?, is_volume(dst)?) {
+        (false, false) => bail!(
+            "both {src} and {dst} are local paths: fastsan cp copies to or from a volume              (brp://, nbd://, ...); use cp(1) between files"
+        ),
+        (true, true) if src == dst => bail!("{src} is both the source and the destination"),
+        _ => Ok(()),
+    }
+}
+
 impl End {
     async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
-        if BrpUrl::has_scheme(s) || s.starts_with("nbd://") || MirrorSpec::is_mirror(s) {
+        if is_volume(s)? {
             let v = Remote::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
                 bail!("{s} is read-only");
@@ -64,6 +91,18 @@ impl End {
         };
         let f = f.with_context(|| format!("opening {}", path.display()))?;
         Ok(End::Local(Arc::new(f), path))
+    }
+
+    /// Every chunk but the last starts where the one before ended: on a
+    /// volume, each must begin on one of its blocks.
+    fn check_chunk(&self, chunk: u64) -> anyhow::Result<()> {
+        if let End::Vol(v, u) = self {
+            let block = u64::from(v.block_size().max(1));
+            if !chunk.is_multiple_of(block) {
+                bail!("--chunk {chunk} is not a multiple of {u}'s block size ({block} bytes)");
+            }
+        }
+        Ok(())
     }
 
     fn len(&self) -> anyhow::Result<u64> {
@@ -130,9 +169,13 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if a.depth == 0 || a.depth > 4096 {
         bail!("--depth must be 1..=4096");
     }
+    check_ends(&a.src, &a.dst)?;
     let src = End::open(&a.src, false, &a.client).await?;
+    src.check_chunk(chunk)?;
     let len = src.len()?;
+    // (Checked before a local destination is opened, which truncates it.)
     let dst = End::open(&a.dst, true, &a.client).await?;
+    dst.check_chunk(chunk)?;
     if let End::Vol(v, u) = &dst {
         if len > v.size() {
             bail!("{} has {len} bytes; {u} holds only {}", src.name(), v.size());

@@ -27,6 +27,41 @@ fn cp_128_mib_into_a_volume_and_back_is_identical() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds only"));
 }
 
+/// Copies that cannot be what was meant are refused before anything is
+/// opened for writing: a file onto itself (it was truncated, then read as
+/// empty), two local files, a URL of a scheme cp does not speak (it was
+/// taken for a file's name), a volume onto itself, a chunk off the
+/// volume's blocks (it failed at the second chunk, the first written).
+#[test]
+fn cp_refuses_copies_that_would_lose_data_and_says_why() {
+    let dir = temp_dir("cp-refused");
+    let file = dir.join("same.bin");
+    let data = random_file(&file, 3_000_000);
+    let path = file.to_str().unwrap();
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:8M"]);
+    let vol = s.url("v");
+    let dotted = format!("{}/./same.bin", dir.display());
+    let cases: &[(&[&str], &str)] = &[
+        (&["cp", path, path], "both"),
+        (&["cp", path, &dotted], "use cp(1)"),
+        (&["cp", path, "htp://x/y"], "cp does not take htp:// URLs"),
+        (&["cp", path, "nvme+tcp://127.0.0.1:4420/nqn.x/1"], "cp does not take nvme+tcp:// URLs"),
+        (&["cp", &vol, &vol], "both the source and the destination"),
+        (&["cp", path, &vol, "--chunk", "1000"], "not a multiple of"),
+    ];
+    for (args, needle) in cases {
+        let out = fastsan(args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    assert!(std::fs::read(&file).unwrap() == data, "the file is as it was");
+    let v = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+    let mut got = vec![1u8; 1 << 20];
+    v.read_at(&mut got, 0).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "nothing was written to the volume");
+}
+
 #[test]
 fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "a=memory:64M", "--volume", "n=null:2G,ro"]);
