@@ -710,7 +710,11 @@ impl Queue {
             // Invalid parameters: DW0 names the field (IATTR bit 16: in the data).
             (1, 0x82) if cqe.dw0 == 0x1_0000 | 256 => refused(
                 Status::NO_SUCH_VOLUME,
-                format!("no NVMe subsystem {:?} at {}", u.subnqn, self.state.name),
+                format!(
+                    "no NVMe subsystem {:?} at {} (the target logs its NQN at start; \
+                     `nvme discover` lists it)",
+                    u.subnqn, self.state.name
+                ),
             ),
             (1, 0x82) if cqe.dw0 == 0x1_0000 | 512 => refused(
                 Status::ACCESS_DENIED,

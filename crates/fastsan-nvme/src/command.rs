@@ -179,6 +179,8 @@ pub mod status {
     pub const TRANSIENT_TRANSPORT_ERROR: (u8, u8) = (GENERIC, 0x22);
     pub const LBA_OUT_OF_RANGE: (u8, u8) = (GENERIC, 0x80);
     pub const NAMESPACE_NOT_READY: (u8, u8) = (GENERIC, 0x82);
+    /// Connect: a record format (RECFMT) this subsystem does not know.
+    pub const CONNECT_INCOMPATIBLE_FORMAT: (u8, u8) = (COMMAND_SPECIFIC, 0x80);
     /// Connect: a parameter (queue id, size, host NQN) is wrong.
     pub const CONNECT_INVALID_PARAMETERS: (u8, u8) = (COMMAND_SPECIFIC, 0x82);
     pub const CONNECT_INVALID_HOST: (u8, u8) = (COMMAND_SPECIFIC, 0x84);

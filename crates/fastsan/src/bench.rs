@@ -18,7 +18,7 @@ use std::time::Duration;
 /// Examples:
 ///   fastsan bench brp://127.0.0.1:10810/vol0 --rw randread --bs 4k --iodepth 32 --jobs 4
 ///   fastsan bench nbd://127.0.0.1:10809/vol0 --rw randwrite --iodepth 32 --json
-///   fastsan bench nvme+tcp://127.0.0.1:4420/nqn.2024-01.io.fastsan:vol0 --iodepth 32 --jobs 2
+///   fastsan bench nvme+tcp://127.0.0.1:4420/nqn.2026-11.io.fastsan:HOSTNAME --iodepth 32 --jobs 2
 ///   fastsan bench brp://127.0.0.1:10810/vol0 --rw randwrite --iodepth 128 --merge off
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]

@@ -309,10 +309,11 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         let (mut io2, cqe) = Host::connect(&t.nvme, d, NQN, 2, cntlid, 0);
         assert!(cqe.status.is_success(), "{cqe:?}");
         // A queue past those granted, and one connected twice, are refused.
+        // DW0 names the field at fault: QID, at byte 42 of the command.
         let (_, cqe) = Host::connect(&t.nvme, d, NQN, 3, cntlid, 0);
-        assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+        assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_PARAMETERS, 42));
         let (_, cqe) = Host::connect(&t.nvme, d, NQN, 1, cntlid, 0);
-        assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+        assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_PARAMETERS, 42));
         // Another host (same NQN, another host identifier) cannot take this controller's queues.
         let mut other = Host::ic(&t.nvme, d);
         assert_eq!(sc(&other.try_connect_as([9; 16], NQN, 3, cntlid, 0)), status::CONNECT_INVALID_PARAMETERS);
@@ -552,10 +553,11 @@ fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
     // Connect to a subsystem that is not here, or to a controller that does not exist.
     let (mut h, cqe) =
         Host::connect(&t.nvme, Digests::default(), "nqn.2026-11.io.example:nope", 0, 0xffff, 0);
-    assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+    // DW0: the field at fault is in the Connect data (bit 16), SUBNQN at 256, CNTLID at 16.
+    assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_PARAMETERS, 0x1_0000 | 256));
     assert!(h.try_recv().is_none());
     let (_, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 1, 999, 0);
-    assert_eq!(sc(&cqe), status::CONNECT_INVALID_PARAMETERS);
+    assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_PARAMETERS, 0x1_0000 | 16));
     check(&mut good);
     // A plen far beyond any limit: refused from the 8-byte header, nothing buffered.
     let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);

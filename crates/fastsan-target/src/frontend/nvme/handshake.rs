@@ -5,7 +5,9 @@
 //! an I/O queue. Anything else before Connect is refused: a command with
 //! Command Sequence Error, any other PDU with a C2HTermReq, then a close.
 
-use super::{term_req, ConnectArgs, NvmeConn, Subsystem, ADMIN_IN_CAPSULE, MAX_H2C_DATA};
+use super::{
+    connect_field, term_req, ConnectArgs, ConnectRefusal, NvmeConn, Subsystem, ADMIN_IN_CAPSULE, MAX_H2C_DATA,
+};
 use crate::access::Who;
 use crate::frontend::{Handshake, Step, WireError};
 use bytes::BytesMut;
@@ -35,8 +37,13 @@ impl NvmeHandshake {
 
     /// Refuses the Connect command `cid` with `st`, then closes.
     fn refuse(&self, cid: u16, st: (u8, u8), why: String, out: &mut Vec<u8>) -> Step<NvmeConn> {
-        let cqe =
-            Cqe { dw0: 0, dw1: 0, sqhd: 1, sqid: 0, cid, status: Status::fatal(st.0, st.1), phase: false };
+        self.refuse_at(cid, ConnectRefusal { status: st, at: 0, why }, out)
+    }
+
+    /// Refuses with the wrong field named in DW0 (see [`connect_field`]).
+    fn refuse_at(&self, cid: u16, r: ConnectRefusal, out: &mut Vec<u8>) -> Step<NvmeConn> {
+        let (st, dw0, why) = (r.status, r.at, r.why);
+        let cqe = Cqe { dw0, dw1: 0, sqhd: 1, sqid: 0, cid, status: Status::fatal(st.0, st.1), phase: false };
         pdu::encode(&Header::CapsuleResp(cqe), 0, &[], self.digests, 0, out);
         Step::Refused(why)
     }
@@ -99,7 +106,8 @@ impl Handshake for NvmeHandshake {
                 }
                 if sqe.cdw10 & 0xffff != 0 {
                     let why = format!("Connect record format {}", sqe.cdw10 & 0xffff);
-                    return Ok(self.refuse(sqe.cid, status::CONNECT_INVALID_PARAMETERS, why, out));
+                    let (status, at) = (status::CONNECT_INCOMPATIBLE_FORMAT, connect_field::RECFMT);
+                    return Ok(self.refuse_at(sqe.cid, ConnectRefusal { status, at, why }, out));
                 }
                 let text = |r: std::ops::Range<usize>| {
                     let f = &data[r];
@@ -134,7 +142,7 @@ impl Handshake for NvmeHandshake {
                         pdu::encode(&Header::CapsuleResp(cqe), 0, &[], self.digests, 0, out);
                         Ok(Step::Done(conn))
                     }
-                    Err((st, why)) => Ok(self.refuse(sqe.cid, st, why, out)),
+                    Err(refusal) => Ok(self.refuse_at(sqe.cid, refusal, out)),
                 }
             }
             (_, Header::H2cTermReq(t)) => {

@@ -117,6 +117,30 @@ pub struct Subsystem {
     tick: AtomicU64,
 }
 
+/// Why a Connect is refused: its status, the field at fault (the
+/// response's DW0: [`connect_field`]) and, for the log, the reason.
+#[derive(Debug)]
+pub struct ConnectRefusal {
+    pub status: (u8, u8),
+    pub at: u32,
+    pub why: String,
+}
+
+/// Where a Connect's fields lie, as its response's DW0 names one that is
+/// wrong (NVMe over Fabrics, Connect response: IATTR in bit 16, set for the
+/// Connect data, clear for the command; IPO, the byte offset, below).
+pub mod connect_field {
+    const IN_DATA: u32 = 1 << 16;
+    /// RECFMT: CDW10 bits 15:0 of the command.
+    pub const RECFMT: u32 = 40;
+    /// QID: CDW10 bits 31:16.
+    pub const QID: u32 = 42;
+    /// SQSIZE: CDW11 bits 15:0.
+    pub const SQSIZE: u32 = 44;
+    pub const CNTLID: u32 = IN_DATA | 16;
+    pub const SUBNQN: u32 = IN_DATA | 256;
+}
+
 /// The fields of a Connect command the subsystem checks.
 pub struct ConnectArgs {
     pub qid: u16,
@@ -226,21 +250,27 @@ impl Subsystem {
     }
 
     /// Checks a Connect and makes (queue 0) or joins (queue N) a controller.
-    pub fn connect(self: &Arc<Self>, a: ConnectArgs, who: &Who) -> Result<NvmeConn, ((u8, u8), String)> {
-        let invalid = |why: String| (status::CONNECT_INVALID_PARAMETERS, why);
+    pub fn connect(self: &Arc<Self>, a: ConnectArgs, who: &Who) -> Result<NvmeConn, ConnectRefusal> {
+        // Which field was wrong, in the completion's DW0 (Connect response:
+        // IATTR, bit 16, set when the field is in the Connect data; IPO, its
+        // byte offset): hosts tell their users (Linux: "Connect Invalid Data
+        // Parameter, subsysnqn ..."; fastsan's: "no NVMe subsystem ...").
+        let invalid =
+            |at: u32, why: String| ConnectRefusal { status: status::CONNECT_INVALID_PARAMETERS, at, why };
         let discovery = a.subnqn == DISCOVERY_NQN;
         if !discovery && a.subnqn != self.nqn {
-            return Err(invalid(format!("no subsystem {:?} here (this one is {:?})", a.subnqn, self.nqn)));
+            let why = format!("no subsystem {:?} here (this one is {:?})", a.subnqn, self.nqn);
+            return Err(invalid(connect_field::SUBNQN, why));
         }
         if a.hostnqn.is_empty() {
-            return Err((status::CONNECT_INVALID_HOST, "a Connect without a host NQN".into()));
+            let why = "a Connect without a host NQN".into();
+            return Err(ConnectRefusal { status: status::CONNECT_INVALID_HOST, at: 0, why });
         }
         if a.sqsize == 0 || a.sqsize >= QUEUE_ENTRIES {
-            return Err(invalid(format!(
-                "queue size {} (1 to {} allowed)",
-                a.sqsize as u32 + 1,
-                QUEUE_ENTRIES
-            )));
+            return Err(invalid(
+                connect_field::SQSIZE,
+                format!("queue size {} (1 to {} allowed)", a.sqsize as u32 + 1, QUEUE_ENTRIES),
+            ));
         }
         let activity = Activity::new();
         let ctrl = if a.qid == 0 {
@@ -298,17 +328,24 @@ impl Subsystem {
                 !c.discovery && c.hostnqn == a.hostnqn && c.hostid == a.hostid && c.ip == who.ip
             };
             let Some(ctrl) = ctrls.get(&a.cntlid).filter(mine) else {
-                return Err(invalid(format!("no controller {} for host {:?}", a.cntlid, a.hostnqn)));
+                let why = format!("no controller {} for host {:?}", a.cntlid, a.hostnqn);
+                return Err(invalid(connect_field::CNTLID, why));
             };
             let mut st = ctrl.state.lock();
             if st.csts & CSTS_RDY == 0 {
-                return Err(invalid(format!("controller {} is not enabled", a.cntlid)));
+                return Err(invalid(
+                    connect_field::CNTLID,
+                    format!("controller {} is not enabled", a.cntlid),
+                ));
             }
             if a.qid > st.io_queues {
-                return Err(invalid(format!("queue {} of {} granted", a.qid, st.io_queues)));
+                return Err(invalid(
+                    connect_field::QID,
+                    format!("queue {} of {} granted", a.qid, st.io_queues),
+                ));
             }
             if st.queues.contains_key(&a.qid) {
-                return Err(invalid(format!("queue {} is connected already", a.qid)));
+                return Err(invalid(connect_field::QID, format!("queue {} is connected already", a.qid)));
             }
             st.queues.insert(a.qid, activity.clone());
             ctrl.clone()
