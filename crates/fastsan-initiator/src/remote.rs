@@ -110,12 +110,14 @@ impl Remote {
         if MirrorSpec::is_mirror(url) {
             return Ok(Remote::Mirror(Mirror::open(url, opts).await?));
         }
-        Single::connect(url, opts).await.map(Remote::One).map_err(|e| match e {
-            Error::Url(_) => {
-                Error::Url(format!("{url}: expected brp://..., brp+unix://..., nbd://... or mirror:..."))
-            }
-            e => e,
-        })
+        // A URL of a scheme spoken here keeps its own error (a bad port, a
+        // missing volume); any other is told which schemes are.
+        if url.starts_with("nbd://") || BrpUrl::has_scheme(url) {
+            return Single::connect(url, opts).await.map(Remote::One);
+        }
+        Err(Error::Url(format!(
+            "{url}: expected brp://..., brps://..., brp+unix://..., nbd://... or mirror:..."
+        )))
     }
 
     /// The volume's name in a URL: the file name under a FUSE mount.

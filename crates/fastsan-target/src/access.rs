@@ -79,7 +79,7 @@ impl Grant {
 /// Reads a secrets file: one `IDENTITY SECRET` per line (the secret is the
 /// rest of the line, spaces kept), `#` comments and blank lines skipped.
 pub fn read_secrets(path: &Path) -> Result<HashMap<String, Arc<[u8]>>, ConfigError> {
-    let err = |why: String| ConfigError::File { path: path.display().to_string(), why };
+    let err = |why: String| ConfigError::SecretFile { path: path.display().to_string(), why };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
     let mut out = HashMap::new();
     for (i, line) in text.lines().enumerate() {

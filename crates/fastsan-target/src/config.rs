@@ -33,7 +33,7 @@ pub const MAX_POLL_WINDOW: Duration = Duration::from_millis(1);
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
-    #[error("volume spec {spec:?}: {why} (expected NAME=memory:SIZE, NAME=file:PATH or NAME=null:SIZE, options ,ro ,direct ,delay=DURATION ,faults=RULE)")]
+    #[error("volume spec {spec:?}: {why} (expected NAME=memory:SIZE, NAME=file:PATH, NAME=null:SIZE or NAME=brp://HOST:PORT/VOLUME, options ,ro ,direct ,delay=DURATION ,faults=RULE)")]
     Volume { spec: String, why: String },
     #[error("size {0:?}: expected a number with an optional suffix K, M, G, T (powers of 1024), e.g. 512M")]
     Size(String),
@@ -41,6 +41,9 @@ pub enum ConfigError {
     Duration(String),
     #[error("config file {path}: {why}")]
     File { path: String, why: String },
+    /// A file of secrets (`--secret-file`, `--secrets`) that cannot be read or parsed.
+    #[error("secret file {path}: {why}")]
+    SecretFile { path: String, why: String },
     #[error("{0}")]
     Invalid(String),
 }
@@ -116,6 +119,8 @@ impl VolumeSpec {
         }
         let size = |s: &str| match parse_size(s) {
             Ok(0) => Err(err("size must be above zero")),
+            // Served in whole blocks of 512 bytes (BRP's sector): a tail would be cut off.
+            Ok(n) if n % 512 != 0 => Err(err("size must be a multiple of 512 bytes")),
             Ok(n) => Ok(n),
             Err(e) => Err(err(&e.to_string())),
         };
@@ -559,7 +564,7 @@ impl ConfigFile {
 /// Reads a secret file: its bytes, without a trailing newline.
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, ConfigError> {
     let mut s = std::fs::read(path)
-        .map_err(|e| ConfigError::File { path: path.display().to_string(), why: e.to_string() })?;
+        .map_err(|e| ConfigError::SecretFile { path: path.display().to_string(), why: e.to_string() })?;
     while matches!(s.last(), Some(b'\n' | b'\r')) {
         s.pop();
     }
@@ -603,6 +608,8 @@ mod tests {
             "a=memory",
             "a=disk:1G",
             "a=memory:0",
+            "a=memory:1000",
+            "a=null:1000",
             "a=memory:1G,fast",
             "a=memory:1G,direct",
             "a=file:",

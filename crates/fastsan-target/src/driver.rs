@@ -283,7 +283,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         }
         (End::Io(e), _) | (_, Err(e)) => info!(%peer, "{name} connection lost: {e}"),
         (End::Stopped, Ok(())) => {
-            info!(%peer, "{name} connection stopped (a reconnect of its session replaced it, or its replies could not be written); requests still buffered were dropped")
+            info!(%peer, "{name} connection stopped (its BRP session was taken over by a reconnect, its NVMe controller was shut down or torn down, or its replies could not be written); requests still buffered, if any, were dropped")
         }
         (End::Eof, Ok(())) => info!(%peer, "{name} connection closed by peer"),
         (End::Disconnect, Ok(())) => info!(%peer, "{name} client disconnected"),

@@ -40,8 +40,9 @@ pub enum ServerError {
         #[source]
         source: io::Error,
     },
-    #[error("cannot listen on {addr}")]
+    #[error("cannot listen for {what} on {addr}")]
     Bind {
+        what: &'static str,
         addr: String,
         #[source]
         source: io::Error,
@@ -125,6 +126,30 @@ impl Server {
             config.volumes.push(ServerConfig::default_volume());
         }
         config.validate()?;
+        // The listeners first: an address in use fails at once, before any
+        // volume is opened (or logged as ready).
+        let bind = |what: &'static str, addr: SocketAddr| async move {
+            TcpListener::bind(addr).await.map_err(|source| ServerError::Bind {
+                what,
+                addr: addr.to_string(),
+                source,
+            })
+        };
+        let brp_tcp = bind("BRP (--brp)", config.brp).await?;
+        let nbd_tcp = match config.nbd {
+            Some(a) => Some(bind("NBD (--nbd)", a).await?),
+            None => None,
+        };
+        let nvme_tcp = match config.nvme {
+            Some(a) => Some(bind("NVMe/TCP (--nvme)", a).await?),
+            None => None,
+        };
+        let metrics = match config.metrics {
+            Some(a) => Some(bind("metrics (--metrics)", a).await?),
+            None => None,
+        };
+        let brp_unix = config.brp_unix.as_deref().map(|p| Unix::bind("BRP (--brp-unix)", p)).transpose()?;
+        let nbd_unix = config.nbd_unix.as_deref().map(|p| Unix::bind("NBD (--nbd-unix)", p)).transpose()?;
         let mut catalog = Catalog::default();
         for spec in &config.volumes {
             let v = Volume::open(spec, config.max_transfer, config.io_threads)
@@ -132,26 +157,6 @@ impl Server {
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
             catalog.add(v);
         }
-        let bind = |addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServerError::Bind { addr: addr.to_string(), source })
-        };
-        let brp_tcp = bind(config.brp).await?;
-        let nbd_tcp = match config.nbd {
-            Some(a) => Some(bind(a).await?),
-            None => None,
-        };
-        let nvme_tcp = match config.nvme {
-            Some(a) => Some(bind(a).await?),
-            None => None,
-        };
-        let metrics = match config.metrics {
-            Some(a) => Some(bind(a).await?),
-            None => None,
-        };
-        let brp_unix = config.brp_unix.as_deref().map(Unix::bind).transpose()?;
-        let nbd_unix = config.nbd_unix.as_deref().map(Unix::bind).transpose()?;
         let stats = Arc::new(Stats::default());
         let access = Arc::new(access(&config)?);
         let queue_depth = if config.serial { 1 } else { config.queue_depth };
@@ -409,9 +414,9 @@ struct Unix {
 
 impl Unix {
     /// Binds a unix socket, replacing a stale socket file (never any other file).
-    fn bind(path: &Path) -> Result<Unix, ServerError> {
+    fn bind(what: &'static str, path: &Path) -> Result<Unix, ServerError> {
         use std::os::unix::fs::FileTypeExt;
-        let err = |source| ServerError::Bind { addr: path.display().to_string(), source };
+        let err = |source| ServerError::Bind { what, addr: path.display().to_string(), source };
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if !meta.file_type().is_socket() {
                 return Err(err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket")));

@@ -11,7 +11,7 @@ use indicatif::HumanBytes;
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The target: brp://HOST[:PORT] or brp+unix://?socket=PATH
+    /// The target: brp://HOST[:PORT] (brps:// with TLS) or brp+unix://?socket=PATH
     url: String,
     #[command(flatten)]
     client: ClientArgs,

@@ -44,8 +44,8 @@ use std::path::PathBuf;
 
 /// fastsan: a fast network block-storage system (a SAN in user space).
 ///
-/// Serve volumes (RAM, files, block devices) over the BRP protocol, and use
-/// them from the command line.
+/// Serve volumes (RAM, files, block devices) over BRP, NBD and NVMe/TCP, and
+/// use them from the command line.
 #[derive(Parser)]
 #[command(version, propagate_version = true)]
 struct Cli {

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tracing::{info, warn};
 
-/// Serve volumes over BRP and NBD until SIGINT or SIGTERM.
+/// Serve volumes over BRP, NBD and NVMe/TCP (with --nvme) until SIGINT or SIGTERM.
 ///
 /// With no volume given, serves one 1 GiB memory volume named vol0. Every
 /// volume is also an NBD export of the same name (and the default export ""

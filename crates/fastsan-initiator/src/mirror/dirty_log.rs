@@ -52,12 +52,10 @@ const WORDS_PER_PAGE: usize = PAGE / 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DirtyLogError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The cause is in the message, not a `source` as well: a chain
+    /// printed whole said it twice.)
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path} is not a fastsan dirty-region log (bad magic, version or checksum)")]
     NotALog { path: PathBuf },
     #[error("{path} is in use by another process (pid {pid})")]
@@ -207,7 +205,7 @@ impl DirtyLog {
         if gens.legs.is_empty() || gens.legs.len() > MAX_LEGS {
             return Err(DirtyLogError::Legs(gens.legs.len()));
         }
-        let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
+        let io = |error| DirtyLogError::Io { path: path.to_owned(), error };
         if path.exists() {
             return Err(io(std::io::Error::from(std::io::ErrorKind::AlreadyExists)));
         }
@@ -289,7 +287,7 @@ impl DirtyLog {
     }
 
     fn read_header(path: &Path, write: bool) -> Result<(File, u64, u64, (u64, Generations)), DirtyLogError> {
-        let io = |source| DirtyLogError::Io { path: path.to_owned(), source };
+        let io = |error| DirtyLogError::Io { path: path.to_owned(), error };
         let not = || DirtyLogError::NotALog { path: path.to_owned() };
         let file = OpenOptions::new().read(true).write(write).open(path).map_err(io)?;
         let mut h = vec![0u8; HEADER as usize];
@@ -337,7 +335,7 @@ impl DirtyLog {
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(DirtyLogError::Io { path: path.to_owned(), source: e });
+            return Err(DirtyLogError::Io { path: path.to_owned(), error: e });
         }
         let pid = std::fs::read_to_string(status_path(path))
             .ok()
@@ -384,13 +382,13 @@ impl DirtyLog {
             })
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e)))
-            .map_err(|source| DirtyLogError::Io { path: log.path.clone(), source })?;
+            .map_err(|error| DirtyLogError::Io { path: log.path.clone(), error })?;
             *log.gens.lock() = (seq, gens);
             Ok(())
         })
         .await
         .unwrap_or_else(|e| {
-            Err(DirtyLogError::Io { path: self.path.clone(), source: std::io::Error::other(e) })
+            Err(DirtyLogError::Io { path: self.path.clone(), error: std::io::Error::other(e) })
         })
     }
 
@@ -618,7 +616,7 @@ impl DirtyLog {
     fn failed(&self, why: &str) -> DirtyLogError {
         DirtyLogError::Io {
             path: self.path.clone(),
-            source: std::io::Error::other(format!("an earlier update failed: {why}")),
+            error: std::io::Error::other(format!("an earlier update failed: {why}")),
         }
     }
 

@@ -241,11 +241,10 @@ async fn write_record(
     leg.write_bytes(rec.encode(), size, true).await
 }
 
-/// Opens the mirror's log (for this process alone) and checks it names as
-/// many legs as the spec; a missing log says how to make one.
-fn open_log(ms: &MirrorSpec) -> Result<(Arc<DirtyLog>, Generations), Error> {
-    let log = DirtyLog::open(&ms.log, CLEAR_DELAY).map_err(|e| match e {
-        DirtyLogError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+/// A log that cannot be opened; a missing one says how to make one.
+fn log_error(ms: &MirrorSpec, e: DirtyLogError) -> Error {
+    match e {
+        DirtyLogError::Io { error, .. } if error.kind() == std::io::ErrorKind::NotFound => {
             mirror_err(format!(
                 "{} not found: make the mirror first with `fastsan mirror create` (a mirror never \
              starts without its log: the regions it marked would be forgotten)",
@@ -253,7 +252,13 @@ fn open_log(ms: &MirrorSpec) -> Result<(Arc<DirtyLog>, Generations), Error> {
             ))
         }
         e => e.into(),
-    })?;
+    }
+}
+
+/// Opens the mirror's log (for this process alone) and checks it names as
+/// many legs as the spec; a missing log says how to make one.
+fn open_log(ms: &MirrorSpec) -> Result<(Arc<DirtyLog>, Generations), Error> {
+    let log = DirtyLog::open(&ms.log, CLEAR_DELAY).map_err(|e| log_error(ms, e))?;
     let gens = log.generations();
     if gens.legs.len() != ms.legs.len() {
         return Err(mirror_err(format!(
@@ -1159,7 +1164,7 @@ async fn stop_with(stop: CancellationToken, work: impl std::future::Future<Outpu
 /// publishes while it has it open; or else what the log says, with the
 /// counters of the last process that had it open.
 pub fn status_of(spec: &MirrorSpec) -> Result<MirrorStatus, Error> {
-    let (size, region, gens, dirty) = DirtyLog::peek(&spec.log)?;
+    let (size, region, gens, dirty) = DirtyLog::peek(&spec.log).map_err(|e| log_error(spec, e))?;
     let published = std::fs::read(dirty_log::status_path(&spec.log))
         .ok()
         .and_then(|b| serde_json::from_slice::<MirrorStatus>(&b).ok());

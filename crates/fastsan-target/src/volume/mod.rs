@@ -151,6 +151,13 @@ impl Volume {
         // more when the store needs more (O_DIRECT).
         let granule = blocks.minimum.max(512);
         let size = b.size() / granule as u64 * granule as u64;
+        if size != b.size() || size == 0 {
+            tracing::warn!(
+                volume = name,
+                "the store has {} bytes; served: {size} (whole blocks of {granule} bytes)",
+                b.size()
+            );
+        }
         let max_transfer = max_transfer.min(blocks.maximum) / granule * granule;
         let caps = Caps {
             write: b.can_write(),
