@@ -46,6 +46,14 @@ impl Rw {
     fn random(self) -> bool {
         matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
     }
+    /// Whether a job of this pattern writes (`rwmixread`: the share of reads of RandRw).
+    fn writes(self, rwmixread: u8) -> bool {
+        match self {
+            Rw::Read | Rw::RandRead => false,
+            Rw::Write | Rw::RandWrite => true,
+            Rw::RandRw => rwmixread < 100,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -194,6 +202,15 @@ impl Target {
             }
         }
     }
+    fn read_only(&self) -> bool {
+        match self {
+            Target::Brp(v) => v.read_only(),
+            Target::Nbd(c) => c[0].read_only(),
+            Target::Nvme(v) => v.read_only(),
+            // A mirror's legs all take writes (it refuses to open otherwise).
+            Target::Mirror(_) => false,
+        }
+    }
     fn size(&self) -> u64 {
         match self {
             Target::Brp(v) => v.size(),
@@ -284,10 +301,17 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
             spec.url
         )));
     };
+    // Asked for what the volume cannot do: said before a second is spent.
+    if spec.rw.writes(spec.rwmixread) && target.read_only() {
+        return Err(BenchError::Invalid(format!("{} is read-only: this job writes", spec.url)));
+    }
+    if let Some(size) = spec.size.filter(|&n| n > target.size()) {
+        return Err(BenchError::Invalid(format!("--size {size}: the volume has {} bytes", target.size())));
+    }
     let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
     if span < spec.bs as u64 {
         return Err(BenchError::Invalid(format!(
-            "the volume ({} bytes) is smaller than one block",
+            "the volume ({} bytes) is smaller than one block (--bs)",
             target.size()
         )));
     }
@@ -520,14 +544,16 @@ impl Report {
     /// A human-readable summary, fio-style.
     pub fn human(&self) -> String {
         let mut s = format!(
-            "{} {:?} bs={} iodepth={} jobs={} ({} requesters, {} connections{})\n",
+            "{} {} bs={} iodepth={} jobs={} ({} requesters, {} connection{}{})\n",
             self.url,
-            self.rw,
+            // As fio and --rw name it.
+            format!("{:?}", self.rw).to_lowercase(),
             self.bs,
             self.iodepth,
             self.jobs,
             self.requesters,
             self.connections,
+            if self.connections == 1 { "" } else { "s" },
             if BrpUrl::has_scheme(&self.url) { format!(", merge {}", self.merge) } else { String::new() }
         );
         s += &format!(

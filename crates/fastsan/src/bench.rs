@@ -90,7 +90,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         bs: bs as u32,
         iodepth: a.iodepth,
         jobs: a.jobs,
-        runtime: secs(a.runtime, "runtime")?.max(Duration::from_millis(100)),
+        runtime: {
+            let t = secs(a.runtime, "runtime")?;
+            anyhow::ensure!(!t.is_zero(), "--runtime must be more than 0 seconds");
+            // (A tenth of a second at least: shorter measures nothing but the start.)
+            t.max(Duration::from_millis(100))
+        },
         ramp: secs(a.ramp, "ramp")?,
         size: a.size.as_deref().map(parse_size).transpose()?,
         rwmixread: a.rwmixread,

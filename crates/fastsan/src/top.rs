@@ -290,7 +290,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let every = Duration::from_secs_f64(a.interval);
     let scrape = || fetch(&authority, &path).map(|t| Snapshot::from_text(&t));
     // A first scrape before the screen changes: a wrong URL is a plain error.
-    let first = scrape().with_context(|| format!("reading {}", a.url))?;
+    let first = scrape().with_context(|| {
+        format!("reading {} (is a target serving its metrics there? `fastsan serve --metrics ADDR`)", a.url)
+    })?;
     if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
         return plain(first, every, &scrape);
     }

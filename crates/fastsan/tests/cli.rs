@@ -62,6 +62,31 @@ fn cp_refuses_copies_that_would_lose_data_and_says_why() {
     assert!(got.iter().all(|&b| b == 0), "nothing was written to the volume");
 }
 
+/// A job the volume cannot run is refused at once, not run for its whole
+/// runtime collecting errors (writes to a read-only volume) or quietly
+/// shrunk (a --size past the end).
+#[test]
+fn bench_refuses_jobs_the_volume_cannot_run() {
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "r=memory:8M,ro"]);
+    let brp = s.url("r");
+    let nbd = format!("nbd://{}/r", s.nbd);
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", &brp, "--rw", "randwrite"], "is read-only: this job writes"),
+        (&["bench", &nbd, "--rw", "randrw", "--rwmixread", "90"], "is read-only: this job writes"),
+        (&["bench", &brp, "--size", "16M"], "--size 16777216: the volume has 8388608 bytes"),
+    ];
+    for (args, needle) in cases {
+        let out = fastsan(args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // What it can run, it runs: reads of the read-only volume.
+    let out =
+        fastsan(&["bench", &nbd, "--rw", "randrw", "--rwmixread", "100", "--runtime", "0.2", "--ramp", "0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[test]
 fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "a=memory:64M", "--volume", "n=null:2G,ro"]);
@@ -208,6 +233,7 @@ fn bad_command_lines_get_clear_errors() {
             "--request-timeout must be more than 0",
         ),
         (&["bench", "brp://127.0.0.1:1/v", "--threads", "0"], "0 is not in 1..=1024"),
+        (&["bench", "brp://127.0.0.1:1/v", "--runtime", "0"], "--runtime must be more than 0 seconds"),
     ];
     let dir = temp_dir("badconf");
     let zero = dir.join("zero.toml");

@@ -27,9 +27,16 @@ use std::alloc::{self, Layout};
 use std::sync::Arc;
 
 /// The slot sizes, smallest first, and how many of each an arena has:
-/// 512 x 4 KiB and 32 x 64 KiB, 4 MiB in all (half the 8 MiB that Linux
-/// lets an unprivileged process lock by default).
+/// 512 x 4 KiB and 32 x 64 KiB, 4 MiB in all. Registered memory counts
+/// against the user's `RLIMIT_MEMLOCK` (8 MiB by default, for all of the
+/// user's processes together) unless the target has `CAP_IPC_LOCK`: an
+/// unprivileged target gets arenas for two direct volumes at most, and the
+/// rest use the heap (the ring says so once in its log).
 const CLASSES: [(usize, usize); 2] = [(4 << 10, 512), (64 << 10, 32)];
+/// The arena's alignment: a huge page's, so that a kernel that backs it
+/// with transparent huge pages maps it from a page boundary (some 6.12-6.15
+/// kernels mishandled registered buffers that began inside a huge page).
+const ARENA_ALIGN: usize = 2 << 20;
 
 /// Memory registered with a ring, handed out in slots. Shared by the ring
 /// and every buffer taken from it: it is freed when the last of them goes,
@@ -53,7 +60,7 @@ impl Arena {
     /// holds what its last I/O left there).
     pub fn new() -> Arc<Arena> {
         let size: usize = CLASSES.iter().map(|(len, n)| len * n).sum();
-        let layout = Layout::from_size_align(size, DIRECT_ALIGN).expect("a valid layout");
+        let layout = Layout::from_size_align(size, ARENA_ALIGN.max(DIRECT_ALIGN)).expect("a valid layout");
         // SAFETY: the layout has a non-zero size.
         let base = unsafe { alloc::alloc_zeroed(layout) };
         if base.is_null() {
@@ -136,8 +143,12 @@ pub enum IoBuf {
 impl IoBuf {
     /// `len` bytes from `arena` if it has a slot for them, else from the
     /// heap. A heap buffer starts zeroed; a slot holds what its last I/O left
-    /// there, so it is for a read that fills it or a write that copies a
-    /// whole block into it.
+    /// there (this volume's data: each ring has its own arena), so it is for
+    /// a read that fills it or a write that copies a whole block into it. A
+    /// read is answered only once the kernel reported every byte moved; a
+    /// kernel that reported bytes it did not move would send a slot's old
+    /// bytes where a heap buffer would have sent zeros (why the ring is kept
+    /// off FUSE: `ring_trusts` in file.rs).
     pub fn take(arena: Option<&Arc<Arena>>, len: usize) -> IoBuf {
         match arena.and_then(|a| a.take(len)) {
             Some(fixed) => IoBuf::Fixed(fixed),

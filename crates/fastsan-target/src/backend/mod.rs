@@ -435,8 +435,14 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
         }
         BackendSpec::Null { size } => Arc::new(NullBackend::new(*size)),
         BackendSpec::File { path, direct } => {
-            let f = FileBackend::open(path, spec.read_only, *direct)
-                .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
+            let f = FileBackend::open(path, spec.read_only, *direct).map_err(|e| {
+                let hint = if e.kind() == io::ErrorKind::NotFound {
+                    " (fastsan serves a file that exists; make one with `truncate -s SIZE PATH`)"
+                } else {
+                    ""
+                };
+                io::Error::new(e.kind(), format!("opening {}: {e}{hint}", path.display()))
+            })?;
             Arc::new(f)
         }
         BackendSpec::Remote { url, secret, connections } => {
