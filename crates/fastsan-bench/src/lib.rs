@@ -77,6 +77,11 @@ pub struct JobSpec {
     /// Write a pattern that depends on the offset and check every read of a
     /// block this run has written.
     pub verify: bool,
+    /// Writes with FUA: each durable when acknowledged.
+    pub fua: bool,
+    /// A FLUSH after every this many writes of a job (0: none), as fio's
+    /// `fsync=N`: the requester whose write completes the count waits for it.
+    pub fsync: u32,
     /// BRP: the session's options (connections, merge mode, secret,
     /// digests, reconnect and request timeouts).
     pub brp: Options,
@@ -147,6 +152,10 @@ pub struct Report {
     pub lat_p99_us: f64,
     pub lat_p999_us: f64,
     pub lat_max_us: f64,
+    /// FLUSHes sent in the measured window (`--fsync`), and their mean
+    /// latency (not in the I/O latencies above, which are reads' and writes').
+    pub flushes: u64,
+    pub flush_lat_mean_us: f64,
     /// Client CPU (user + system) as a share of one core.
     pub client_cpu_pct: f64,
     pub client_cpu_us_per_io: f64,
@@ -192,14 +201,29 @@ impl Target {
         }
     }
     #[allow(clippy::manual_async_fn)]
-    fn write(&self, job: usize, off: u64, data: Bytes) -> impl Future<Output = Result<(), ClientError>> + '_ {
+    fn write(
+        &self,
+        job: usize,
+        off: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> impl Future<Output = Result<(), ClientError>> + '_ {
         async move {
             match self {
-                Target::Brp(v) => Ok(v.write_bytes(data, off, false).await?),
-                Target::Nbd(c) => Ok(c[job].write_bytes(data, off, false).await?),
-                Target::Nvme(v) => Ok(v.write_bytes_on(job, data, off, false).await?),
-                Target::Mirror(m) => Ok(Box::pin(m.write_bytes(data, off, false)).await?),
+                Target::Brp(v) => Ok(v.write_bytes(data, off, fua).await?),
+                Target::Nbd(c) => Ok(c[job].write_bytes(data, off, fua).await?),
+                Target::Nvme(v) => Ok(v.write_bytes_on(job, data, off, fua).await?),
+                Target::Mirror(m) => Ok(Box::pin(m.write_bytes(data, off, fua)).await?),
             }
+        }
+    }
+    /// A FLUSH on the job's connection (or queue; the session's over BRP).
+    async fn flush(&self, job: usize) -> Result<(), ClientError> {
+        match self {
+            Target::Brp(v) => Ok(v.flush().await?),
+            Target::Nbd(c) => Ok(c[job].flush().await?),
+            Target::Nvme(v) => Ok(v.flush().await?),
+            Target::Mirror(m) => Ok(Box::pin(m.flush()).await?),
         }
     }
     fn read_only(&self) -> bool {
@@ -238,12 +262,14 @@ struct Tally {
     reads: u64,
     writes: u64,
     bytes: u64,
+    flushes: u64,
+    flush_ns: u64,
 }
 
 impl Tally {
     fn new() -> Tally {
         let hist = Histogram::new_with_bounds(100, 120_000_000_000, 3).expect("valid bounds");
-        Tally { hist, reads: 0, writes: 0, bytes: 0 }
+        Tally { hist, reads: 0, writes: 0, bytes: 0, flushes: 0, flush_ns: 0 }
     }
 }
 
@@ -324,6 +350,8 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         (0..spec.jobs).map(|_| Arc::new(Mutex::new(Tally::new()))).collect();
     let cursors: Vec<Arc<AtomicU64>> =
         (0..spec.jobs).map(|j| Arc::new(AtomicU64::new(j as u64 * blocks / spec.jobs as u64))).collect();
+    // Each job's writes, for `--fsync`.
+    let job_writes: Vec<Arc<AtomicU64>> = (0..spec.jobs).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let mut fill = vec![0u8; spec.bs as usize];
     rand::thread_rng().fill_bytes(&mut fill);
     let fill = Bytes::from(fill);
@@ -336,13 +364,14 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     let mut tasks = Vec::new();
     for job in 0..spec.jobs {
         for k in 0..spec.iodepth {
-            let (target, shared, written, tally, cursor, fill) = (
+            let (target, shared, written, tally, cursor, fill, job_writes) = (
                 target.clone(),
                 shared.clone(),
                 written.clone(),
                 tallies[job].clone(),
                 cursors[job].clone(),
                 fill.clone(),
+                job_writes[job].clone(),
             );
             let spec = spec.clone();
             tasks.push(tokio::spawn(async move {
@@ -380,7 +409,7 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                         }
                     } else {
                         let data = if spec.verify { pattern(off, spec.bs as usize) } else { fill.clone() };
-                        let r = target.write(job, off, data).await;
+                        let r = target.write(job, off, data, spec.fua).await;
                         if r.is_ok() && spec.verify {
                             written[word].fetch_or(bit, Relaxed);
                         }
@@ -388,6 +417,24 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
                     };
                     let (began, done) = (now, Instant::now());
                     now = done;
+                    let flush_due = !is_read
+                        && result.is_ok()
+                        && spec.fsync > 0
+                        && (job_writes.fetch_add(1, Relaxed) + 1) % spec.fsync as u64 == 0;
+                    let result = match result {
+                        Ok(()) if flush_due => {
+                            let r = target.flush(job).await;
+                            let flushed = Instant::now();
+                            if r.is_ok() && done >= measure_from && flushed <= end {
+                                let mut t = tally.lock();
+                                t.flushes += 1;
+                                t.flush_ns += (flushed - done).as_nanos() as u64;
+                            }
+                            now = flushed;
+                            r
+                        }
+                        r => r,
+                    };
                     if began < measure_from || done > end {
                         continue;
                     }
@@ -444,6 +491,8 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         all.reads += t.reads;
         all.writes += t.writes;
         all.bytes += t.bytes;
+        all.flushes += t.flushes;
+        all.flush_ns += t.flush_ns;
     }
     let hist = &all.hist;
     let secs = spec.runtime.as_secs_f64();
@@ -474,6 +523,12 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
         lat_p99_us: us(hist.value_at_quantile(0.99)),
         lat_p999_us: us(hist.value_at_quantile(0.999)),
         lat_max_us: us(hist.max()),
+        flushes: all.flushes,
+        flush_lat_mean_us: if all.flushes > 0 {
+            all.flush_ns as f64 / all.flushes as f64 / 1000.0
+        } else {
+            0.0
+        },
         client_cpu_pct: cpu / secs * 100.0,
         client_cpu_us_per_io: if ios > 0 { cpu * 1e6 / ios as f64 } else { 0.0 },
         client_threads: tokio::runtime::Handle::current().metrics().num_workers(),
@@ -564,6 +619,9 @@ impl Report {
             "  latency us: mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}\n",
             self.lat_mean_us, self.lat_p50_us, self.lat_p99_us, self.lat_p999_us, self.lat_max_us
         );
+        if self.flushes > 0 {
+            s += &format!("  flushes {}  latency us: mean {:.1}\n", self.flushes, self.flush_lat_mean_us);
+        }
         s += &format!(
             "  client CPU {:.0}% of a core, {:.2} us per I/O, {} thread{}\n",
             self.client_cpu_pct,
@@ -607,6 +665,8 @@ mod tests {
             size: None,
             rwmixread: 50,
             verify: false,
+            fua: false,
+            fsync: 0,
             brp: Options {
                 connections: 1,
                 merge: fastsan_initiator::MergeMode::Adaptive,

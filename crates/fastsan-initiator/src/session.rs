@@ -82,7 +82,15 @@ pub struct Volume {
 /// Lists the volumes of the target at `url` (its volume part is ignored).
 pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
     let url = BrpUrl::parse(url)?;
-    Handshake::start(&url.endpoint, opts).await?.list().await
+    let mut all = Handshake::start(&url.endpoint, opts).await?.list().await?;
+    // A URL that names a volume lists that one (and fails if there is none).
+    if !url.volume.is_empty() {
+        all.retain(|v| v.name == url.volume);
+        if all.is_empty() {
+            return Err(Error::InvalidArgument(format!("{url}: the target has no volume {:?}", url.volume)));
+        }
+    }
+    Ok(all)
 }
 
 impl Volume {

@@ -99,16 +99,18 @@ pub struct DetachArgs {
 /// under memory pressure), and it is not throttled as a writer of dirty
 /// pages. Threads created after this inherit it. Needs CAP_SYS_RESOURCE;
 /// without it (or on kernels before 5.6) attach runs as before, and says so
-/// in its debug log.
-pub fn io_flusher(a: &Args) {
+/// in its debug log (the refusal is returned: this runs before the log's
+/// thread exists, so that it inherits the mark too).
+pub fn io_flusher(a: &Args) -> Option<std::io::Error> {
     if a.list {
-        return;
+        return None;
     }
     const PR_SET_IO_FLUSHER: libc::c_int = 57;
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) } != 0 {
-        tracing::debug!("PR_SET_IO_FLUSHER: {}", std::io::Error::last_os_error());
+        return Some(std::io::Error::last_os_error());
     }
+    None
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {

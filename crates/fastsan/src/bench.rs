@@ -59,6 +59,14 @@ pub struct Args {
     /// Write offset-dependent data and check every read of a block written in this run.
     #[arg(long)]
     verify: bool,
+    /// Writes with FUA: each is durable when acknowledged (as a database's
+    /// O_DSYNC writes reach the device).
+    #[arg(long)]
+    fua: bool,
+    /// A FLUSH after every N writes of each job, as fio's fsync=N; the
+    /// report gives their count and mean latency.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    fsync: u32,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -100,6 +108,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         size: a.size.as_deref().map(parse_size).transpose()?,
         rwmixread: a.rwmixread,
         verify: a.verify,
+        fua: a.fua,
+        fsync: a.fsync,
         brp: a.client.options()?,
         progress: !a.json,
     };

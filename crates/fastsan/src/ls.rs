@@ -3,15 +3,17 @@
 use crate::ClientArgs;
 use indicatif::HumanBytes;
 
-/// List the volumes of a target, with their sizes.
+/// List the volumes of a target, with their sizes (or one volume, if the
+/// URL names it).
 ///
 /// Examples:
 ///   fastsan ls brp://127.0.0.1:10810
+///   fastsan ls brp://127.0.0.1:10810/vol0
 ///   fastsan ls 'brp+unix://?socket=/run/fastsan.sock'
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The target: brp://HOST[:PORT] (brps:// with TLS) or brp+unix://?socket=PATH
+    /// The target: brp://HOST[:PORT][/VOLUME] (brps:// with TLS) or brp+unix://[/VOLUME]?socket=PATH
     url: String,
     #[command(flatten)]
     client: ClientArgs,

@@ -153,12 +153,26 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // Before any thread exists (the log's and the runtime's): they inherit it.
+    let io_flusher = match &cli.cmd {
+        Cmd::Attach(a) => attach::io_flusher(a),
+        _ => None,
+    };
+    // The log is written by a thread of its own: a reader of stderr that
+    // stops reading (a full pipe) stalls that thread, never a connection.
+    // Until 2026-11-29 each log line was written where it was made, so a
+    // pipe nobody drained stopped the target's worker threads at their next
+    // line, and every client with them (found by a test that ran into 64
+    // KiB of device-error warnings). Lines past 128 K waiting are dropped.
+    // The guard writes what is waiting when main returns (for a second at
+    // most, if the reader still does not read).
+    let (log_writer, _log_guard) = tracing_appender::non_blocking(std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(log_writer)
         // A log nobody reads any more (the pipe's reader gone) is dropped
         // quietly. By default the subscriber reports a failed write with
         // `eprintln!`, to the same closed stderr, which panics: every task
@@ -169,9 +183,8 @@ fn main() -> std::process::ExitCode {
         // Colour codes only for a terminal: not in log files and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if let Cmd::Attach(a) = &cli.cmd {
-        // Before the runtime's threads exist: they inherit it.
-        attach::io_flusher(a);
+    if let Some(e) = io_flusher {
+        tracing::debug!("PR_SET_IO_FLUSHER: {e}");
     }
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Cmd::Bench(a) = &cli.cmd {

@@ -87,6 +87,102 @@ fn bench_refuses_jobs_the_volume_cannot_run() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// `--fua` writes are FUA and `--fsync N` sends a FLUSH every N writes, over
+/// each protocol: a volume whose flushes fail fails such writes (FUA is a
+/// write then a flush there) and such jobs, and serves plain writes.
+#[test]
+fn bench_sends_fua_writes_and_flushes_when_asked() {
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--nvme",
+        "127.0.0.1:0",
+        "--nvme-nqn",
+        "nqn.2026-11.io.fastsan:t",
+        "--volume",
+        "ok=memory:8M",
+        "--volume",
+        "bad=memory:8M,faults=flush:eio",
+    ]);
+    let nvme = |ns: u32| format!("nvme+tcp://{}/nqn.2026-11.io.fastsan:t/{ns}", s.nvme);
+    let urls = |vol: &str, ns: u32| [s.url(vol), format!("nbd://{}/{vol}", s.nbd), nvme(ns)];
+    let bench = |url: &str, extra: &[&str]| {
+        let mut args =
+            vec!["bench", url, "--rw", "randwrite", "--iodepth", "4", "--runtime", "0.3", "--ramp", "0"];
+        args.extend_from_slice(extra);
+        args.push("--json");
+        fastsan(&args)
+    };
+    for url in urls("ok", 1) {
+        let out = bench(&url, &["--fsync", "4"]);
+        assert!(out.status.success(), "{url}: {}", String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let (writes, flushes) = (r["writes"].as_u64().unwrap(), r["flushes"].as_u64().unwrap());
+        assert!(
+            writes > 100 && (flushes * 4).abs_diff(writes) <= 32,
+            "{url}: {writes} writes, {flushes} flushes"
+        );
+        let out = bench(&url, &["--fua"]);
+        assert!(out.status.success(), "{url}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    for url in urls("bad", 2) {
+        assert!(bench(&url, &[]).status.success(), "{url}: plain writes need no flush");
+        for extra in [&["--fua"][..], &["--fsync", "4"]] {
+            let out = bench(&url, extra);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success() && err.contains("requests failed"), "{url} {extra:?}: {err}");
+        }
+    }
+}
+
+/// A target whose log nobody reads (a pipe left full: a supervisor that
+/// stopped draining it) goes on serving. Until 2026-11-29 each line was
+/// written where it was made, so after 64 KiB of warnings the worker
+/// threads stopped at their next line, and every client with them.
+#[test]
+fn a_log_nobody_reads_never_stops_the_target() {
+    // (Served pipes stderr and reads it only at a signal: nobody reads it here.)
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "ok=memory:8M",
+        "--volume",
+        "bad=memory:8M,faults=write:eio",
+    ]);
+    let bad = format!("nbd://{}/bad", s.nbd);
+    let bench = |url: &str| {
+        fastsan(&[
+            "bench",
+            url,
+            "--rw",
+            "randwrite",
+            "--jobs",
+            "4",
+            "--iodepth",
+            "8",
+            "--runtime",
+            "0.3",
+            "--ramp",
+            "0",
+            "--request-timeout",
+            "5",
+            "--reconnect-timeout",
+            "5",
+        ])
+    };
+    // Each connection logs its first 64 device errors: ~20 KiB; 4 per run.
+    for _ in 0..4 {
+        let out = bench(&bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("requests failed") && !err.contains("no reply"), "{err}");
+    }
+    for url in [format!("nbd://{}/ok", s.nbd), s.url("ok")] {
+        let out = bench(&url);
+        assert!(out.status.success(), "{url}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 #[test]
 fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "a=memory:64M", "--volume", "n=null:2G,ro"]);
@@ -97,6 +193,13 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     assert!(a.contains("67108864") && a.contains("64.00 MiB"), "{a}");
     let n = text.lines().find(|l| l.starts_with("n ")).unwrap();
     assert!(n.contains("2.00 GiB") && n.contains("read-only"), "{n}");
+    // A URL that names a volume lists it alone; one the target lacks is an error.
+    let out = fastsan(&["ls", &s.url("n")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.lines().count() == 2 && text.contains("\nn "), "{text}");
+    let out = fastsan(&["ls", &s.url("nope")]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the target has no volume \"nope\""));
     drop(s);
     let d = Served::start(&["--brp", "127.0.0.1:0"]);
     let out = fastsan(&["ls", &format!("brp://{}", d.addr)]);
