@@ -276,9 +276,12 @@ class Runner:
 
     def fastsan_bench(self, url, rw, bs, iodepth, jobs, merge="adaptive", connections=2, binary=FASTSAN, extra=(),
                       wrap=()):
+        # The session's options are BRP's (fastsan bench refuses them for NBD and NVMe/TCP, where each
+        # job is a connection or queue).
+        brp = url.startswith(("brp", "mirror:"))
         cmd = [*wrap, binary, "bench", url, f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--jobs={jobs}",
-               f"--runtime={self.secs}", f"--ramp={self.ramp}", f"--merge={merge}",
-               f"--connections={connections}", "--json", *extra]
+               f"--runtime={self.secs}", f"--ramp={self.ramp}",
+               *([f"--merge={merge}", f"--connections={connections}"] if brp else []), "--json", *extra]
         p = subprocess.run(cmd, check=True, capture_output=True, timeout=120 + self.secs * 3, text=True)
         warned = [line for line in p.stderr.splitlines() if " WARN " in line or " ERROR " in line]
         for line in warned[:5]:  # what went wrong during a point, if anything (a leg degraded...)

@@ -90,6 +90,21 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         );
         Ok(Duration::from_secs_f64(s))
     };
+    // BRP's session options say nothing to NBD or NVMe/TCP (but NVMe/TCP
+    // takes --digests): refused, not ignored.
+    let brp = fastsan_initiator::BrpUrl::has_scheme(&a.url) || a.url.starts_with("mirror:");
+    let brp_only = [
+        (a.client.connections != 2, "--connections"),
+        (a.client.merge != fastsan_initiator::MergeMode::Adaptive, "--merge"),
+        (a.client.digests && !a.url.starts_with("nvme+tcp://"), "--digests"),
+    ];
+    if let Some((_, flag)) = brp_only.iter().find(|(given, _)| *given && !brp) {
+        anyhow::bail!(
+            "{flag} does not apply to {}: over NBD and NVMe/TCP each job is its own connection or \
+             queue (--jobs)",
+            a.url.split("://").next().unwrap_or("this URL"),
+        );
+    }
     let bs = parse_size(&a.bs)?;
     anyhow::ensure!(bs <= u32::MAX as u64, "--bs too large");
     let spec = fastsan_bench::JobSpec {

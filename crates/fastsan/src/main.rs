@@ -85,10 +85,11 @@ pub struct ClientArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Connections per session.
+    /// Connections per BRP session (over NBD and NVMe/TCP, bench makes
+    /// one connection or queue per job: --jobs).
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub connections: usize,
-    /// How small requests are merged into BATCH frames.
+    /// How small requests are merged into BATCH frames (BRP).
     #[arg(long, default_value = "adaptive", value_name = "MODE")]
     pub merge: fastsan_initiator::MergeMode,
     /// Ask for CRC32C digests of headers and data.

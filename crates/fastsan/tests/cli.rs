@@ -337,6 +337,9 @@ fn bad_command_lines_get_clear_errors() {
         ),
         (&["bench", "brp://127.0.0.1:1/v", "--threads", "0"], "0 is not in 1..=1024"),
         (&["bench", "brp://127.0.0.1:1/v", "--runtime", "0"], "--runtime must be more than 0 seconds"),
+        (&["bench", "nbd://127.0.0.1:1/v", "--connections", "4"], "--connections does not apply to nbd"),
+        (&["bench", "nvme+tcp://127.0.0.1:1/nqn.x", "--merge", "off"], "--merge does not apply to nvme+tcp"),
+        (&["bench", "nbd://127.0.0.1:1/v", "--digests"], "--digests does not apply to nbd"),
     ];
     let dir = temp_dir("badconf");
     let zero = dir.join("zero.toml");
