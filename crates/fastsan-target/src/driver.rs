@@ -30,6 +30,11 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, info, warn};
 
+/// Replies a front end made itself (no credit, no device: an NVMe Identify,
+/// an R2T, a refusal) held at most before they are sent and the socket's
+/// back-pressure reaches the client: at most 64 x 4 KiB of NVMe admin pages.
+const LOCAL_REPLIES_HELD: u32 = 64;
+
 /// A byte stream a connection can run on, whole (for the handshake and a
 /// TLS upgrade) or split into its two halves (for transmission).
 pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send + 'static {
@@ -400,7 +405,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     let mut eager = Eager::new(fd);
     loop {
-        let (mut requests, mut local) = (0u32, false);
+        let (mut requests, mut local, mut locals) = (0u32, false, 0u32);
         let need = loop {
             let r = match conn.decode(&mut buf) {
                 Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
@@ -427,7 +432,17 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                     // An answer the client needs before it can go on (an
                     // NVMe/TCP R2T for a write's data): never held.
                     local = true;
-                    Ok(())
+                    // Answers made here hold no credit: past a few, they
+                    // are sent before the next is decoded, so that a client
+                    // that sends thousands in one read (Identify: 4 KiB of
+                    // reply per 72-byte command) and reads none waits on
+                    // its own socket instead of filling the target's memory.
+                    locals += 1;
+                    if locals.is_multiple_of(LOCAL_REPLIES_HELD) {
+                        d.flush().await
+                    } else {
+                        Ok(())
+                    }
                 }
                 Ok(Decoded::Incomplete { need }) => {
                     // Every request this read brought is dispatched: their

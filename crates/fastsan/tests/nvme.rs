@@ -708,6 +708,113 @@ fn flush_ok(h: &mut Host, nsid: u32) -> bool {
     h.command(sqe(0x00).with(|s| s.nsid = nsid), &[]).status.is_success()
 }
 
+/// The target's resident memory, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// Hosts that send thousands of admin commands in one go and read none of
+/// the answers (each Identify: 72 bytes asked, 4 KiB answered) make the
+/// target wait on their sockets, not queue the answers in its memory: until
+/// 2026-11-29 a connection decoded a whole read (~3,600 of them, ~15 MiB of
+/// answers) before sending any. Another host goes on meanwhile.
+#[test]
+fn hosts_that_flood_admin_commands_and_read_nothing_pin_little_memory() {
+    let t = nvme_target(&["--volume", "v=memory:8M"]);
+    let disc = "nqn.2014-08.org.nvmexpress.discovery";
+    let before = rss(t.child.id());
+    let mut floods = Vec::new();
+    for _ in 0..8 {
+        let (mut h, cqe) = Host::connect(&t.nvme, Digests::default(), disc, 0, 0xffff, 0);
+        assert!(cqe.status.is_success());
+        assert!(h.property_set(0x14, 0x0046_0001).status.is_success());
+        let mut out = Vec::new();
+        for cid in 0..20_000u16 {
+            let mut c = sqe(0x06).with(|s| s.cdw10 = 1);
+            c.cid = cid;
+            c.dptr = SglDesc { addr: 0, length: 4096, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+            pdu::encode(&Header::CapsuleCmd(c), 0, &[], h.d, 0, &mut out);
+        }
+        // Whatever the target takes before it stops reading: it stops when
+        // its answers fill the socket, and the rest of the write times out.
+        h.s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        floods.push(std::thread::spawn(move || {
+            let _ = h.s.write_all(&out);
+            h
+        }));
+    }
+    let floods: Vec<Host> = floods.into_iter().map(|f| f.join().unwrap()).collect();
+    // (The kernel took the commands at once: give the target time to decode them.)
+    std::thread::sleep(Duration::from_secs(1));
+    let grown = rss(t.child.id()).saturating_sub(before);
+    // (8 such hosts: 8-14 MiB here; 4 of them grew it by 34 MiB before the fix.)
+    assert!(grown < 32 << 20, "the target grew by {} MiB", grown >> 20);
+    // Another host is served all along.
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    assert!(io.write(1, 8, &pattern(3, 4096)).status.is_success());
+    assert_eq!(io.read(1, 8, 8).1, pattern(3, 4096));
+    drop(floods);
+}
+
+/// A write whose data comes in many small H2CData PDUs, each in a read of
+/// its own, holds only its data: until 2026-11-29 each piece was a slice of
+/// the read that brought it and held that read's whole buffer (256 KiB) until
+/// the write was complete. And such writes land whole.
+#[test]
+fn writes_whose_data_trickles_in_pin_only_their_data_and_land_whole() {
+    let t = nvme_target(&["--volume", "v=memory:8M"]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(4);
+    let mut queues: Vec<Host> =
+        (1..=4).map(|q| Host::connect(&t.nvme, Digests::default(), NQN, q, cqe.dw0 as u16, 0).0).collect();
+    let before = rss(t.child.id());
+    // On each of 4 queues, 30 writes of 4 KiB by R2T (a queue holds 32);
+    // each gets its first 512 bytes, one PDU per read.
+    let mut writes = Vec::new();
+    for i in 0..120u32 {
+        let (q, io) = (i as usize % 4, &mut queues[i as usize % 4]);
+        io.s.set_nodelay(true).unwrap();
+        let mut c = Host::write_cmd(1, i as u64 * 8, 8);
+        c.dptr = SglDesc { addr: 0, length: 4096, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        io.submit(&mut c, &[]);
+        let r2t = match io.recv() {
+            (Header::R2t(r), _) => r,
+            other => panic!("expected an R2T, got {other:?}"),
+        };
+        let data = pattern(i as u8, 4096);
+        let h = DataHeader { cccid: c.cid, ttag: r2t.ttag, datao: 0, datal: 512 };
+        io.send(&Header::H2cData(h), 0, &data[..512]);
+        std::thread::sleep(Duration::from_millis(2));
+        writes.push((q, c.cid, r2t.ttag, data));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let grown = rss(t.child.id()).saturating_sub(before);
+    assert!(
+        grown < 12 << 20,
+        "120 writes of 4 KiB, 512 bytes each so far, grew the target by {} KiB (4 MiB with the fix: the \
+         allocator's granularity; 14 MiB for half as many writes before it)",
+        grown >> 10
+    );
+    // The rest of each, in two more pieces: every write lands whole.
+    for (q, cid, ttag, data) in &writes {
+        let io = &mut queues[*q];
+        for (at, len) in [(512, 1536), (2048, 2048)] {
+            let h = DataHeader { cccid: *cid, ttag: *ttag, datao: at, datal: len };
+            let last = if at == 2048 { flag::LAST_PDU } else { 0 };
+            io.send(&Header::H2cData(h), last, &data[at as usize..(at + len) as usize]);
+        }
+        let (cqe, _) = io.complete(*cid);
+        assert!(cqe.status.is_success(), "{cqe:?}");
+    }
+    for (i, (_, _, _, data)) in writes.iter().enumerate() {
+        assert_eq!(&queues[0].read(1, i as u64 * 8, 8).1, data, "write {i}");
+    }
+}
+
 #[test]
 fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     // One device thread, 100 ms a write: a lost queue's writes wait their turn on the device.

@@ -494,7 +494,12 @@ struct Solicited {
     /// The byte offset and FUA of a write; `None`: Dataset Management.
     write: Option<(u64, bool)>,
     length: u32,
-    parts: Vec<Bytes>,
+    /// The data so far when it comes in several H2CData PDUs: copied here,
+    /// not kept as slices of the reads that brought it (each slice would
+    /// hold its whole receive buffer, 256 KiB, for as long as the write
+    /// waits for the rest: a host sending a byte per PDU of many writes
+    /// pinned megabytes per queue). Empty while a single PDU brings it all.
+    parts: BytesMut,
     received: u32,
     digest_ok: bool,
     /// The R2T went out (else it waits in [`NvmeConn::waiting`]).
@@ -926,7 +931,7 @@ impl NvmeConn {
                             nsid: sqe.nsid,
                             write,
                             length: length as u32,
-                            parts: Vec::new(),
+                            parts: BytesMut::new(),
                             received: 0,
                             digest_ok: true,
                             asked: false,
@@ -1035,8 +1040,11 @@ impl NvmeConn {
         }
         w.received += h.datal;
         w.digest_ok &= digest_ok;
-        w.parts.push(data);
         if w.received < w.length {
+            if w.parts.is_empty() {
+                w.parts.reserve(w.length as usize);
+            }
+            w.parts.extend_from_slice(&data);
             return Ok(());
         }
         let w = self.writes.remove(&h.ttag).expect("present");
@@ -1044,15 +1052,12 @@ impl NvmeConn {
         let item = if !w.digest_ok {
             self.local(w.cid, status::TRANSIENT_TRANSPORT_ERROR, false)
         } else {
-            let data = match <[Bytes; 1]>::try_from(w.parts) {
-                Ok([one]) => one,
-                Err(parts) => {
-                    let mut b = BytesMut::with_capacity(w.length as usize);
-                    for p in parts {
-                        b.extend_from_slice(&p);
-                    }
-                    b.freeze()
-                }
+            let data = if w.parts.is_empty() {
+                data
+            } else {
+                let mut b = w.parts;
+                b.extend_from_slice(&data);
+                b.freeze()
             };
             self.written(w.cid, w.nsid, w.write, data)
         };
