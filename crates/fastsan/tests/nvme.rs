@@ -708,6 +708,32 @@ fn flush_ok(h: &mut Host, nsid: u32) -> bool {
     h.command(sqe(0x00).with(|s| s.nsid = nsid), &[]).status.is_success()
 }
 
+/// A deallocate of one range past 4 GiB (Linux's block layer never sends
+/// one, SPDK and `nvme dsm` may) trims it all: it got Invalid Field until
+/// 2026-11-29.
+#[test]
+fn a_deallocate_of_a_range_past_4_gib_trims_it() {
+    let t = nvme_target(&["--volume", "big=memory:16G"]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    let (inside, outside) = ((9u64 << 30) / 512, (11u64 << 30) / 512);
+    for lba in [inside, outside] {
+        assert!(io.write(1, lba, &pattern(7, 4096)).status.is_success());
+    }
+    // One range: 10 GiB (its length, a count of blocks) from LBA 0.
+    let mut range = vec![0u8; 16];
+    range[4..8].copy_from_slice(&(((10u64 << 30) / 512) as u32).to_le_bytes());
+    let dsm = sqe(0x09).with(|s| {
+        s.nsid = 1;
+        s.cdw11 = 1 << 2;
+    });
+    let cqe = io.command(dsm, &range);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    assert_eq!(io.read(1, inside, 8).1, vec![0u8; 4096], "trimmed");
+    assert_eq!(io.read(1, outside, 8).1, pattern(7, 4096), "past the range: kept");
+}
+
 /// The target's resident memory, in bytes.
 fn rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

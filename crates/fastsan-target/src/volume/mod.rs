@@ -293,9 +293,13 @@ impl Volume {
         if length == 0 {
             return Err(Refusal::Invalid("zero length"));
         }
-        // READ and WRITE move data through memory: bound them; the others may span the volume.
+        // READ and WRITE move data through memory: bound them; the others may
+        // span the volume (a long one runs in turns: `Op::split_off`). Until
+        // 2026-11-29 they stopped at 4 GiB, which only an NVMe/TCP Dataset
+        // Management range can pass (BRP's and NBD's lengths are 32 bits):
+        // such a deallocate got Invalid Field.
         let moves_data = matches!(kind, IoKind::Read | IoKind::Write);
-        let limit = if moves_data { limits.max_io.min(self.blocks.maximum) as u64 } else { u32::MAX as u64 };
+        let limit = if moves_data { limits.max_io.min(self.blocks.maximum) as u64 } else { u64::MAX };
         if length > limit {
             return Err(Refusal::TooLarge { length, limit });
         }
