@@ -104,20 +104,26 @@ impl Single {
 }
 
 impl Remote {
+    /// Whether `url` is one [`Remote::connect`] opens (brp://, brps://,
+    /// brp+unix://, nbd:// or mirror:), whatever else is wrong with it.
+    pub fn has_scheme(url: &str) -> bool {
+        BrpUrl::has_scheme(url) || url.starts_with("nbd://") || MirrorSpec::is_mirror(url)
+    }
+
     /// Opens `brp://`, `brp+unix://`, `nbd://` or `mirror:` (the options
     /// apply to BRP, and to a mirror's BRP legs).
     pub async fn connect(url: &str, opts: Options) -> Result<Remote, Error> {
+        // A URL of a scheme spoken here keeps its own error (a bad port, a
+        // missing volume); any other is told which schemes are.
+        if !Remote::has_scheme(url) {
+            return Err(Error::Url(format!(
+                "{url}: expected brp://..., brps://..., brp+unix://..., nbd://... or mirror:..."
+            )));
+        }
         if MirrorSpec::is_mirror(url) {
             return Ok(Remote::Mirror(Mirror::open(url, opts).await?));
         }
-        // A URL of a scheme spoken here keeps its own error (a bad port, a
-        // missing volume); any other is told which schemes are.
-        if url.starts_with("nbd://") || BrpUrl::has_scheme(url) {
-            return Single::connect(url, opts).await.map(Remote::One);
-        }
-        Err(Error::Url(format!(
-            "{url}: expected brp://..., brps://..., brp+unix://..., nbd://... or mirror:..."
-        )))
+        Single::connect(url, opts).await.map(Remote::One)
     }
 
     /// The volume's name in a URL: the file name under a FUSE mount.

@@ -405,7 +405,8 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     let mut eager = Eager::new(fd);
     loop {
-        let (mut requests, mut local, mut locals) = (0u32, false, 0u32);
+        // (Replies made here, `locals`, are never held: see below.)
+        let (mut requests, mut locals) = (0u32, 0u32);
         let need = loop {
             let r = match conn.decode(&mut buf) {
                 Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
@@ -430,13 +431,12 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 Ok(Decoded::Local { tag, meta, result }) => {
                     d.reply_local(tag, meta, result);
                     // An answer the client needs before it can go on (an
-                    // NVMe/TCP R2T for a write's data): never held.
-                    local = true;
-                    // Answers made here hold no credit: past a few, they
-                    // are sent before the next is decoded, so that a client
-                    // that sends thousands in one read (Identify: 4 KiB of
-                    // reply per 72-byte command) and reads none waits on
-                    // its own socket instead of filling the target's memory.
+                    // NVMe/TCP R2T for a write's data): never held. Answers
+                    // made here hold no credit: past a few, they are sent
+                    // before the next is decoded, so that a client that
+                    // sends thousands in one read (Identify: 4 KiB of reply
+                    // per 72-byte command) and reads none waits on its own
+                    // socket instead of filling the target's memory.
                     locals += 1;
                     if locals.is_multiple_of(LOCAL_REPLIES_HELD) {
                         d.flush().await
@@ -461,7 +461,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         // replies wait a round for the next few (crate::coalesce). Only
         // replies of requests run inline wait; the others leave as they finish.
         let mut last = requests;
-        if !local && d.holds_replies() && coalesce.linger(requests) {
+        if locals == 0 && d.holds_replies() && coalesce.linger(requests) {
             Stats::add(&env.stats.coalesce_rounds, 1);
             if timer.is_none() {
                 timer =

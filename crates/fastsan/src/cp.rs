@@ -6,7 +6,7 @@
 use crate::ClientArgs;
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use fastsan_initiator::{copy, mirror::MirrorSpec, BrpUrl, Remote};
+use fastsan_initiator::{copy, Remote};
 use fastsan_target::config::parse_size;
 use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -50,12 +50,13 @@ enum End {
 /// Whether `s` names a volume (a URL `cp` takes) rather than a local path;
 /// a URL of another scheme is refused, not taken for a file's name.
 fn is_volume(s: &str) -> anyhow::Result<bool> {
-    if BrpUrl::has_scheme(s) || s.starts_with("nbd://") || MirrorSpec::is_mirror(s) {
+    if Remote::has_scheme(s) {
         return Ok(true);
     }
     if let Some((scheme, _)) = s.split_once("://") {
         bail!(
-            "{s}: cp does not take {scheme}:// URLs; it copies to and from brp://, brps://,              brp+unix://, nbd:// and mirror: volumes (a local file is a plain path)"
+            "{s}: cp does not take {scheme}:// URLs; it copies to and from brp://, brps://, \
+             brp+unix://, nbd:// and mirror: volumes (a local file is a plain path)"
         );
     }
     Ok(false)
@@ -67,7 +68,8 @@ fn is_volume(s: &str) -> anyhow::Result<bool> {
 fn check_ends(src: &str, dst: &str) -> anyhow::Result<()> {
     match (is_volume(src)?, is_volume(dst)?) {
         (false, false) => bail!(
-            "both {src} and {dst} are local paths: fastsan cp copies to or from a volume              (brp://, nbd://, ...); use cp(1) between files"
+            "both {src} and {dst} are local paths: fastsan cp copies to or from a volume \
+             (brp://, nbd://, ...); use cp(1) between files"
         ),
         (true, true) if src == dst => bail!("{src} is both the source and the destination"),
         _ => Ok(()),
