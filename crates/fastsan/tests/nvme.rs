@@ -317,6 +317,18 @@ fn a_host_brings_up_a_controller_and_reads_what_it_wrote() {
         // Another host (same NQN, another host identifier) cannot take this controller's queues.
         let mut other = Host::ic(&t.nvme, d);
         assert_eq!(sc(&other.try_connect_as([9; 16], NQN, 3, cntlid, 0)), status::CONNECT_INVALID_PARAMETERS);
+        // The queue count is fixed once I/O queues are connected, and the
+        // count stays what was granted.
+        let set = sqe(0x09).with(|s| {
+            s.cdw10 = 0x07;
+            s.cdw11 = 7 | 7 << 16;
+        });
+        assert_eq!(sc(&admin.command(set, &[])), status::COMMAND_SEQUENCE_ERROR);
+        let cqe = admin.command(sqe(0x0a).with(|s| s.cdw10 = 0x07), &[]);
+        assert_eq!(cqe.dw0, 1 | 1 << 16, "two I/O queues, 0's based");
+        // NSSR: CAP.NSSRS is 0, so a subsystem reset is no property here.
+        assert_eq!(admin.property_get(0x00) >> 36 & 1, 0);
+        assert_eq!(sc(&admin.property_set(0x20, 0x4E56_4D65)), status::INVALID_FIELD);
 
         for nsid in [1, 2] {
             let small = pattern(nsid as u8, 4096);
@@ -580,6 +592,21 @@ fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
     h.send(&Header::H2cData(dh), flag::LAST_PDU, &[1; 4096]);
     assert_eq!(terminated(&mut h), pdu::fes::DATA_OUT_OF_RANGE);
     check(&mut good);
+    // LAST_PDU on a PDU that leaves data missing (the write could never
+    // complete), and missing on the PDU that completes it.
+    for (first, flags) in [(4096, flag::LAST_PDU), (8192, 0)] {
+        let (mut a, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+        a.enable(1);
+        let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+        let mut c = Host::write_cmd(1, 0, 16);
+        c.dptr = SglDesc { addr: 0, length: 8192, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        h.submit(&mut c, &[]);
+        let Header::R2t(r) = h.recv().0 else { panic!("an R2T") };
+        let dh = DataHeader { cccid: c.cid, ttag: r.ttag, datao: 0, datal: first };
+        h.send(&Header::H2cData(dh), flags, &vec![1; first as usize]);
+        assert_eq!(terminated(&mut h), pdu::fes::INVALID_HEADER_FIELD);
+        check(&mut good);
+    }
     // A header digest that does not match.
     let (mut h, _) = Host::connect(&t.nvme, BOTH, NQN, 0, 0xffff, 0);
     let mut out = Vec::new();

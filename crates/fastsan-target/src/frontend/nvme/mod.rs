@@ -636,8 +636,8 @@ impl NvmeConn {
                     self.set_cc(sqe.cdw12);
                     self.done(cid, 0, 0, None)
                 }
-                // A subsystem reset: nothing to reset in memory.
-                0x20 => self.done(cid, 0, 0, None),
+                // NSSR (0x20) among them: CAP.NSSRS is 0, so a subsystem
+                // reset is not a property here (as Linux's nvmet answers).
                 _ => self.invalid(cid),
             },
             (OPC_FABRICS, Some(fctype::CONNECT)) => self.local(cid, status::COMMAND_SEQUENCE_ERROR, true),
@@ -715,6 +715,12 @@ impl NvmeConn {
                         if nsq == 0xffff || ncq == 0xffff || ctrl.discovery {
                             drop(st);
                             return Some(self.invalid(cid));
+                        }
+                        // Once an I/O queue is connected its count is fixed
+                        // (a queue past a smaller count would live on).
+                        if st.queues.iter().any(|(q, a)| *q != 0 && !a.is_stopped()) {
+                            drop(st);
+                            return Some(self.local(cid, status::COMMAND_SEQUENCE_ERROR, true));
                         }
                         st.io_queues = (nsq.min(ncq) + 1).min(MAX_IO_QUEUES as u32) as u16;
                         let n = st.io_queues as u32 - 1;
@@ -1022,7 +1028,7 @@ impl NvmeConn {
     }
 
     /// Write data for an R2T.
-    fn h2c(&mut self, h: DataHeader, data: Bytes, digest_ok: bool) -> Result<(), WireError> {
+    fn h2c(&mut self, h: DataHeader, flags: u8, data: Bytes, digest_ok: bool) -> Result<(), WireError> {
         let Some(w) = self.writes.get_mut(&h.ttag).filter(|w| w.asked && w.cid == h.cccid) else {
             let why =
                 format!("H2CData for transfer tag {} (command {}) that no R2T asked for", h.ttag, h.cccid);
@@ -1037,6 +1043,19 @@ impl NvmeConn {
         }
         if h.datal == 0 {
             return Err(self.fail(fes::INVALID_HEADER_FIELD, 16, "an empty H2CData".into()));
+        }
+        // LAST_PDU marks the R2T's last PDU and no other: a host that says
+        // it is done with data missing would leave its write waiting forever.
+        let last = w.received + h.datal == w.length;
+        if (flags & flag::LAST_PDU != 0) != last {
+            let why = format!(
+                "H2CData at {}+{} of {} bytes {} LAST_PDU",
+                h.datao,
+                h.datal,
+                w.length,
+                if last { "without" } else { "with" }
+            );
+            return Err(self.fail(fes::INVALID_HEADER_FIELD, 1, why));
         }
         w.received += h.datal;
         w.digest_ok &= digest_ok;
@@ -1178,7 +1197,7 @@ impl Transmission for NvmeConn {
                 Err(e) => return Err(self.refuse(e)),
             };
             match header {
-                Header::H2cData(h) => self.h2c(h, data, f.data_digest_ok)?,
+                Header::H2cData(h) => self.h2c(h, f.flags, data, f.data_digest_ok)?,
                 Header::H2cTermReq(t) => {
                     info!(
                         cntlid = self.ctrl.cntlid,
