@@ -31,7 +31,7 @@ fi
 missing_apt() {
   need_apt=()
   for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
-              nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs \
+              nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs mkfs.xfs:xfsprogs \
               losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
               busybox:busybox-static certtool:gnutls-bin tmux:tmux nvme:nvme-cli ss:iproute2; do
     command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")

@@ -751,8 +751,9 @@ where
         let moves = op.moves();
         let result = match volume.pool().filter(|_| !self.env.serial) {
             None => volume.execute(op),
-            // A read of bytes at hand is answered here, as an inline one is.
-            Some(pool) => match volume.read_now(&op) {
+            // A read of bytes at hand, or a write the page cache takes at
+            // once, is answered here, as an inline one is.
+            Some(pool) => match volume.read_now(&op).or_else(|| volume.write_now(&op)) {
                 Some(result) => result,
                 // To the device without an I/O thread (a direct file's ring):
                 // answered from the thread that sees it finish.

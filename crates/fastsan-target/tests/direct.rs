@@ -8,26 +8,14 @@
 
 mod common;
 
-use common::{pattern, TestServer};
+use common::{disk_dir, pattern, sparse, SmallFs, TestServer};
 use fastsan_brp::Status;
 use fastsan_initiator::{Error, Options, Volume};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 const MIB: u64 = 1 << 20;
-
-/// A directory on a disk filesystem (tmpfs may refuse O_DIRECT).
-fn disk_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("fastsan-direct-{name}-"))
-        .tempdir_in("/var/tmp")
-        .expect("a directory")
-}
-
-fn sparse(path: &Path, len: u64) {
-    std::fs::File::create(path).unwrap().set_len(len).unwrap();
-}
 
 async fn connect(srv: &TestServer, connections: usize) -> Volume {
     Volume::connect(&srv.url("v"), Options { connections, ..Default::default() }).await.expect("connects")
@@ -119,44 +107,6 @@ async fn a_direct_block_device_reads_and_writes_through_its_ring_with_hundreds_i
     sparse(&img, 64 * MIB);
     let dev = Loop::over(&img, false);
     many_in_flight(Path::new(&dev.0)).await;
-}
-
-/// A small filesystem of its own, mounted for the test (root, loop devices).
-struct SmallFs {
-    mnt: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl SmallFs {
-    fn mount(mib: u64) -> SmallFs {
-        let dir = disk_dir("enospc");
-        let (img, mnt) = (dir.path().join("fs.img"), dir.path().join("mnt"));
-        sparse(&img, mib * MIB);
-        std::fs::create_dir(&mnt).unwrap();
-        let run = |cmd: &str, args: &[&str]| {
-            let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
-            assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        };
-        run("mkfs.ext4", &["-q", "-F", img.to_str().unwrap()]);
-        run("mount", &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()]);
-        SmallFs { mnt, _dir: dir }
-    }
-}
-
-impl Drop for SmallFs {
-    /// Unmounts (its loop device goes with it): the stopped target's I/O
-    /// threads may hold the volume's file a moment longer, so a busy mount
-    /// is tried again, then detached lazily rather than left behind.
-    fn drop(&mut self) {
-        for _ in 0..50 {
-            match Command::new("umount").arg(&self.mnt).output() {
-                Ok(out) if out.status.success() => return,
-                _ => std::thread::sleep(std::time::Duration::from_millis(100)),
-            }
-        }
-        eprintln!("{} still busy after 5 s (a descriptor left open?): detached lazily", self.mnt.display());
-        let _ = Command::new("umount").arg("-l").arg(&self.mnt).output();
-    }
 }
 
 /// A direct volume on a filesystem with less room than the volume: writes

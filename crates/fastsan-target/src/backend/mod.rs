@@ -169,6 +169,25 @@ pub trait Backend: Send + Sync + 'static {
     fn read_now(&self, _buf: &mut [u8], _offset: u64) -> Result<bool> {
         Ok(false)
     }
+    /// Whether [`Backend::write_now`] may take writes: the store can take a
+    /// write without waiting when the kernel has room for it (a buffered
+    /// file in the page cache), and every layer above passes writes through
+    /// unchanged. Stores that cannot keep the default.
+    fn can_write_now(&self) -> bool {
+        false
+    }
+    /// A plain write (no FUA) that never waits, so that it may run on the
+    /// thread that received the request: `Ok(true)` when all of `buf` is
+    /// written (as [`Backend::write_at`] would have), `Ok(false)` when the
+    /// store would have to wait (for the device, a lock, a timestamp's
+    /// journal entry, writeback throttling) or fails: then none or part of
+    /// it is written and the caller writes it all with
+    /// [`Backend::write_at`] where waiting is fine (the I/O pool), which also
+    /// gives a failure its definitive error. Called only where
+    /// [`Backend::can_write_now`].
+    fn write_now(&self, _buf: &[u8], _offset: u64) -> Result<bool> {
+        Ok(false)
+    }
     /// Whether [`Backend::submit`] takes plain reads and writes: the store
     /// keeps many device I/Os in flight itself (a `,direct` file's ring,
     /// [`uring`]) and every layer above can follow one to its end. Then they
@@ -288,6 +307,14 @@ pub trait Layer: Send + Sync + 'static {
     fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         self.next().read_now(buf, offset)
     }
+    /// Not passed through either: a write taken at once skips the layers'
+    /// `write_at`.
+    fn can_write_now(&self) -> bool {
+        false
+    }
+    fn write_now(&self, buf: &[u8], offset: u64) -> Result<bool> {
+        self.next().write_now(buf, offset)
+    }
     /// Not passed through either: a submitted I/O skips the layers'
     /// `read_at` and `write_at`. A layer that can follow one to its end
     /// (stats: it counts at submission and at completion) opts in.
@@ -381,6 +408,12 @@ impl<L: Layer> Backend for L {
     }
     fn read_now(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         Layer::read_now(self, buf, offset)
+    }
+    fn can_write_now(&self) -> bool {
+        Layer::can_write_now(self)
+    }
+    fn write_now(&self, buf: &[u8], offset: u64) -> Result<bool> {
+        Layer::write_now(self, buf, offset)
     }
     fn can_submit(&self) -> bool {
         Layer::can_submit(self)

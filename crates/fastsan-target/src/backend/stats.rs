@@ -209,6 +209,25 @@ impl Layer for StatsLayer {
         };
         r
     }
+    fn can_write_now(&self) -> bool {
+        self.next.can_write_now()
+    }
+    /// Counted as a write only when taken here; one that would wait is
+    /// counted by the `write_at` that follows it.
+    fn write_now(&self, buf: &[u8], offset: u64) -> Result<bool> {
+        let shard = &self.stats.shards[shard_index()];
+        let start = shard.writes.load(Relaxed).is_multiple_of(LATENCY_SAMPLE).then(Instant::now);
+        let r = self.next.write_now(buf, offset);
+        if !matches!(r, Ok(true)) {
+            return r;
+        }
+        shard.writes.fetch_add(1, Relaxed);
+        if let Some(start) = start {
+            self.stats.latency.record(start.elapsed().as_nanos() as u64);
+        }
+        shard.bytes_written.fetch_add(buf.len() as u64, Relaxed);
+        r
+    }
     fn can_submit(&self) -> bool {
         self.next.can_submit()
     }

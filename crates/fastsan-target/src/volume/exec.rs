@@ -26,9 +26,10 @@ pub enum Outcome {
     Extents(Vec<Extent>),
 }
 
-/// Longest read [`Volume::read_now`] serves: a longer copy would hold the
-/// receiving thread (and the connections it serves) for long; the pool
-/// copies it instead.
+/// Longest read [`Volume::read_now`] serves (and write
+/// [`Volume::write_now`] takes): a longer copy would hold the receiving
+/// thread (and the connections it serves) for long; the pool copies it
+/// instead.
 pub const READ_NOW_AT_MOST: u32 = 128 * 1024;
 
 impl Volume {
@@ -47,6 +48,24 @@ impl Volume {
             Ok(true) => Some(Ok(Outcome::Data(Bytes::from_owner(buf).into()))),
             Ok(false) => None,
             Err(e) => Some(Err(e.into())),
+        }
+    }
+
+    /// Writes a plain write on the calling thread when the store takes it
+    /// without waiting (a buffered file's page cache, on file systems whose
+    /// kernel allows it: XFS, not ext4): no hand-off to the I/O pool and
+    /// back, as for [`Volume::read_now`]. `None` when it would wait, or is
+    /// not such a write (FUA keeps its flush logic on the pool): run it with
+    /// [`Volume::execute`] on the pool, which writes it whole again if part
+    /// of it got in.
+    pub fn write_now(&self, op: &Op) -> Option<Result<Outcome, Refusal>> {
+        let OpKind::Write { offset, ref data, fua: false } = op.kind else { return None };
+        if !self.caps.write_now || data.len() > READ_NOW_AT_MOST as usize {
+            return None;
+        }
+        match self.backend.write_now(data, offset) {
+            Ok(true) => Some(Ok(Outcome::Done)),
+            Ok(false) | Err(_) => None,
         }
     }
 

@@ -34,6 +34,10 @@ pub struct Caps {
     /// Reads whose bytes are at hand (a file's page cache) are served on
     /// the receiving thread ([`Volume::read_now`]), not on the I/O pool.
     pub read_now: bool,
+    /// Plain writes the store can take without waiting (a file's page
+    /// cache, where the kernel allows) are written on the receiving thread
+    /// ([`Volume::write_now`]).
+    pub write_now: bool,
     /// Plain reads and writes go to the device without an I/O thread each
     /// ([`Volume::submit`]: a `,direct` file's ring).
     pub submit: bool,
@@ -170,6 +174,7 @@ impl Volume {
             cache: b.can_cache(),
             share_reads: b.can_share_reads(),
             read_now: b.can_read_now(),
+            write_now: b.can_write() && b.can_write_now(),
             submit: b.can_submit(),
             submit_writes: b.can_submit() && b.can_submit_writes(),
         };

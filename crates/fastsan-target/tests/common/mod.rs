@@ -346,3 +346,60 @@ pub async fn closed_within(s: &mut TcpStream, t: Duration) -> bool {
         }
     }
 }
+
+/// A directory on a disk filesystem (tmpfs may refuse O_DIRECT).
+pub fn disk_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("fastsan-test-{name}-"))
+        .tempdir_in("/var/tmp")
+        .expect("a directory")
+}
+
+pub fn sparse(path: &std::path::Path, len: u64) {
+    std::fs::File::create(path).unwrap().set_len(len).unwrap();
+}
+
+/// A small filesystem of its own, mounted for the test (root, loop devices).
+pub struct SmallFs {
+    pub mnt: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    /// An ext4 of `mib` MiB.
+    pub fn mount(mib: u64) -> SmallFs {
+        SmallFs::mount_as("mkfs.ext4", &["-q", "-F"], mib)
+    }
+
+    /// A filesystem of `mib` MiB made by `mkfs` with `args` (and the image).
+    pub fn mount_as(mkfs: &str, args: &[&str], mib: u64) -> SmallFs {
+        let dir = disk_dir("fs");
+        let (img, mnt) = (dir.path().join("fs.img"), dir.path().join("mnt"));
+        sparse(&img, mib << 20);
+        std::fs::create_dir(&mnt).unwrap();
+        let run = |cmd: &str, args: &[&str]| {
+            let out =
+                std::process::Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+            assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run(mkfs, &[args, &[img.to_str().unwrap()]].concat());
+        run("mount", &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()]);
+        SmallFs { mnt, _dir: dir }
+    }
+}
+
+impl Drop for SmallFs {
+    /// Unmounts (its loop device goes with it): the stopped target's I/O
+    /// threads may hold the volume's file a moment longer, so a busy mount
+    /// is tried again, then detached lazily rather than left behind.
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            match std::process::Command::new("umount").arg(&self.mnt).output() {
+                Ok(out) if out.status.success() => return,
+                _ => std::thread::sleep(std::time::Duration::from_millis(100)),
+            }
+        }
+        eprintln!("{} still busy after 5 s (a descriptor left open?): detached lazily", self.mnt.display());
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.mnt).output();
+    }
+}
