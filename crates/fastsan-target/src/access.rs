@@ -81,6 +81,7 @@ impl Grant {
 pub fn read_secrets(path: &Path) -> Result<HashMap<String, Arc<[u8]>>, ConfigError> {
     let err = |why: String| ConfigError::SecretFile { path: path.display().to_string(), why };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    crate::config::warn_if_others_read(path);
     let mut out = HashMap::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim_start();
@@ -96,6 +97,10 @@ pub fn read_secrets(path: &Path) -> Result<HashMap<String, Arc<[u8]>>, ConfigErr
         }
         if id == "*" || id == ANONYMOUS {
             return Err(err(format!("line {}: {id:?} is reserved for grants", i + 1)));
+        }
+        if id.contains(':') {
+            let why = "has a ':', which separates a grant's fields (VOLUME:IDENTITY[:ro|rw])";
+            return Err(err(format!("line {}: identity {id:?} {why}", i + 1)));
         }
         if out.insert(id.to_owned(), Arc::from(secret.as_bytes())).is_some() {
             return Err(err(format!("line {}: identity {id:?} given twice", i + 1)));
@@ -205,9 +210,10 @@ impl AuthLimiter {
     }
 
     /// What failures are counted by: the address, or for IPv6 its /64 (one
-    /// host commonly holds the whole /64).
-    fn key(ip: IpAddr) -> IpAddr {
-        match ip {
+    /// host commonly holds the whole /64). An IPv4 address in IPv6 form
+    /// (`::ffff:a.b.c.d`, a dual-stack listener's) is its IPv4 address.
+    pub fn key(ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
             IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
             v4 => v4,
         }
@@ -293,6 +299,9 @@ mod tests {
         assert!(read_secrets(&p).unwrap_err().to_string().contains("twice"));
         std::fs::write(&p, "lonely\n").unwrap();
         assert!(read_secrets(&p).is_err());
+        // A grant could never name it alone (`v:a:b` reads as mode "b").
+        std::fs::write(&p, "a:b x\n").unwrap();
+        assert!(read_secrets(&p).unwrap_err().to_string().contains("':'"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -314,5 +323,14 @@ mod tests {
         }
         assert!(l.check(d).is_err(), "another address of the same /64");
         assert!(l.check("2001:db8:0:1::1".parse().unwrap()).is_ok());
+        // IPv4 in IPv6 form (a dual-stack listener's): each its own address,
+        // not one /64 that every IPv4 client shares.
+        let (e, f): (IpAddr, IpAddr) =
+            ("::ffff:10.0.0.5".parse().unwrap(), "::ffff:10.0.0.6".parse().unwrap());
+        for _ in 0..MAX_FAILURES {
+            l.failed(e);
+        }
+        assert!(l.check(e).is_err() && l.check("10.0.0.5".parse().unwrap()).is_err());
+        assert!(l.check(f).is_ok(), "another IPv4 client goes on");
     }
 }

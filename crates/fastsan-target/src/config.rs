@@ -144,8 +144,11 @@ fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > fastsan_brp::limits::MAX_NAME {
         return Err(format!("a name has 1 to {} bytes", fastsan_brp::limits::MAX_NAME));
     }
-    if name.chars().any(|c| c.is_control() || c == '/' || c == ',' || c == '=') {
-        return Err("a name has no control characters, '/', ',' or '='".into());
+    // ':' separates a grant's fields (VOLUME:IDENTITY[:MODE]) and '*' is a
+    // grant's "every volume": a name with either could never be granted
+    // alone, and `vm:disk:ro` would grant volume `vm` to identity `disk`.
+    if name.chars().any(|c| c.is_control() || matches!(c, '/' | ',' | '=' | ':')) || name == "*" {
+        return Err("a name has no control characters, '/', ',', '=' or ':', and is not '*'".into());
     }
     Ok(())
 }
@@ -327,6 +330,19 @@ impl ServerConfig {
             if !names.insert(v.name.as_str()) {
                 return Err(ConfigError::Invalid(format!("volume name {:?} given twice", v.name)));
             }
+        }
+        // --serial runs each request on its connection's runtime thread; a
+        // remote volume's request waits on a runtime of its own, which a
+        // runtime thread may not do (it panicked, and a FLUSH that did
+        // latched the volume as failed).
+        if let Some(v) =
+            self.volumes.iter().find(|v| self.serial && matches!(v.backend, BackendSpec::Remote { .. }))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "--serial cannot serve volume {:?}: another target's volume is served through its own \
+                 runtime; leave --serial off (it is for comparisons only)",
+                v.name
+            )));
         }
         let mode = self.tls_mode();
         if mode != TlsMode::Off && self.tls.is_none() {
@@ -565,10 +581,25 @@ impl ConfigFile {
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, ConfigError> {
     let mut s = std::fs::read(path)
         .map_err(|e| ConfigError::SecretFile { path: path.display().to_string(), why: e.to_string() })?;
+    warn_if_others_read(path);
     while matches!(s.last(), Some(b'\n' | b'\r')) {
         s.pop();
     }
     Ok(s)
+}
+
+/// Warns when a file of secrets can be read by users other than its owner
+/// (as ssh does for keys): whoever reads it can pass for its identities.
+pub fn warn_if_others_read(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode()) & 0o777;
+    if mode & 0o077 != 0 {
+        tracing::warn!(
+            path = %path.display(),
+            "the secret file is readable by other users (mode {mode:o}): whoever reads it can pass for \
+             its identities; chmod 600 it"
+        );
+    }
 }
 
 #[cfg(test)]
@@ -614,6 +645,9 @@ mod tests {
             "a=memory:1G,direct",
             "a=file:",
             "a/b=memory:1G",
+            // A grant's separator and wildcard: `vm:disk:ro` would grant `vm`.
+            "vm:disk=memory:1G",
+            "*=memory:1G",
             "a=memory:1G,delay=3",
             "a=memory:1G,faults=write",
             "a=memory:1G,ro=1",
@@ -657,6 +691,16 @@ mod tests {
         assert!(c.validate().is_ok());
         c.nbd_unix = Some("/run/n.sock".into());
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn serial_refuses_another_targets_volume() {
+        let volumes = vec![VolumeSpec::parse("g=brp://127.0.0.1:1/v").unwrap()];
+        let mut c = ServerConfig { volumes, serial: true, ..Default::default() };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--serial") && e.contains("\"g\""), "{e}");
+        c.serial = false;
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -399,10 +399,15 @@ impl Listener for TcpListener {
     async fn accept(&self) -> io::Result<(TcpStream, String, Option<IpAddr>)> {
         let (s, peer) = TcpListener::accept(self).await?;
         tune(&s);
+        // An IPv4 client of a dual-stack listener ([::]) comes as
+        // ::ffff:a.b.c.d: its own address, so that it is loopback when it
+        // is and is counted by itself (as an IPv6 /64 every IPv4 client in
+        // the world shared one count of failed authentications).
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         Ok((s, peer.to_string(), Some(peer.ip())))
     }
     fn local(s: &TcpStream) -> Option<SocketAddr> {
-        s.local_addr().ok()
+        s.local_addr().ok().map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
     }
 }
 
@@ -536,6 +541,8 @@ impl HandshakeGate {
         let permit = self.total.clone().try_acquire_owned().ok()?;
         let addr = match ip {
             Some(ip) => {
+                // Counted as failed authentications are: an IPv6 host by its /64.
+                let ip = crate::access::AuthLimiter::key(ip);
                 let mut m = self.per_addr.lock();
                 let n = m.entry(ip).or_default();
                 if *n >= self.per_addr_max {

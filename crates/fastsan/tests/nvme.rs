@@ -629,6 +629,46 @@ fn broken_hosts_get_a_termination_and_other_hosts_go_on() {
     assert!(log.contains("NVMe/TCP"), "{log}");
 }
 
+/// NVMe/TCP hosts prove no identity: they see the namespaces granted to
+/// `anonymous` (read-only where the grant says so), and a host that may see
+/// none is refused at Connect instead of holding a connection slot.
+#[test]
+fn hosts_see_only_what_anonymous_is_granted_and_with_nothing_are_refused() {
+    let t = nvme_target(&[
+        "--volume",
+        "a=memory:1M",
+        "--volume",
+        "b=memory:1M",
+        "--grant",
+        "a:anonymous:ro",
+        "--grant",
+        "b:alice",
+    ]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    admin.enable(1);
+    let (_, list) = admin.fetch(sqe(0x06).with(|s| s.cdw10 = 2), 4096);
+    assert_eq!(&list[..8], &[1, 0, 0, 0, 0, 0, 0, 0], "only a (NSID 1) is active");
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    assert_eq!(sc(&io.write(1, 0, &[1; 512])), status::ACCESS_DENIED, "a is read-only to anonymous");
+    assert!(io.read(1, 0, 1).0.status.is_success());
+    assert_eq!(sc(&io.read(2, 0, 1).0), status::INVALID_NAMESPACE, "b is alice's");
+    drop((io, admin));
+    let log = t.signal("TERM").1;
+    assert!(log.contains("NVMe I/O controller created"), "{log}");
+
+    let t = nvme_target(&["--volume", "b=memory:1M", "--grant", "b:alice"]);
+    let (mut h, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    // Connect Invalid Host; DW0: the host NQN (in the Connect data, at 512).
+    assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_HOST, 0x1_0000 | 512));
+    assert!(h.try_recv().is_none(), "and closed");
+    // Discovery still answers (it names no namespace).
+    let disc = "nqn.2014-08.org.nvmexpress.discovery";
+    assert!(Host::connect(&t.nvme, Digests::default(), disc, 0, 0xffff, 0).1.status.is_success());
+    let log = t.signal("TERM").1;
+    assert!(log.contains("has no grant for any namespace"), "{log}");
+}
+
 #[test]
 fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
     let dir = temp_dir("nvme-disc");
@@ -659,6 +699,10 @@ fn discovery_lists_the_subsystem_and_keep_alive_tears_down_silent_hosts() {
     // Identify Namespace means nothing here.
     let (cqe, _) = h.fetch(sqe(0x06).with(|s| s.nsid = 1), 4096);
     assert!(!cqe.status.is_success());
+    // A discovery host that asked for no keep-alive gets nvmet's 120 s: it
+    // holds a connection slot, and cannot hold it forever.
+    let cqe = h.command(sqe(0x0a).with(|s| s.cdw10 = 0x0f), &[]);
+    assert_eq!(cqe.dw0, 120_000, "KATO of a discovery controller connected with 0");
 
     // A controller with a 1 s keep-alive: alive while the host sends, torn down when it stops.
     let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 1000);

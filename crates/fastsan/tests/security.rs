@@ -475,6 +475,36 @@ fn failed_authentications_are_limited_per_address_and_others_go_on() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (_, log) = s.signal("TERM");
     assert!(log.contains("refusing its secrets for a minute"), "{log}");
+    assert!(log.contains("readable by other users (mode 644)"), "the secrets file is 0644: {log}");
+
+    // A dual-stack listener ([::]) sees IPv4 clients as ::ffff:a.b.c.d: each
+    // is still counted by its own address (as one IPv6 /64 they all shared
+    // one count with each other and with ::/64), and logged by it.
+    let s = Served::start(&[
+        "--brp",
+        "[::]:0",
+        "--insecure-plaintext",
+        "--volume",
+        "v=memory:1M",
+        "--secret-file",
+        secret.to_str().unwrap(),
+    ]);
+    let port = s.addr.rsplit(':').next().unwrap().to_owned();
+    let url = |host: &str| format!("brp://{host}:{port}/v");
+    for i in 0..10 {
+        let err = String::from_utf8_lossy(&ls(&url("127.0.0.1"), &wrong).stderr).into_owned();
+        assert!(err.contains("authentication failed"), "attempt {i}: {err}");
+    }
+    let err = String::from_utf8_lossy(&ls(&url("127.0.0.1"), &secret).stderr).into_owned();
+    assert!(err.contains("too many failed authentications"), "{err}");
+    // Another client (::1: as a /64, :: was also every IPv4 client's key).
+    let out = ls(&url("[::1]"), &secret);
+    assert!(out.status.success(), "another client: {}", String::from_utf8_lossy(&out.stderr));
+    let (_, log) = s.signal("TERM");
+    assert!(
+        log.contains("127.0.0.1") && !log.contains("::ffff:"),
+        "peers logged by their IPv4 address: {log}"
+    );
 }
 
 /// What a client may do with a volume.

@@ -139,7 +139,13 @@ pub mod connect_field {
     pub const SQSIZE: u32 = 44;
     pub const CNTLID: u32 = IN_DATA | 16;
     pub const SUBNQN: u32 = IN_DATA | 256;
+    pub const HOSTNQN: u32 = IN_DATA | 512;
 }
+
+/// The keep-alive timeout of a discovery controller whose host asked for
+/// none (KATO 0), as Linux's nvmet gives it: such a host holds a connection
+/// slot and names no namespace, so it must not hold it forever.
+pub const DISCOVERY_KATO_MS: u32 = 120_000;
 
 /// The fields of a Connect command the subsystem checks.
 pub struct ConnectArgs {
@@ -274,7 +280,7 @@ impl Subsystem {
         }
         let activity = Activity::new();
         let ctrl = if a.qid == 0 {
-            let access = if discovery {
+            let access: Vec<Option<Mode>> = if discovery {
                 Vec::new()
             } else {
                 self.namespaces
@@ -282,6 +288,18 @@ impl Subsystem {
                     .map(|n| self.access.mode_for(who, n.volume.name(), false).ok())
                     .collect()
             };
+            // A host that may see no namespace has nothing to do here but
+            // hold a connection slot: refused, as Linux's nvmet refuses a
+            // host not allowed on the subsystem.
+            if !discovery && access.iter().all(Option::is_none) {
+                let why = format!("host {:?} has no grant for any namespace of {:?}", a.hostnqn, self.nqn);
+                return Err(ConnectRefusal {
+                    status: status::CONNECT_INVALID_HOST,
+                    at: connect_field::HOSTNQN,
+                    why,
+                });
+            }
+            let kato_ms = if discovery && a.kato_ms == 0 { DISCOVERY_KATO_MS } else { a.kato_ms };
             let mut ctrls = self.controllers.lock();
             let cntlid = {
                 let mut next = self.next_cntlid.lock();
@@ -303,7 +321,7 @@ impl Subsystem {
                     cc: 0,
                     csts: 0,
                     io_queues: 0,
-                    kato_ms: a.kato_ms,
+                    kato_ms,
                     aers: 0,
                     async_config: 0,
                     queues: HashMap::from([(0, activity.clone())]),
@@ -315,7 +333,7 @@ impl Subsystem {
             info!(
                 cntlid,
                 hostnqn = a.hostnqn,
-                kato_ms = a.kato_ms,
+                kato_ms,
                 namespaces = visible,
                 "NVMe {} controller created",
                 if discovery { "discovery" } else { "I/O" }
