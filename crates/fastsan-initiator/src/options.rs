@@ -58,6 +58,12 @@ pub struct Options {
     pub merge_max_request: u32,
     /// Largest BATCH body.
     pub merge_max_bytes: u32,
+    /// The session to open: 0 for a new one, else one this initiator's
+    /// predecessor had (a restarted gateway's). The target then takes over
+    /// its connections' slots and answers each OPEN only once what they
+    /// started on the device has finished, so that nothing the predecessor
+    /// sent can land after what this one writes (the fence).
+    pub session: u64,
 }
 
 impl Default for Options {
@@ -74,6 +80,7 @@ impl Default for Options {
             request_timeout: Duration::from_secs(30),
             merge_max_request: 128 * 1024,
             merge_max_bytes: 4 << 20,
+            session: 0,
         }
     }
 }

@@ -107,7 +107,8 @@ impl Volume {
         if opts.request_timeout.is_zero() {
             return Err(Error::InvalidArgument("the request timeout must be more than zero".into()));
         }
-        let (hs, info) = open_handshake(&url, &opts, 0, 0).await?;
+        let (hs, info) = open_handshake(&url, &opts, opts.session, 0).await?;
+        let taken_over = opts.session != 0;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
             let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
@@ -125,7 +126,10 @@ impl Volume {
                 ended: OnceLock::new(),
                 order: Arc::new(WriteOrder::default()),
                 unfenced: Mutex::new(Vec::new()),
-                acked: AtomicU64::new(0),
+                // A session taken over from a predecessor (a restarted
+                // gateway's) may hold its writes unflushed: until a FLUSH
+                // succeeds, a reboot of the target's host counts as their loss.
+                acked: AtomicU64::new(u64::from(taken_over)),
                 flushed: AtomicU64::new(0),
                 unflushed_lost: AtomicBool::new(false),
                 target: Mutex::new((info.instance, info.boot)),

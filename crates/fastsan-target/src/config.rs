@@ -67,6 +67,12 @@ pub enum BackendSpec {
         url: String,
         secret: Option<PathBuf>,
         connections: usize,
+        /// Where the gateway serves this volume (this host's boot and name,
+        /// its BRP address), set by the server: the remote session is
+        /// derived from it ([`crate::backend::remote::gateway_session`]), so
+        /// that a restarted gateway takes over its predecessor's. `None`: a
+        /// new session.
+        origin: Option<String>,
     },
 }
 
@@ -132,7 +138,7 @@ impl VolumeSpec {
             "brp" | "brp+unix" => {
                 let url = format!("{kind}:{arg}");
                 fastsan_initiator::BrpUrl::parse(&url).map_err(|e| err(&e.to_string()))?;
-                BackendSpec::Remote { url, secret, connections }
+                BackendSpec::Remote { url, secret, connections, origin: None }
             }
             other => return Err(err(&format!("unknown kind {other:?}"))),
         };

@@ -6,7 +6,7 @@
 use crate::access::{Access, Who, DEFAULT_IDENTITY};
 use crate::backend::{Faults, VolumeStatsSnapshot};
 use crate::catalog::Catalog;
-use crate::config::{ConfigError, ServerConfig};
+use crate::config::{BackendSpec, ConfigError, ServerConfig};
 use crate::driver::{refuse_busy, serve_connection, Transport};
 use crate::frontend::brp::Brp;
 use crate::frontend::nbd::Nbd;
@@ -151,7 +151,19 @@ impl Server {
         let brp_unix = config.brp_unix.as_deref().map(|p| Unix::bind("BRP (--brp-unix)", p)).transpose()?;
         let nbd_unix = config.nbd_unix.as_deref().map(|p| Unix::bind("NBD (--nbd-unix)", p)).transpose()?;
         let mut catalog = Catalog::default();
+        // Where gateway volumes are served, for their remote sessions.
+        let brp_at = brp_tcp.local_addr().map_err(|source| ServerError::Bind {
+            what: "BRP (--brp)",
+            addr: config.brp.to_string(),
+            source,
+        })?;
+        let origin = format!("{:016x}|{}|{brp_at}", config.boot_id.unwrap_or_else(boot_id), host_name());
         for spec in &config.volumes {
+            let mut spec = spec.clone();
+            if let BackendSpec::Remote { origin: o, .. } = &mut spec.backend {
+                *o = Some(origin.clone());
+            }
+            let spec = &spec;
             let v = Volume::open(spec, config.max_transfer, config.io_threads)
                 .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
@@ -576,6 +588,11 @@ impl Drop for HandshakeTicket {
 fn boot_id() -> u64 {
     let Ok(id) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else { return 0 };
     id.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// This host's name, for what must tell it from other hosts.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_owned()
 }
 
 /// No Nagle delay (replies leave at once), and keepalive probes so that a

@@ -42,6 +42,27 @@ fn xfs_takes_most_writes_at_once_and_ext4_none() {
     }
     assert!(taken >= 500, "XFS took {taken} of 1000 writes at once");
     assert!(b.can_write_now(), "and goes on trying");
+    // A full file system: XFS would flush every inode before it answered
+    // a write that finds no room, RWF_NOWAIT or not, so the store stops
+    // trying at the first ENOSPC and leaves writes to the pool.
+    let filler = xfs.mnt.join("filler");
+    let fill = format!("dd if=/dev/zero of={} bs=1M 2>&1; sync", filler.display());
+    let out = std::process::Command::new("sh").args(["-c", &fill]).output().unwrap();
+    let sparse_path = xfs.mnt.join("sparse.img");
+    sparse(&sparse_path, 64 * MIB);
+    let s = FileBackend::open(&sparse_path, false, false).unwrap();
+    // (A write may first be declined for its timestamp update, EAGAIN,
+    // before it meets the full file system: so a few tries.)
+    let mut at = 0;
+    for _ in 0..1000 {
+        if !s.can_write_now() || at >= 64 * MIB {
+            break;
+        }
+        if s.write_now(&[7; 65536], at).unwrap() || s.write_at(&[7; 65536], at, false).is_ok() {
+            at += 65536;
+        }
+    }
+    assert!(!s.can_write_now(), "still trying on a full file system ({} MiB written; {out:?})", at >> 20);
     assert!(!FileBackend::open(&path, true, false).unwrap().can_write_now(), "a read-only file does not try");
     assert!(
         !FileBackend::open(&path, false, true).unwrap().can_write_now(),

@@ -94,3 +94,68 @@ async fn a_gateway_to_a_missing_volume_does_not_start() {
     }
     remote.stop().await;
 }
+
+/// A client's unflushed writes through a gateway live in the remote
+/// target's host: the gateway reports that host's boot (as it was when the
+/// gateway opened the volume), not its own, and a restarted gateway takes
+/// over its predecessor's remote session assuming it may hold unflushed
+/// writes. So a reboot of the remote host is never missed across a restart
+/// of the gateway, whether the gateway was down when it rebooted or had
+/// come back before; and a restart of the gateway alone says nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_learns_of_the_remote_hosts_reboot_across_a_gateway_restart() {
+    let (_dir, img) = temp_file("gateway-boot", 4 * MIB);
+    let spec = format!("v=file:{}", img.display());
+    let remote = TestServer::start(&[&spec], |c| c.boot_id = Some(1)).await;
+    let remote_addr = remote.addr;
+    let gw_spec = format!("g=brp://{remote_addr}/v");
+    async fn gateway(spec: &str, at: Option<std::net::SocketAddr>) -> TestServer {
+        TestServer::start(&[spec], move |c| {
+            c.boot_id = Some(7);
+            if let Some(a) = at {
+                c.brp = a;
+            }
+        })
+        .await
+    }
+    let gw = gateway(&gw_spec, None).await;
+    let gw_addr = gw.addr;
+    let opts = Options { connections: 1, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
+    let client = Volume::connect(&gw.url("g"), opts.clone()).await.unwrap();
+    assert_eq!(client.info().boot, 1, "the remote host's boot, not the gateway's");
+    client.write_at(&[2; 4096], 4096, false).await.unwrap();
+
+    // The gateway restarts (on a host that did not reboot): nothing said.
+    gw.stop().await;
+    let gw = gateway(&gw_spec, Some(gw_addr)).await;
+    client.flush().await.expect("a gateway's restart loses nothing");
+
+    // Written, the gateway restarted, then the remote host reboots while the
+    // new gateway is up: it cannot tell its predecessor's writes were
+    // flushed, so it fails the flush.
+    client.write_at(&[3; 4096], 4096, false).await.unwrap();
+    gw.stop().await;
+    let gw = gateway(&gw_spec, Some(gw_addr)).await;
+    remote.stop().await;
+    let remote = TestServer::start(&[&spec], |c| (c.brp, c.boot_id) = (remote_addr, Some(2))).await;
+    assert!(client.flush().await.is_err(), "the remote host's reboot may have lost the write");
+    drop(client);
+    assert!(gw.stop_result().await.is_err(), "and the gateway's last flush says so too");
+
+    // Written, then the remote host reboots while the gateway is down; the
+    // gateway comes back: the client sees the remote's new boot.
+    let gw = gateway(&gw_spec, Some(gw_addr)).await;
+    let client = Volume::connect(&gw.url("g"), opts).await.unwrap();
+    assert_eq!(client.info().boot, 2);
+    client.write_at(&[4; 4096], 4096, false).await.unwrap();
+    gw.stop().await;
+    remote.stop().await;
+    let remote = TestServer::start(&[&spec], |c| (c.brp, c.boot_id) = (remote_addr, Some(3))).await;
+    let gw = gateway(&gw_spec, Some(gw_addr)).await;
+    let e = client.flush().await.expect_err("its write may be lost with the remote host's memory");
+    assert!(matches!(e, fastsan_initiator::Error::UnflushedWritesLost { .. }), "{e:?}");
+    assert_eq!(client.read(4096, 4096).await.unwrap().len(), 4096, "reads go on");
+    drop(client);
+    gw.stop().await;
+    remote.stop().await;
+}

@@ -342,12 +342,20 @@ impl Backend for FileBackend {
         // SAFETY: the one iovec covers `buf`, ours and readable for the whole call.
         let n = unsafe { libc::pwritev2(self.fd(), &iov, 1, at, libc::RWF_NOWAIT) };
         if n < 0 {
-            // A kernel or file system that does not take it (ext4, btrfs
-            // before 6.1): the pool writes everything from now on.
-            if let Some(libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) =
-                io::Error::last_os_error().raw_os_error()
-            {
-                self.nowait_writes.store(false, Relaxed);
+            match io::Error::last_os_error().raw_os_error() {
+                // A kernel or file system that does not take it (ext4,
+                // btrfs before 6.1): the pool writes everything from now on.
+                Some(libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) => {
+                    self.nowait_writes.store(false, Relaxed)
+                }
+                // A full file system (or quota): XFS then flushes every
+                // inode and retries before it answers, RWF_NOWAIT or not,
+                // which is no work for a thread that serves connections.
+                // The pool writes everything from now on.
+                Some(libc::ENOSPC | libc::EDQUOT) if self.nowait_writes.swap(false, Relaxed) => {
+                    tracing::info!(path = %self.path.display(), "the file system is full: writes run on the I/O threads from now on");
+                }
+                _ => {}
             }
             return Ok(false);
         }

@@ -23,7 +23,7 @@ mod iobuf;
 mod memory;
 mod null;
 mod readonly;
-mod remote;
+pub mod remote;
 mod stats;
 #[cfg(target_os = "linux")]
 pub mod uring;
@@ -142,6 +142,17 @@ pub trait Backend: Send + Sync + 'static {
     /// it, so that a restarted target's empty volume is never taken for the
     /// one it wrote to.
     fn generation(&self) -> u64;
+    /// The boot of the host whose memory holds the volume's unflushed
+    /// writes, when that is not this one: a remote volume's target, as it
+    /// was when the volume opened. OPEN_REPLY reports it instead of this
+    /// host's, so that a client whose acknowledged writes a reboot of that
+    /// host lost learns of it even across a restart of this one (a gateway
+    /// reported its own boot, which such a reboot leaves unchanged, and its
+    /// restart forgot that the remote had rebooted), and a reboot of this
+    /// host, which holds none of them, is not taken for their loss.
+    fn boot(&self) -> Option<u64> {
+        None
+    }
     /// A one-line description for logs.
     fn describe(&self) -> String;
 
@@ -282,6 +293,9 @@ pub trait Layer: Send + Sync + 'static {
     fn generation(&self) -> u64 {
         self.next().generation()
     }
+    fn boot(&self) -> Option<u64> {
+        self.next().boot()
+    }
     fn describe(&self) -> String {
         self.next().describe()
     }
@@ -391,6 +405,9 @@ impl<L: Layer> Backend for L {
     fn generation(&self) -> u64 {
         Layer::generation(self)
     }
+    fn boot(&self) -> Option<u64> {
+        Layer::boot(self)
+    }
     fn describe(&self) -> String {
         Layer::describe(self)
     }
@@ -478,10 +495,18 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
             })?;
             Arc::new(f)
         }
-        BackendSpec::Remote { url, secret, connections } => {
+        BackendSpec::Remote { url, secret, connections, origin } => {
             let secret =
                 secret.as_deref().map(crate::config::read_secret).transpose().map_err(io::Error::other)?;
-            let opts = fastsan_initiator::Options { connections: *connections, secret, ..Default::default() };
+            let session = origin
+                .as_deref()
+                .map_or(0, |o| remote::gateway_session(o, &spec.name, url, secret.as_deref()));
+            let opts = fastsan_initiator::Options {
+                connections: *connections,
+                secret,
+                session,
+                ..Default::default()
+            };
             Arc::new(RemoteBackend::connect(url, opts)?)
         }
     };

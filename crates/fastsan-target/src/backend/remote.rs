@@ -79,6 +79,33 @@ impl Drop for RemoteBackend {
     }
 }
 
+/// The remote session of gateway volume `name` (`url`) served at `origin`
+/// (this host's boot and name, and its BRP address): the same for every
+/// start of the same gateway on the same boot, so that a restarted one
+/// takes over its predecessor's session on the remote target, whose fence
+/// then holds its OPENs until every write the predecessor left running
+/// there has finished. With a new session each start (until 2026-11-29), a
+/// write a killed gateway had sent could land after one its successor
+/// acknowledged (a helper's review). Another gateway (another host, boot,
+/// address or volume) gets another session; the boot id (random, readable
+/// on this host only) and the secret keep it from being guessed by other
+/// clients of the remote target, who could otherwise take its slots.
+pub fn gateway_session(origin: &str, name: &str, url: &str, secret: Option<&[u8]>) -> u64 {
+    use sha2::{Digest, Sha256};
+    let h: [u8; 32] = Sha256::new()
+        .chain_update(b"fastsan gateway session\0")
+        .chain_update(origin)
+        .chain_update(b"\0")
+        .chain_update(name)
+        .chain_update(b"\0")
+        .chain_update(url)
+        .chain_update(b"\0")
+        .chain_update(secret.unwrap_or_default())
+        .finalize()
+        .into();
+    u64::from_le_bytes(h[..8].try_into().expect("8 bytes")).max(1)
+}
+
 impl Backend for RemoteBackend {
     fn size(&self) -> u64 {
         self.vol.size()
@@ -120,6 +147,9 @@ impl Backend for RemoteBackend {
     fn generation(&self) -> u64 {
         // The remote volume's own: the same data for as long as it is.
         self.vol.info().generation
+    }
+    fn boot(&self) -> Option<u64> {
+        Some(self.vol.info().boot)
     }
     fn describe(&self) -> String {
         format!("remote {}", self.url)

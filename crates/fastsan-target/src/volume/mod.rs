@@ -55,6 +55,8 @@ pub struct Volume {
     caps: Caps,
     volatile: bool,
     generation: u64,
+    /// See [`crate::backend::Backend::boot`].
+    boot: Option<u64>,
     description: String,
     stats: Arc<VolumeStats>,
     faults: Option<Faults>,
@@ -187,6 +189,7 @@ impl Volume {
             name,
             volatile: b.volatile(),
             generation: b.generation(),
+            boot: b.boot(),
             description: b.describe(),
             backend: b,
             size,
@@ -227,6 +230,12 @@ impl Volume {
     pub fn volatile(&self) -> bool {
         self.volatile
     }
+    /// The boot of the host holding the volume's unflushed writes, if not
+    /// this one (see [`crate::backend::Backend::boot`]).
+    pub fn boot(&self) -> Option<u64> {
+        self.boot
+    }
+
     /// Identity of the volume's data (see [`Backend::generation`]).
     pub fn generation(&self) -> u64 {
         self.generation

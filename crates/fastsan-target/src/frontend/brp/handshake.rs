@@ -194,7 +194,7 @@ impl BrpHandshake {
                     flags: volume_flags(volume, mode == Mode::ReadOnly),
                     instance: brp.instance,
                     generation: volume.generation(),
-                    boot: brp.boot,
+                    boot: volume.boot().unwrap_or(brp.boot),
                 };
                 // The driver sends this only after the fence.
                 Message::OpenReply(info).encode(out);
