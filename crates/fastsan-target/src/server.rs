@@ -305,6 +305,12 @@ impl Server {
         if let Some(l) = &nvme_tcp {
             let sub = &nvme.subsystem;
             info!(addr = %l.local_addr()?, nqn = sub.nqn, namespaces = sub.namespaces.len(), "NVMe/TCP listener ready");
+            if tls == "required" || a.authenticates() {
+                warn!(
+                    "NVMe/TCP has no TLS or authentication here: its hosts are anonymous, see what \
+                     grants give `anonymous`, and are not covered by --tls require"
+                );
+            }
             tokio::spawn(sub.clone().reaper(env.shutdown.clone()));
         }
         let nvme = Arc::new(nvme);

@@ -657,7 +657,19 @@ fn hosts_see_only_what_anonymous_is_granted_and_with_nothing_are_refused() {
     let log = t.signal("TERM").1;
     assert!(log.contains("NVMe I/O controller created"), "{log}");
 
-    let t = nvme_target(&["--volume", "b=memory:1M", "--grant", "b:alice"]);
+    // A target whose BRP clients prove identities (alice's secret): NVMe/TCP
+    // hosts still prove none, and the log says so.
+    let dir = temp_dir("nvme-grants");
+    let secrets = dir.join("secrets");
+    std::fs::write(&secrets, "alice a-secret\n").unwrap();
+    let t = nvme_target(&[
+        "--volume",
+        "b=memory:1M",
+        "--grant",
+        "b:alice",
+        "--secrets-file",
+        secrets.to_str().unwrap(),
+    ]);
     let (mut h, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
     // Connect Invalid Host; DW0: the host NQN (in the Connect data, at 512).
     assert_eq!((sc(&cqe), cqe.dw0), (status::CONNECT_INVALID_HOST, 0x1_0000 | 512));
@@ -667,6 +679,7 @@ fn hosts_see_only_what_anonymous_is_granted_and_with_nothing_are_refused() {
     assert!(Host::connect(&t.nvme, Digests::default(), disc, 0, 0xffff, 0).1.status.is_success());
     let log = t.signal("TERM").1;
     assert!(log.contains("has no grant for any namespace"), "{log}");
+    assert!(log.contains("NVMe/TCP has no TLS or authentication here"), "{log}");
 }
 
 #[test]
