@@ -8,10 +8,9 @@
 
 mod common;
 
-use common::{disk_dir, pattern, sparse, SmallFs, TestServer};
+use common::{disk_dir, pattern, round_trip, sparse, SmallFs, TestServer};
 use fastsan_brp::Status;
 use fastsan_initiator::{Error, Options, Volume};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
 
@@ -39,33 +38,6 @@ async fn many_in_flight(path: &Path) {
     assert!(st.writes >= 600 && st.reads >= 600 && st.errors == 0, "counted through the ring: {st:?}");
     drop(vol);
     srv.stop().await;
-}
-
-async fn round_trip(vol: &Volume, path: &Path, seed: u64) {
-    // 300 pieces: 4 KiB at 4 KiB steps, then 64 KiB ones, then four of 1 MiB.
-    let mut pieces: Vec<(u64, usize)> = (0..256).map(|i| (i * 4096, 4096)).collect();
-    pieces.extend((0..40).map(|i| (2 * MIB + i * 65536, 65536)));
-    pieces.extend((0..4).map(|i| (8 * MIB + i * MIB, MIB as usize)));
-    let writes = pieces.iter().map(|&(at, len)| {
-        let data = pattern(seed, at, len);
-        async move { vol.write_at(&data, at, at % (3 * 4096) == 0).await }
-    });
-    for (r, &(at, _)) in futures::future::join_all(writes).await.into_iter().zip(&pieces) {
-        r.unwrap_or_else(|e| panic!("write at {at}: {e}"));
-    }
-    vol.flush().await.expect("flushed");
-    let reads = pieces.iter().map(|&(at, len)| vol.read(at, len as u64));
-    for (r, &(at, len)) in futures::future::join_all(reads).await.into_iter().zip(&pieces) {
-        let got = r.unwrap_or_else(|e| panic!("read at {at}: {e}"));
-        assert!(got[..] == pattern(seed, at, len)[..], "read at {at}+{len}: not the bytes written");
-    }
-    // On the device itself, where the target put them.
-    let file = std::fs::File::open(path).unwrap();
-    for &(at, len) in pieces.iter().step_by(7) {
-        let mut buf = vec![0; len];
-        file.read_exact_at(&mut buf, at).unwrap();
-        assert!(buf == pattern(seed, at, len), "the device at {at}+{len}, round {seed}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -403,3 +403,36 @@ impl Drop for SmallFs {
         let _ = std::process::Command::new("umount").arg("-l").arg(&self.mnt).output();
     }
 }
+
+/// 300 writes in flight at once (4 KiB ones, 64 KiB ones, four of 1 MiB;
+/// every third 4 KiB step a FUA write), a FLUSH, then as many reads: every
+/// byte read through `vol` is the byte written, and so is what the volume's
+/// file or device `path` holds (every seventh piece).
+pub async fn round_trip(vol: &fastsan_initiator::Volume, path: &std::path::Path, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    const MIB: u64 = 1 << 20;
+    // 300 pieces: 4 KiB at 4 KiB steps, then 64 KiB ones, then four of 1 MiB.
+    let mut pieces: Vec<(u64, usize)> = (0..256).map(|i| (i * 4096, 4096)).collect();
+    pieces.extend((0..40).map(|i| (2 * MIB + i * 65536, 65536)));
+    pieces.extend((0..4).map(|i| (8 * MIB + i * MIB, MIB as usize)));
+    let writes = pieces.iter().map(|&(at, len)| {
+        let data = pattern(seed, at, len);
+        async move { vol.write_at(&data, at, at % (3 * 4096) == 0).await }
+    });
+    for (r, &(at, _)) in futures::future::join_all(writes).await.into_iter().zip(&pieces) {
+        r.unwrap_or_else(|e| panic!("write at {at}: {e}"));
+    }
+    vol.flush().await.expect("flushed");
+    let reads = pieces.iter().map(|&(at, len)| vol.read(at, len as u64));
+    for (r, &(at, len)) in futures::future::join_all(reads).await.into_iter().zip(&pieces) {
+        let got = r.unwrap_or_else(|e| panic!("read at {at}: {e}"));
+        assert!(got[..] == pattern(seed, at, len)[..], "read at {at}+{len}: not the bytes written");
+    }
+    // On the device itself, where the target put them.
+    let file = std::fs::File::open(path).unwrap();
+    for &(at, len) in pieces.iter().step_by(7) {
+        let mut buf = vec![0; len];
+        file.read_exact_at(&mut buf, at).unwrap();
+        assert!(buf == pattern(seed, at, len), "the device at {at}+{len}, round {seed}");
+    }
+}
