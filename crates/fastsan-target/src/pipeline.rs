@@ -205,11 +205,13 @@ struct Held {
     slot: bool,
     units: u32,
     server_units: u32,
+    /// The volume's share of the server's budget, and the units taken of it.
+    volume: Option<(Budget, u32)>,
 }
 
 impl Held {
     fn new(credits: &Arc<Credits>) -> Held {
-        Held { credits: credits.clone(), slot: false, units: 0, server_units: 0 }
+        Held { credits: credits.clone(), slot: false, units: 0, server_units: 0, volume: None }
     }
 }
 
@@ -224,6 +226,9 @@ impl Drop for Held {
         }
         if self.server_units > 0 {
             c.server.units.give(self.server_units as usize);
+        }
+        if let Some((b, units)) = &self.volume {
+            b.units.give(*units as usize);
         }
     }
 }
@@ -689,12 +694,12 @@ where
         self.kick();
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
-        let credit = match self.credit_now(moves) {
+        let credit = match self.credit_now(volume, moves) {
             Some(c) => c,
             None => tokio::select! {
                 biased;
                 _ = self.activity.stopped() => return Err(stopped()),
-                c = self.credit(moves) => c?,
+                c = self.credit(volume, moves) => c?,
                 _ = self.env.shutdown.cancelled() => return Ok(()),
             },
         };
@@ -715,7 +720,7 @@ where
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
     ) -> Result<io::Result<()>, (E::Meta, Result<IoRequest, Refusal>)> {
-        match self.credit_now(moves(&req)) {
+        match self.credit_now(volume, moves(&req)) {
             Some(credit) => Ok(self.start(volume, tag, meta, req, credit)),
             None => Err((meta, req)),
         }
@@ -871,9 +876,10 @@ where
         }
     }
 
-    /// A queue slot and, for requests that move data, byte budget, if all
-    /// are free now.
-    fn credit_now(&self, bytes: u64) -> Option<Credit> {
+    /// A queue slot and, for requests that move data, byte budget (the
+    /// connection's, the volume's share of the server's, the server's), if
+    /// all are free now.
+    fn credit_now(&self, volume: &Volume, bytes: u64) -> Option<Credit> {
         let c = &self.credits;
         let mut held = Held::new(c);
         held.slot = c.slots.try_take(1);
@@ -886,6 +892,12 @@ where
                 return None;
             }
             held.units = units;
+            let share = volume.payload_share();
+            let volume_units = share.units(bytes);
+            if !share.units.try_take(volume_units as usize) {
+                return None;
+            }
+            held.volume = Some((share.clone(), volume_units));
             if !c.server.units.try_take(server_units as usize) {
                 return None;
             }
@@ -897,7 +909,7 @@ where
     /// Waits for a queue slot and, for requests that move data, byte budget;
     /// the replies held are sent first whenever it must wait (they are what
     /// would free it). Cancelled half-way, it gives back what it took.
-    async fn credit(&self, bytes: u64) -> io::Result<Credit> {
+    async fn credit(&self, volume: &Volume, bytes: u64) -> io::Result<Credit> {
         let c = &self.credits;
         let mut held = Held::new(c);
         if !c.slots.try_take(1) {
@@ -909,6 +921,10 @@ where
             let units = c.budget.units(bytes);
             self.share(&c.budget, units).await?;
             held.units = units;
+            let share = volume.payload_share();
+            let volume_units = share.units(bytes);
+            self.share(share, volume_units).await?;
+            held.volume = Some((share.clone(), volume_units));
             let server_units = c.server.units(bytes);
             self.share(&c.server, server_units).await?;
             held.server_units = server_units;

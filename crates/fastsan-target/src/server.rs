@@ -164,8 +164,11 @@ impl Server {
                 *o = Some(origin.clone());
             }
             let spec = &spec;
+            // Half the payload budget per volume: a stalled one leaves the
+            // other half to the rest.
             let v = Volume::open(spec, config.max_transfer, config.io_threads)
-                .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?;
+                .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?
+                .with_payload_share(config.memory_budget / 2);
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
             catalog.add(v);
         }

@@ -371,6 +371,54 @@ async fn device_io_is_fair_between_volumes_and_clients() {
     srv.stop().await;
 }
 
+/// A stalled device keeps every write sent to it, payload and all, until it
+/// answers; enough connections writing to it held the whole target's payload
+/// budget (`--memory-budget`), and every other volume's clients waited for
+/// it. A volume holds at most half the budget: the other half serves the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_volume_holds_at_most_half_the_payload_budget() {
+    let srv = TestServer::start(&["stuck=memory:256M,faults=none", "other=memory:16M"], |c| {
+        c.memory_budget = 128 << 20
+    })
+    .await;
+    srv.handle.faults("stuck").unwrap().add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    // Two connections, each up to its own 64 MiB of writes in flight: 128
+    // MiB, the whole budget, if nothing stops them. (Each from a task of its
+    // own: a connection the target stops reading blocks its sender.)
+    let mut stuck = Vec::new();
+    for c in 0..2u64 {
+        let (mut raw, _) = Raw::open(srv.addr, "stuck").await;
+        stuck.push(tokio::spawn(async move {
+            let chunk = vec![3u8; 8 << 20];
+            for tag in 0..8 {
+                let at = (c * 8 + tag) * (8 << 20);
+                raw.request(RequestHeader::new(Command::Write, 0, tag, at, 8 << 20), &chunk).await;
+            }
+            let mut statuses = Vec::new();
+            for _ in 0..8 {
+                statuses.push(raw.reply().await.0.status);
+            }
+            statuses
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another volume's client is served at once.
+    let (mut by, _) = Raw::open(srv.addr, "other").await;
+    let t = Instant::now();
+    by.request(RequestHeader::new(Command::Write, 0, 1, 0, 1 << 20), &vec![4u8; 1 << 20]).await;
+    let r = tokio::time::timeout(Duration::from_secs(5), by.reply()).await;
+    let waited = t.elapsed();
+    assert!(matches!(&r, Ok((h, _)) if h.status == Status::OK), "the other volume's write: {waited:?}");
+    assert!(waited < Duration::from_secs(2), "the other volume's write waited {waited:?}");
+    // The device comes back: every stalled write lands and is answered.
+    srv.handle.faults("stuck").unwrap().clear();
+    for t in stuck {
+        let statuses = tokio::time::timeout(Duration::from_secs(30), t).await.expect("answered").unwrap();
+        assert_eq!(statuses, vec![Status::OK; 8]);
+    }
+    srv.stop().await;
+}
+
 /// A target shutting down keeps its address until its last write has
 /// landed and its volumes are flushed: a new target on the same address
 /// cannot resume a session under a write of the old one still running.

@@ -57,6 +57,9 @@ pub struct Volume {
     generation: u64,
     /// See [`crate::backend::Backend::boot`].
     boot: Option<u64>,
+    /// The most of the server's payload budget this volume's requests may
+    /// hold at once ([`Volume::with_payload_share`]).
+    payload: crate::pipeline::Budget,
     description: String,
     stats: Arc<VolumeStats>,
     faults: Option<Faults>,
@@ -190,6 +193,7 @@ impl Volume {
             volatile: b.volatile(),
             generation: b.generation(),
             boot: b.boot(),
+            payload: crate::pipeline::Budget::new(u64::MAX),
             description: b.describe(),
             backend: b,
             size,
@@ -230,6 +234,22 @@ impl Volume {
     pub fn volatile(&self) -> bool {
         self.volatile
     }
+    /// Caps what this volume's requests hold of the server's payload budget
+    /// (`--memory-budget`) at `bytes`. A stalled device (a hung remote
+    /// target, a disk that stopped answering) keeps every request sent to
+    /// it, with its payload, until it answers: without a share of its own,
+    /// enough connections writing to it held the whole budget, and every
+    /// other volume's clients waited for it (a helper's review).
+    pub fn with_payload_share(mut self, bytes: u64) -> Volume {
+        self.payload = crate::pipeline::Budget::new(bytes);
+        self
+    }
+
+    /// This volume's share of the server's payload budget.
+    pub fn payload_share(&self) -> &crate::pipeline::Budget {
+        &self.payload
+    }
+
     /// The boot of the host holding the volume's unflushed writes, if not
     /// this one (see [`crate::backend::Backend::boot`]).
     pub fn boot(&self) -> Option<u64> {
