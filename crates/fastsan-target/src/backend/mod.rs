@@ -59,6 +59,13 @@ pub enum BackendError {
     /// Any other failure of the device, with its errno.
     #[error("{}", io::Error::from_raw_os_error(*.0))]
     Io(i32),
+    /// The store could not be reached for now (a remote target away past
+    /// the reconnect timeout): the call failed, but nothing is known lost. A
+    /// flush that fails so is not latched (see [`BackendError::WritebackLost`]):
+    /// if the store's host did lose writes, the store says so itself when it
+    /// is back (a remote session that sees its target's host rebooted).
+    #[error("the store is unreachable for now (nothing known lost)")]
+    Unavailable,
     /// An earlier flush failed: writes it covered may be lost, and the volume
     /// refuses to promise durability (FLUSH, FUA) until it is reopened.
     #[error("an earlier flush of this volume failed (writes may be lost); it refuses FLUSH and FUA until it is reopened")]

@@ -61,13 +61,26 @@ impl RemoteBackend {
     fn wait<T>(&self, f: impl Future<Output = std::result::Result<T, Error>>) -> Result<T> {
         self.handle.block_on(f).map_err(|e| {
             tracing::warn!(volume = %self.url, error = &e as &dyn std::error::Error, "the remote volume failed a request");
-            match e {
-                Error::Status(s) if s == Status::NO_SPACE => BackendError::NoSpace,
-                Error::Status(s) if s == Status::READ_ONLY => BackendError::ReadOnly,
-                Error::Status(s) if s == Status::UNSUPPORTED => BackendError::Unsupported,
-                _ => BackendError::Io(libc::EIO),
-            }
+            backend_error(&e)
         })
+    }
+}
+
+/// A remote failure as the store's error. A remote target that cannot be
+/// reached (past the reconnect timeout) is [`BackendError::Unavailable`]:
+/// a FLUSH that fails so is not latched, so the gateway's volume flushes
+/// again once the remote is back (it latched until a restart before); a
+/// reboot of the remote's host with unflushed writes is the session's own
+/// error (`UnflushedWritesLost`), an I/O error, latched.
+fn backend_error(e: &Error) -> BackendError {
+    match e {
+        Error::Status(s) if *s == Status::NO_SPACE => BackendError::NoSpace,
+        Error::Status(s) if *s == Status::READ_ONLY => BackendError::ReadOnly,
+        Error::Status(s) if *s == Status::UNSUPPORTED => BackendError::Unsupported,
+        Error::Unreachable { .. } | Error::ConnectionLost | Error::Lost(_) | Error::Timeout(_) => {
+            BackendError::Unavailable
+        }
+        _ => BackendError::Io(libc::EIO),
     }
 }
 
@@ -184,5 +197,21 @@ impl Backend for RemoteBackend {
     }
     fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_away_is_unavailable_and_a_lost_write_is_an_io_error() {
+        let away = Error::Unreachable { cause: None, reconnect: std::time::Duration::from_secs(30) };
+        assert_eq!(backend_error(&away), BackendError::Unavailable, "a flush failed so is not latched");
+        assert_eq!(backend_error(&Error::Timeout("handshake")), BackendError::Unavailable);
+        let lost = Error::UnflushedWritesLost { volume: "v".into() };
+        assert_eq!(backend_error(&lost), BackendError::Io(libc::EIO), "latched");
+        assert_eq!(backend_error(&Error::Status(Status::IO_ERROR)), BackendError::Io(libc::EIO));
+        assert_eq!(backend_error(&Error::Status(Status::NO_SPACE)), BackendError::NoSpace);
     }
 }

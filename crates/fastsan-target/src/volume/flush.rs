@@ -134,8 +134,11 @@ impl Flusher {
             return Err(BackendError::WritebackLost);
         }
         let r = f();
-        if let Err(e) = &r {
-            self.latch(e);
+        match &r {
+            // Unreached, not failed: the next flush may well succeed, and a
+            // loss would be reported by the store itself.
+            Err(BackendError::Unavailable) | Ok(()) => {}
+            Err(e) => self.latch(e),
         }
         r
     }

@@ -429,6 +429,33 @@ mod tests {
         assert!(layer.calls.load(SeqCst) <= 2, "the later ones shared a flush: {}", layer.calls.load(SeqCst));
     }
 
+    /// A store that cannot be reached for its first flush (a remote target
+    /// away): that flush fails, and the next one, once it is back, succeeds.
+    struct Away {
+        next: Arc<dyn Backend>,
+        calls: std::sync::atomic::AtomicU32,
+    }
+
+    impl backend::Layer for Away {
+        fn next(&self) -> &dyn Backend {
+            &*self.next
+        }
+        fn flush(&self) -> backend::Result<()> {
+            match self.calls.fetch_add(1, SeqCst) {
+                0 => Err(BackendError::Unavailable),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    #[test]
+    fn a_flush_that_could_not_reach_its_store_is_not_latched() {
+        let b = Arc::new(Away { next: Arc::new(MemoryBackend::new(1 << 20)), calls: Default::default() });
+        let v = Volume::with_backend("v".into(), b, 65536);
+        assert_eq!(v.flush(), Err(BackendError::Unavailable));
+        assert_eq!(v.flush(), Ok(()), "the store is back: nothing was known lost");
+    }
+
     /// A store whose flushes take 50 ms; with `panics`, the first one panics.
     struct Flaky {
         next: Arc<dyn Backend>,
