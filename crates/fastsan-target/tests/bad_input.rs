@@ -299,3 +299,50 @@ async fn authentication() {
     srv.stop().await;
     open.stop().await;
 }
+
+/// A volume the client has no grant for is answered as one that is not
+/// there, in the same words, over BRP and NBD (LIST hides it too): no name
+/// can be learnt by trying names. Eight such tries close the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_not_granted_look_missing_and_guessing_is_cut_short() {
+    use fastsan_nbd::consts::*;
+    use fastsan_nbd::handshake::InfoRequest;
+    let srv = TestServer::start(&["open=memory:1M", "hidden=memory:1M"], |c| {
+        c.grants = vec![fastsan_target::access::Grant::parse("hidden:alice").unwrap()]
+    })
+    .await;
+    let answer = |m: Message| match m {
+        Message::Error { status, message } => {
+            (status, message.replace("\"hidden\"", "NAME").replace("\"nope\"", "NAME"))
+        }
+        other => panic!("{other:?}"),
+    };
+    let mut raw = Raw::connect(srv.addr).await;
+    raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await;
+    let hidden = answer(raw.ask(&Message::Open { session: 0, slot: 0, name: "hidden".into() }).await);
+    let missing = answer(raw.ask(&Message::Open { session: 0, slot: 0, name: "nope".into() }).await);
+    assert_eq!(hidden, missing, "a volume not granted answers as a missing one");
+    assert_eq!(hidden.0, Status::NO_SUCH_VOLUME);
+    for i in 2..8 {
+        let name = format!("guess{i}");
+        assert!(matches!(raw.ask(&Message::Open { session: 0, slot: 0, name }).await, Message::Error { .. }));
+    }
+    assert!(raw.closed_within(Duration::from_secs(5)).await, "closed after 8 refused OPENs");
+
+    let mut c = common::NbdRaw::connect(srv.nbd.unwrap()).await;
+    let mut replies = Vec::new();
+    for name in ["hidden", "nope"] {
+        c.option(OPT_INFO, &InfoRequest { name: name.into(), infos: vec![] }.encode()).await;
+        let (t, d) = c.option_reply().await.unwrap();
+        replies.push((t, String::from_utf8_lossy(&d).replace(name, "NAME")));
+    }
+    assert_eq!(replies[0], replies[1], "the same reply over NBD");
+    assert_eq!(replies[0].0, REP_ERR_UNKNOWN);
+    drop(c);
+    // Another client goes on, with what it may open.
+    let v = Volume::connect(&srv.url("open"), Options::default()).await.unwrap();
+    v.write_at(&[5; 4096], 0, false).await.unwrap();
+    assert_eq!(v.read(0, 4096).await.unwrap()[..], [5; 4096][..]);
+    drop(v);
+    srv.stop().await;
+}

@@ -47,13 +47,18 @@ pub struct BrpHandshake {
     challenge: [u8; 32],
     features: u32,
     state: State,
+    /// OPENs refused so far: past [`MAX_MISSES`] the connection closes.
+    misses: u32,
 }
+
+/// OPENs of volumes missing or not granted one connection may try.
+const MAX_MISSES: u32 = 8;
 
 impl BrpHandshake {
     /// A handshake whose authentication challenge is `challenge` (random in
     /// service; fixed in tests).
     pub fn new(brp: Brp, who: Who, challenge: [u8; 32]) -> Self {
-        BrpHandshake { brp, who, challenge, features: 0, state: State::Hello }
+        BrpHandshake { brp, who, challenge, features: 0, state: State::Hello, misses: 0 }
     }
 
     /// Why a plaintext session may not go on, if it may not.
@@ -166,16 +171,30 @@ impl BrpHandshake {
                 Step::Continue
             }
             (State::Open, Message::Open { session, slot, name }) => {
-                let Some(volume) = brp.catalog.get(&name) else {
-                    let message = format!("no volume named {name:?}");
+                let granted =
+                    brp.catalog.get(&name).and_then(|v| match brp.access.mode_for(&self.who, &name, false) {
+                        Ok(mode) => Some((v, mode)),
+                        Err(why) => {
+                            let peer = self.who.ip.map_or_else(|| "unix".to_owned(), |ip| ip.to_string());
+                            tracing::info!(%peer, who = self.who.name(), "BRP OPEN refused: {why}");
+                            None
+                        }
+                    });
+                // A volume not granted is answered as one that is not there
+                // (LIST does not show it either): a client cannot learn names
+                // by trying them, and after MAX_MISSES tries it is closed.
+                let Some((volume, mode)) = granted else {
+                    self.misses += 1;
+                    let message = format!("no volume named {name:?} that this client may open");
+                    if self.misses >= MAX_MISSES {
+                        return Self::refuse(
+                            out,
+                            Status::NO_SUCH_VOLUME,
+                            format!("{message} ({MAX_MISSES} times)"),
+                        );
+                    }
                     Message::Error { status: Status::NO_SUCH_VOLUME, message }.encode(out);
                     return Step::Continue;
-                };
-                let mode = match brp.access.mode_for(&self.who, &name, false) {
-                    Ok(m) => m,
-                    Err(message) => {
-                        return Self::refuse(out, Status::ACCESS_DENIED, message);
-                    }
                 };
                 let (session, fence) = match brp.sessions.join(session, slot, &name, self.who.name()) {
                     Ok(s) => s,

@@ -10,8 +10,11 @@
 //! authenticates, unless `--nbd-insecure`), every option but STARTTLS and
 //! ABORT is answered `ERR_TLS_REQD`, and EXPORT_NAME closes (FORCEDTLS).
 //! Every export is checked against the client's grants
-//! ([`Access::mode_for`]): LIST shows what it may open, INFO and GO answer
-//! `ERR_POLICY` for the rest, and a read-only grant exports it read-only.
+//! ([`Access::mode_for`]): LIST shows what it may open, INFO, GO and the
+//! meta-context options answer the rest as exports that are not there
+//! (`ERR_UNKNOWN`, the same words: no name can be learnt by trying it; the
+//! log says which), and a read-only grant exports it read-only. Such
+//! refusals, and policy ones, end the handshake after [`MAX_DENIED`].
 
 use super::{tflags, NbdConn, ALLOCATION_CONTEXT};
 use crate::access::{Access, Mode, Who};
@@ -130,26 +133,21 @@ impl NbdHandshake {
             }
             OPT_INFO | OPT_GO => match InfoRequest::parse(&opt.data) {
                 Err(e) => err(out, REP_ERR_INVALID, &e.to_string()),
-                Ok(req) => match self.catalog.export(&req.name).cloned() {
-                    None => err(out, REP_ERR_UNKNOWN, &format!("no export named {:?}", req.name)),
-                    Some(volume) => match self.mode(&volume) {
-                        Err(why) => {
-                            let peer = self.who.ip.map_or_else(|| "unix".to_owned(), |ip| ip.to_string());
-                            tracing::info!(%peer, who = self.who.name(), export = volume.name(), "NBD access refused: {why}");
-                            err(out, REP_ERR_POLICY, &why);
-                            self.denied += 1;
-                            if self.denied >= MAX_DENIED {
-                                return Step::Refused(format!("{why} ({MAX_DENIED} times)"));
-                            }
+                Ok(req) => match self.granted(&req.name) {
+                    Err(why) => {
+                        err(out, REP_ERR_UNKNOWN, &why);
+                        self.denied += 1;
+                        if self.denied >= MAX_DENIED {
+                            return Step::Refused(format!("{why} ({MAX_DENIED} times)"));
                         }
-                        Ok(mode) => {
-                            info_replies(o, &volume, &req, self.structured, mode == Mode::ReadOnly, out);
-                            hs::encode_reply(o, REP_ACK, &[], out);
-                            if o == OPT_GO {
-                                return Step::Done(self.conn(&volume, &req.name, mode));
-                            }
+                    }
+                    Ok((volume, mode)) => {
+                        info_replies(o, &volume, &req, self.structured, mode == Mode::ReadOnly, out);
+                        hs::encode_reply(o, REP_ACK, &[], out);
+                        if o == OPT_GO {
+                            return Step::Done(self.conn(&volume, &req.name, mode));
                         }
-                    },
+                    }
                 },
             },
             OPT_STRUCTURED_REPLY if !opt.data.is_empty() => {
@@ -167,7 +165,15 @@ impl NbdHandshake {
                     self.selected = None;
                 }
                 match self.meta_context(&opt, set) {
-                    Err((code, msg)) => err(out, code, &msg),
+                    Err((code, msg)) => {
+                        err(out, code, &msg);
+                        if code == REP_ERR_UNKNOWN {
+                            self.denied += 1;
+                            if self.denied >= MAX_DENIED {
+                                return Step::Refused(format!("{msg} ({MAX_DENIED} times)"));
+                            }
+                        }
+                    }
                     Ok((export, matched)) => {
                         if matched {
                             let id = if set { ALLOCATION_CONTEXT } else { 0 };
@@ -186,16 +192,28 @@ impl NbdHandshake {
         Step::Continue
     }
 
+    /// The export `name` and how this client may open it; the same words
+    /// whether it is missing or not granted (the log says which).
+    fn granted(&self, name: &str) -> Result<(std::sync::Arc<crate::volume::Volume>, Mode), String> {
+        let missing = || format!("no export named {name:?} that this client may open");
+        let volume = self.catalog.export(name).cloned().ok_or_else(missing)?;
+        match self.mode(&volume) {
+            Ok(mode) => Ok((volume, mode)),
+            Err(why) => {
+                let peer = self.who.ip.map_or_else(|| "unix".to_owned(), |ip| ip.to_string());
+                tracing::info!(%peer, who = self.who.name(), export = volume.name(), "NBD access refused: {why}");
+                Err(missing())
+            }
+        }
+    }
+
     /// LIST/SET_META_CONTEXT: whether `base:allocation` is matched, for which export.
     fn meta_context(&self, opt: &OptionRequest, set: bool) -> Result<(String, bool), (u32, String)> {
         if set && !self.structured {
             return Err((REP_ERR_INVALID, "SET_META_CONTEXT needs structured replies".into()));
         }
         let req = MetaContextRequest::parse(&opt.data).map_err(|e| (REP_ERR_INVALID, e.to_string()))?;
-        match self.catalog.export(&req.name) {
-            None => return Err((REP_ERR_UNKNOWN, format!("no export named {:?}", req.name))),
-            Some(v) => self.mode(v).map_err(|why| (REP_ERR_POLICY, why))?,
-        };
+        self.granted(&req.name).map_err(|why| (REP_ERR_UNKNOWN, why))?;
         let matched = if req.queries.is_empty() {
             // LIST with no query lists every context; SET with none selects nothing.
             !set
