@@ -14,7 +14,7 @@
 //! meta-context options answer the rest as exports that are not there
 //! (`ERR_UNKNOWN`, the same words: no name can be learnt by trying it; the
 //! log says which), and a read-only grant exports it read-only. Such
-//! refusals, and policy ones, end the handshake after [`MAX_DENIED`].
+//! refusals, and policy ones, end the handshake after eight (`MAX_DENIED`).
 
 use super::{tflags, NbdConn, ALLOCATION_CONTEXT};
 use crate::access::{Access, Mode, Who};
