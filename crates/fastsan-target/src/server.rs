@@ -157,16 +157,16 @@ impl Server {
             addr: config.brp.to_string(),
             source,
         })?;
-        let origin = format!("{:016x}|{}|{brp_at}", config.boot_id.unwrap_or_else(boot_id), host_name());
+        let boot = config.boot_id.unwrap_or_else(boot_id);
+        let origin = format!("{boot:016x}|{}|{brp_at}", host_name());
         for spec in &config.volumes {
             let mut spec = spec.clone();
             if let BackendSpec::Remote { origin: o, .. } = &mut spec.backend {
                 *o = Some(origin.clone());
             }
-            let spec = &spec;
             // Half the payload budget per volume: a stalled one leaves the
             // other half to the rest.
-            let v = Volume::open(spec, config.max_transfer, config.io_threads)
+            let v = Volume::open(&spec, config.max_transfer, config.io_threads)
                 .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?
                 .with_payload_share(config.memory_budget / 2);
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());
@@ -199,7 +199,7 @@ impl Server {
             queue_depth,
             stats,
             instance,
-            boot: config.boot_id.unwrap_or_else(boot_id),
+            boot,
         };
         let nqn = config.nvme_nqn.clone().unwrap_or_else(Subsystem::default_nqn);
         let nvme = Nvme { subsystem: Arc::new(Subsystem::new(nqn, &catalog, access.clone())) };
@@ -599,8 +599,9 @@ fn boot_id() -> u64 {
     id.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
-/// This host's name, for what must tell it from other hosts.
-fn host_name() -> String {
+/// This host's name (empty if unknown), for what must tell it from other
+/// hosts: a gateway's remote sessions, the default NVMe subsystem NQN.
+pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_owned()
 }
 

@@ -246,9 +246,8 @@ impl Subsystem {
 
     /// The default NQN: this host's name under fastsan's naming authority.
     pub fn default_nqn() -> String {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let host = host.trim();
-        format!("nqn.2026-11.io.fastsan:{}", if host.is_empty() { "target" } else { host })
+        let host = crate::server::host_name();
+        format!("nqn.2026-11.io.fastsan:{}", if host.is_empty() { "target" } else { &host })
     }
 
     fn now_ms(&self) -> u64 {
