@@ -180,8 +180,10 @@ pub const MAX_FAILURES: u32 = 10;
 /// Counts failed authentications per address (IPv6: per /64) and refuses
 /// secret authentication to an address that had [`MAX_FAILURES`] within a
 /// minute, until that minute is over: a guesser gets ten tries a minute, not
-/// thousands a second. Only the secret check is refused (checked when AUTH
-/// arrives, so handshakes begun earlier count too): clients with
+/// thousands a second. Each try counts as it begins, and a good one is
+/// forgiven, so tries sent together on many connections are limited too.
+/// Only the secret check is refused (checked when AUTH arrives, so
+/// handshakes begun earlier count too): clients with
 /// certificates, and targets without secrets, go on serving that address.
 #[derive(Default)]
 pub struct AuthLimiter {
@@ -219,14 +221,45 @@ impl AuthLimiter {
         }
     }
 
-    /// Records a failure from `ip`; whether the address is now refused.
-    pub fn failed(&self, ip: IpAddr) -> bool {
-        let ip = Self::key(ip);
+    /// Reserves one try at a secret for `ip`, counted as a failure at once
+    /// ([`AuthLimiter::succeeded`] forgives it): tries made in parallel are
+    /// counted as they begin, so no more than [`MAX_FAILURES`] are checked in
+    /// a window however many handshakes an address holds. `Err(wait)` when the
+    /// address is refused for now.
+    pub fn attempt(&self, ip: IpAddr) -> Result<(), Duration> {
         let mut map = self.by_ip.lock();
+        let e = Self::entry(&mut map, Self::key(ip));
+        if e.1 >= MAX_FAILURES {
+            return Err(Self::WINDOW.saturating_sub(e.0.elapsed()));
+        }
+        e.1 += 1;
+        Ok(())
+    }
+
+    /// The try [`AuthLimiter::attempt`] reserved for `ip` succeeded: it is
+    /// not a failure.
+    pub fn succeeded(&self, ip: IpAddr) {
+        if let Some(e) = self.by_ip.lock().get_mut(&Self::key(ip)) {
+            e.1 = e.1.saturating_sub(1);
+        }
+    }
+
+    /// Records a failure from `ip` that no [`AuthLimiter::attempt`] counted
+    /// (a refused certificate, a client that skipped AUTH); whether the
+    /// address is now refused.
+    pub fn failed(&self, ip: IpAddr) -> bool {
+        let mut map = self.by_ip.lock();
+        let e = Self::entry(&mut map, Self::key(ip));
+        e.1 += 1;
+        e.1 >= MAX_FAILURES
+    }
+
+    /// `ip`'s count (keyed already), a new window when its last is over.
+    fn entry(map: &mut HashMap<IpAddr, (Instant, u32)>, ip: IpAddr) -> &mut (Instant, u32) {
         let now = Instant::now();
         if map.len() >= Self::MAX_TRACKED && !map.contains_key(&ip) {
             map.retain(|_, (start, _)| now.duration_since(*start) < Self::WINDOW);
-            // Still full: the oldest window goes, never the new failure.
+            // Still full: the oldest window goes, never the new count.
             if map.len() >= Self::MAX_TRACKED {
                 if let Some(oldest) = map.iter().min_by_key(|(_, (start, _))| *start).map(|(k, _)| *k) {
                     map.remove(&oldest);
@@ -237,8 +270,7 @@ impl AuthLimiter {
         if now.duration_since(e.0) >= Self::WINDOW {
             *e = (now, 0);
         }
-        e.1 += 1;
-        e.1 >= MAX_FAILURES
+        e
     }
 }
 
@@ -332,5 +364,29 @@ mod tests {
         }
         assert!(l.check(e).is_err() && l.check("10.0.0.5".parse().unwrap()).is_err());
         assert!(l.check(f).is_ok(), "another IPv4 client goes on");
+    }
+
+    #[test]
+    fn tries_are_counted_as_they_begin_and_successes_forgiven() {
+        let l = AuthLimiter::default();
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        // Tries begun together (none finished yet): the budget, no more.
+        for _ in 0..MAX_FAILURES {
+            assert!(l.attempt(a).is_ok());
+        }
+        assert!(l.attempt(a).is_err(), "the eleventh try in flight");
+        // Tries that succeed are forgiven: the address may go on.
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        for _ in 0..3 * MAX_FAILURES {
+            assert!(l.attempt(b).is_ok());
+            l.succeeded(b);
+        }
+        assert!(l.check(b).is_ok());
+        // Failures of other kinds count toward the same budget.
+        for _ in 0..MAX_FAILURES - 1 {
+            l.failed(b);
+        }
+        assert!(l.attempt(b).is_ok());
+        assert!(l.attempt(b).is_err());
     }
 }

@@ -165,6 +165,9 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                             let why = format!("TLS handshake failed: {e}");
                             if refused {
                                 Stats::add(&env.stats.auth_failures, 1);
+                                if let Some(ip) = who.ip {
+                                    env.access.limiter.failed(ip);
+                                }
                                 HandshakeEnd::AuthFailed(why)
                             } else {
                                 HandshakeEnd::Refused(why)
@@ -217,7 +220,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                 }
                 HandshakeEnd::AuthFailed(why) => {
                     // Counted where it was found, before the refusal went out.
-                    let blocked = who.ip.is_some_and(|ip| env.access.limiter.failed(ip));
+                    let blocked = who.ip.is_some_and(|ip| env.access.limiter.check(ip).is_err());
                     warn!(%peer, "{name} authentication failed: {why}");
                     if blocked {
                         warn!(%peer, "too many failed authentications from this address: refusing its secrets for a minute");

@@ -300,6 +300,61 @@ async fn authentication() {
     open.stop().await;
 }
 
+/// Wrong secrets sent together on many connections from one address (each
+/// handshake waiting at AUTH first) are checked ten times at most: the rest
+/// are refused without a check and not counted again, and the right secret
+/// from another address is served. (That tries in flight count before any
+/// finishes is the handshake's unit test `tries_at_a_secret_count_as_they_begin`:
+/// over sockets the race is rarely lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_guessed_in_parallel_are_limited_too() {
+    let srv = TestServer::start(VOLS, |c| {
+        c.secret = Some(b"s3cret".to_vec());
+        c.nbd = None;
+    })
+    .await;
+    // 16: as many handshakes as one address may hold at once.
+    let mut raws = Vec::new();
+    for _ in 0..16 {
+        let mut raw = Raw::connect_from(srv.addr, "127.0.0.7").await;
+        let Message::HelloReply { auth, .. } =
+            raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await
+        else {
+            panic!("expected HELLO_REPLY")
+        };
+        assert_eq!(auth, fastsan_brp::handshake::AUTH_HMAC_SHA256);
+        raws.push(raw);
+    }
+    let guess = Message::Auth { client_nonce: [1; 32], proof: [2; 32], identity: String::new() }.to_vec();
+    for raw in &mut raws {
+        raw.send(&guess).await;
+    }
+    let (mut checked, mut limited) = (0, 0);
+    for raw in &mut raws {
+        match raw.message().await {
+            Some(Message::Error { status, message }) if status == Status::AUTH_FAILED => {
+                if message.contains("too many failed authentications") {
+                    limited += 1;
+                } else {
+                    assert_eq!(message, "authentication failed");
+                    checked += 1;
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(raw.closed_within(Duration::from_secs(5)).await);
+    }
+    assert_eq!((checked, limited), (fastsan_target::access::MAX_FAILURES as usize, 6));
+    assert_eq!(srv.handle.stats().auth_failures, 10, "only the checked tries count as failures");
+    // Another address, the right secret: served.
+    let with = Options { secret: Some(b"s3cret".to_vec()), ..Default::default() };
+    let vol = Volume::connect(&srv.url("v"), with).await.unwrap();
+    vol.write_at(&[6; 512], 0, false).await.unwrap();
+    assert_eq!(vol.read(0, 512).await.unwrap()[..], [6; 512][..]);
+    drop(vol);
+    srv.stop().await;
+}
+
 /// A volume the client has no grant for is answered as one that is not
 /// there, in the same words, over BRP and NBD (LIST hides it too): no name
 /// can be learnt by trying names. Eight such tries close the connection.

@@ -119,7 +119,9 @@ impl BrpHandshake {
                 Step::Continue
             }
             (State::Auth, Message::Auth { client_nonce, proof, identity }) => {
-                if let Some(wait) = self.who.ip.and_then(|ip| brp.access.limiter.check(ip).err()) {
+                // The try is counted as it begins (forgiven below when it
+                // succeeds): tries in parallel cannot outrun the limit.
+                if let Some(wait) = self.who.ip.and_then(|ip| brp.access.limiter.attempt(ip).err()) {
                     let why = format!(
                         "too many failed authentications from this address: try again in {} s",
                         wait.as_secs() + 1
@@ -146,6 +148,9 @@ impl BrpHandshake {
                         "wrong secret for identity {name:?}, or no such identity"
                     ));
                 }
+                if let Some(ip) = self.who.ip {
+                    brp.access.limiter.succeeded(ip);
+                }
                 let proof =
                     fastsan_brp::auth::server_proof(&secret, &self.challenge, &client_nonce, &identity);
                 Message::AuthOk { proof }.encode(out);
@@ -154,6 +159,9 @@ impl BrpHandshake {
                 Step::Continue
             }
             (State::Auth, _) => {
+                if let Some(ip) = self.who.ip {
+                    brp.access.limiter.failed(ip);
+                }
                 let message = "this target requires authentication".to_owned();
                 Message::Error { status: Status::AUTH_REQUIRED, message: message.clone() }.encode(out);
                 Step::AuthFailed(message)
@@ -272,7 +280,7 @@ impl Handshake for BrpHandshake {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::access::Access;
+    use crate::access::{Access, MAX_FAILURES};
     use crate::backend::{Backend, MemoryBackend};
     use crate::catalog::Catalog;
     use crate::frontend::Transmission;
@@ -357,6 +365,37 @@ mod tests {
         assert_eq!(b.sessions.connections(info.session), 0, "the session ends with its last connection");
     }
 
+    /// The machine counts each try at a secret as it begins: handshakes
+    /// from one address that all reach AUTH before any has finished (and
+    /// before the driver hears of any failure) are checked ten times at most.
+    #[test]
+    fn tries_at_a_secret_count_as_they_begin() {
+        let b = brp(Some(b"sesame"));
+        let who = Who { local: true, ip: Some("127.0.0.9".parse().unwrap()), ..Default::default() };
+        let good = fastsan_brp::auth::client_proof(b"sesame", &CHALLENGE, &[9; 32], "");
+        let auth = |proof| Message::Auth { client_nonce: [9; 32], proof, identity: String::new() };
+        // Good tries are forgiven: they never use up the address's budget.
+        for _ in 0..2 * MAX_FAILURES {
+            let mut hs = BrpHandshake::new(b.clone(), who.clone(), CHALLENGE);
+            assert!(matches!(run(&mut hs, &[hello(), auth(good)]).1[1], Message::AuthOk { .. }));
+        }
+        let steps: Vec<Step<BrpConn>> = (0..MAX_FAILURES + 2)
+            .map(|_| {
+                run(&mut BrpHandshake::new(b.clone(), who.clone(), CHALLENGE), &[hello(), auth([0; 32])]).0
+            })
+            .collect();
+        assert!(steps[..MAX_FAILURES as usize].iter().all(|s| matches!(s, Step::AuthFailed(_))), "{steps:?}");
+        for s in &steps[MAX_FAILURES as usize..] {
+            assert!(matches!(s, Step::Refused(why) if why.contains("too many failed")), "{s:?}");
+        }
+        // Even the right secret, now; another address goes on.
+        let mut hs = BrpHandshake::new(b.clone(), who, CHALLENGE);
+        assert!(matches!(run(&mut hs, &[hello(), auth(good)]).0, Step::Refused(_)));
+        let other = Who { local: true, ip: Some("127.0.0.10".parse().unwrap()), ..Default::default() };
+        let mut hs = BrpHandshake::new(b, other, CHALLENGE);
+        assert!(matches!(run(&mut hs, &[hello(), auth(good)]).1[1], Message::AuthOk { .. }));
+    }
+
     #[test]
     fn auth_is_required_and_checked() {
         let secret = b"sesame";
@@ -371,7 +410,7 @@ mod tests {
         assert!(matches!(&out[0], Message::HelloReply { auth: AUTH_HMAC_SHA256, .. }));
         let Message::AuthOk { proof } = &out[1] else { panic!("{out:?}") };
         assert!(fastsan_brp::auth::verify_server(secret, &CHALLENGE, &nonce, proof, ""));
-        // A wrong proof: refused, as a failed authentication (the driver counts it).
+        // A wrong proof: refused, as a failed authentication.
         let b = brp(Some(secret));
         let mut hs = BrpHandshake::new(b.clone(), local(), CHALLENGE);
         let (step, out) = run(
