@@ -204,7 +204,17 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         stream.flush().await.map_err(HandshakeEnd::Io)?;
         Ok((conn, slot, stream))
     };
-    let (conn, _slot, stream) = match tokio::time::timeout(env.handshake_timeout, hs).await {
+    // A connection still in its handshake at shutdown holds no acknowledged
+    // data: it is closed at once, not waited for until its timeout (a silent
+    // client held a stopping target up to --handshake-timeout).
+    let hs = tokio::select! {
+        r = tokio::time::timeout(env.handshake_timeout, hs) => r,
+        _ = env.shutdown.cancelled() => {
+            info!(%peer, "{name} connection closed in its handshake: the target is shutting down");
+            return;
+        }
+    };
+    let (conn, _slot, stream) = match hs {
         Ok(Ok(c)) => c,
         Err(_) => {
             info!(%peer, "{name} handshake timed out; closing");

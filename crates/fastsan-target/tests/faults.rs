@@ -445,6 +445,43 @@ async fn a_draining_target_keeps_its_address_until_its_writes_land() {
     assert!(tokio::net::TcpListener::bind(addr).await.is_ok(), "then the address is free");
 }
 
+/// Clients silent in their handshakes (BRP before and after HELLO, NBD
+/// after its greeting) hold no acknowledged data and do not hold up a
+/// target that stops: they are closed at once, not after the handshake
+/// timeout, while an open connection's running write still lands first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_silent_in_their_handshakes_do_not_hold_up_a_stopping_target() {
+    let (srv, dir) = file_volume_with_faults("hs-stop", "none", |c| {
+        c.handshake_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let faults = srv.handle.faults("v").unwrap();
+    let (mut open, _) = Raw::open(srv.addr, "v").await;
+    let mut silent = Raw::connect(srv.addr).await;
+    let mut hello = Raw::connect(srv.addr).await;
+    hello.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await;
+    let mut nbd = NbdRaw::connect(srv.nbd.unwrap()).await;
+    // A write that runs for a while when the shutdown begins.
+    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    open.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &[7; 4096]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    srv.handle.shutdown();
+    assert!(silent.closed_within(Duration::from_secs(5)).await, "BRP before HELLO");
+    assert!(hello.closed_within(Duration::from_secs(5)).await, "BRP after HELLO");
+    assert!(nbd.closed_within(Duration::from_secs(5)).await, "NBD after its greeting");
+    let closed = t.elapsed();
+    assert!(closed < Duration::from_secs(5), "the handshakes closed after {closed:?}");
+    faults.clear();
+    assert_eq!(open.reply().await.0.status, Status::OK, "the running write lands and is answered");
+    let t = Instant::now();
+    srv.stop().await;
+    assert!(t.elapsed() < Duration::from_secs(5), "stopped after {:?}", t.elapsed());
+    // What the write wrote is in the file.
+    let back = std::fs::read(dir.path().join("v.img")).unwrap();
+    assert_eq!(back[..4096], [7u8; 4096][..]);
+}
+
 /// While a target restarts, whatever answers at its address may speak
 /// nonsense (here a relay that prints its own error, as `nc` does when
 /// the target is not up yet). The session keeps reconnecting through it:
