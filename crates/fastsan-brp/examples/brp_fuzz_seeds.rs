@@ -79,7 +79,7 @@ fn main() {
         Message::ListReply {
             volumes: vec![VolumeInfo { name: "vol0".into(), size: 1 << 30, block_size: 512, flags: 2 }],
         },
-        Message::Open { session: 0, slot: 0, name: "vol0".into() },
+        Message::Open { session: 0, slot: 0, flags: 0, name: "vol0".into() },
         Message::OpenReply(OpenInfo {
             session: 7,
             size: 1 << 30,

@@ -26,6 +26,15 @@ pub const VOLUME_READ_ONLY: u32 = 1;
 /// Volume flag: the volume's data does not survive the target (memory).
 pub const VOLUME_VOLATILE: u32 = 2;
 
+/// OPEN flag: this OPEN starts a new incarnation of the session it names
+/// (a restarted client taking over its predecessor's session): the target
+/// stops every connection of the session, whatever its slot, and answers
+/// only when all have finished their work, so nothing the predecessor sent
+/// can land after what the new incarnation writes. Without it only the
+/// connection in the same slot is stopped (a reconnect of that slot). Sent
+/// only when HELLO agreed on [`crate::FEATURE_TAKEOVER`].
+pub const OPEN_TAKEOVER: u16 = 1;
+
 /// One volume, as LIST_REPLY describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeInfo {
@@ -99,10 +108,12 @@ pub enum Message {
     },
     /// `slot`: which of the session's connections this is (0 for the first);
     /// a connection re-opened in the slot of a lost one is answered only
-    /// after the lost one's work is finished (the fence).
+    /// after the lost one's work is finished (the fence). `flags`:
+    /// [`OPEN_TAKEOVER`] or 0.
     Open {
         session: u64,
         slot: u16,
+        flags: u16,
         name: String,
     },
     OpenReply(OpenInfo),
@@ -197,10 +208,10 @@ impl Message {
                     put_str8(out, &v.name);
                 }
             }
-            Message::Open { session, slot, name } => {
+            Message::Open { session, slot, flags, name } => {
                 out.extend_from_slice(&session.to_le_bytes());
                 out.extend_from_slice(&slot.to_le_bytes());
-                out.extend_from_slice(&0u16.to_le_bytes());
+                out.extend_from_slice(&flags.to_le_bytes());
                 put_str8(out, name);
             }
             Message::OpenReply(i) => {
@@ -364,8 +375,11 @@ pub fn parse_message(buf: &[u8]) -> Result<Option<(Message, usize)>, ProtocolErr
         kind::OPEN => {
             let session = r.u64()?;
             let slot = r.u16()?;
-            r.zero(2)?;
-            Message::Open { session, slot, name: r.str8()? }
+            let flags = r.u16()?;
+            if flags & !OPEN_TAKEOVER != 0 {
+                return Err(ProtocolError::Handshake("unknown OPEN flags"));
+            }
+            Message::Open { session, slot, flags, name: r.str8()? }
         }
         kind::OPEN_REPLY => {
             let session = r.u64()?;
@@ -423,7 +437,8 @@ mod tests {
                 ],
             },
             Message::ListReply { volumes: vec![] },
-            Message::Open { session: 42, slot: 3, name: "vol0".into() },
+            Message::Open { session: 42, slot: 3, flags: 0, name: "vol0".into() },
+            Message::Open { session: 42, slot: 0, flags: OPEN_TAKEOVER, name: "vol0".into() },
             Message::OpenReply(OpenInfo {
                 session: 42,
                 size: 1 << 30,
@@ -478,7 +493,7 @@ mod tests {
     #[test]
     fn long_names_are_truncated_on_a_char_boundary() {
         let name = "é".repeat(200);
-        let b = Message::Open { session: 0, slot: 0, name }.to_vec();
+        let b = Message::Open { session: 0, slot: 0, flags: 0, name }.to_vec();
         let Some((Message::Open { name, .. }, _)) = parse_message(&b).unwrap() else { panic!() };
         assert_eq!(name.len(), 254);
     }

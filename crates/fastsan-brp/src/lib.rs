@@ -41,8 +41,12 @@ pub const VERSION: u16 = 2;
 
 /// Feature bit: CRC32C digests of every header and every payload.
 pub const FEATURE_DIGEST: u32 = 1;
+/// Feature bit: the target honours OPEN's
+/// [`OPEN_TAKEOVER`](handshake::OPEN_TAKEOVER) flag (a client sets the flag
+/// only when HELLO agreed on this feature: an older target refuses it).
+pub const FEATURE_TAKEOVER: u32 = 2;
 /// All features this implementation understands.
-pub const FEATURES_KNOWN: u32 = FEATURE_DIGEST;
+pub const FEATURES_KNOWN: u32 = FEATURE_DIGEST | FEATURE_TAKEOVER;
 
 /// Why a byte stream cannot be a BRP frame. The connection that sent it
 /// cannot be trusted to stay in sync and must be closed.

@@ -50,7 +50,7 @@ fn run(data: &[u8], piece: usize, opts: &Options) {
             }
             Ok(Step::Listed(_)) => {
                 listed = true;
-                let _ = hs.open("vol0", 0, 0);
+                let _ = hs.open("vol0", 0, 0, false);
                 hs.receive(&[])
             }
             Ok(Step::Opened(info)) => {

@@ -76,6 +76,8 @@ pub struct ClientHandshake {
     state: State,
     /// The features HELLO asks for.
     features: u32,
+    /// The target agreed on `FEATURE_TAKEOVER`.
+    takeover: bool,
     secret: Option<Vec<u8>>,
     identity: String,
     /// The connection runs over TLS: the target proved itself with its certificate.
@@ -92,7 +94,10 @@ impl ClientHandshake {
     pub fn new(opts: &Options, client_nonce: [u8; 32]) -> ClientHandshake {
         ClientHandshake {
             state: State::HelloReply,
-            features: if opts.digests { fastsan_brp::FEATURE_DIGEST } else { 0 },
+            features: if opts.digests { fastsan_brp::FEATURE_DIGEST } else { 0 }
+                // A session taken over from a predecessor is opened with OPEN_TAKEOVER.
+                | if opts.session != 0 { fastsan_brp::FEATURE_TAKEOVER } else { 0 },
+            takeover: false,
             secret: opts.secret.clone(),
             identity: opts.identity.clone(),
             tls: false,
@@ -119,8 +124,21 @@ impl ClientHandshake {
 
     /// OPEN of `name`, to send once [`Step::Ready`]; `session` 0 starts a
     /// new session, another value joins that one as connection `slot`.
-    pub fn open(&mut self, name: &str, session: u64, slot: u16) -> Vec<u8> {
-        self.ask(State::OpenReply, Message::Open { session, slot, name: name.to_owned() })
+    /// `takeover`: this process takes `session` over from a predecessor
+    /// (its first OPEN of it): the target is asked to stop and fence every
+    /// connection the predecessor left, in every slot (`OPEN_TAKEOVER`),
+    /// when it agreed on that feature.
+    pub fn open(&mut self, name: &str, session: u64, slot: u16, takeover: bool) -> Vec<u8> {
+        let takeover = takeover && session != 0;
+        if takeover && !self.takeover {
+            tracing::warn!(
+                session = format_args!("{session:016x}"),
+                "the target cannot take a session over (no FEATURE_TAKEOVER): \
+                 only the predecessor's connection in slot {slot} is fenced"
+            );
+        }
+        let flags = if takeover && self.takeover { fastsan_brp::handshake::OPEN_TAKEOVER } else { 0 };
+        self.ask(State::OpenReply, Message::Open { session, slot, flags, name: name.to_owned() })
     }
 
     fn ask(&mut self, next: State, m: Message) -> Vec<u8> {
@@ -192,6 +210,7 @@ impl ClientHandshake {
             return Err(Error::UnrequestedFeatures(features & !self.features));
         }
         self.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
+        self.takeover = features & fastsan_brp::FEATURE_TAKEOVER != 0;
         match (method, &self.secret) {
             (AUTH_NONE, None) => {
                 self.state = State::Ready;
@@ -279,9 +298,16 @@ impl Handshake {
     }
 
     /// Opens a volume as connection `slot` of `session` (0: a new session),
-    /// checking that the limits the target announces make sense.
-    pub async fn open(&mut self, name: &str, session: u64, slot: u16) -> Result<OpenInfo, Error> {
-        let open = self.machine.open(name, session, slot);
+    /// checking that the limits the target announces make sense;
+    /// `takeover`: see [`ClientHandshake::open`].
+    pub async fn open(
+        &mut self,
+        name: &str,
+        session: u64,
+        slot: u16,
+        takeover: bool,
+    ) -> Result<OpenInfo, Error> {
+        let open = self.machine.open(name, session, slot, takeover);
         match self.exchange(open, "OPEN").await? {
             Step::Opened(info) => Ok(info),
             other => unreachable!("OPEN ends in Opened, not {other:?}"),
@@ -374,9 +400,36 @@ mod tests {
         assert_eq!(hs.receive(&[]).unwrap(), Step::NeedMore);
         assert_eq!(hs.receive(&hello_reply(AUTH_NONE, 0)).unwrap(), Step::Ready);
         assert!(!hs.digests());
-        assert_eq!(sent(&hs.open("vol0", 0, 0)), Message::Open { session: 0, slot: 0, name: "vol0".into() });
+        assert_eq!(
+            sent(&hs.open("vol0", 0, 0, false)),
+            Message::Open { session: 0, slot: 0, flags: 0, name: "vol0".into() }
+        );
         assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
         assert!(hs.into_leftover().is_empty());
+    }
+
+    /// A session given in the options is taken over: HELLO asks for the
+    /// feature, and the first OPEN carries OPEN_TAKEOVER only when the
+    /// target agreed (an older target would refuse the flag).
+    #[test]
+    fn a_session_taken_over_is_opened_with_the_takeover_flag_when_agreed() {
+        use fastsan_brp::{handshake::OPEN_TAKEOVER, FEATURE_TAKEOVER};
+        let opts = Options { session: 7, ..Default::default() };
+        for (agreed, flags) in [(FEATURE_TAKEOVER, OPEN_TAKEOVER), (0, 0)] {
+            let mut hs = ClientHandshake::new(&opts, NONCE);
+            assert_eq!(
+                sent(&hs.hello()),
+                Message::Hello { min_version: 2, max_version: 2, features: FEATURE_TAKEOVER }
+            );
+            assert_eq!(hs.receive(&hello_reply(AUTH_NONE, agreed)).unwrap(), Step::Ready);
+            let Message::Open { session, flags: f, .. } = sent(&hs.open("v", 7, 0, true)) else { panic!() };
+            assert_eq!((session, f), (7, flags), "agreed {agreed}");
+        }
+        // A reconnect of one slot never takes over.
+        let mut hs = ClientHandshake::new(&opts, NONCE);
+        hs.receive(&hello_reply(AUTH_NONE, FEATURE_TAKEOVER)).unwrap();
+        let Message::Open { flags, .. } = sent(&hs.open("v", 7, 2, false)) else { panic!() };
+        assert_eq!(flags, 0);
     }
 
     #[test]
@@ -396,7 +449,7 @@ mod tests {
         let reply = Message::ListReply { volumes: volumes.clone() }.to_vec();
         assert_eq!(hs.receive(&reply).unwrap(), Step::Listed(volumes));
         // Ready again: OPEN may follow LIST.
-        hs.open("v", 0, 0);
+        hs.open("v", 0, 0, false);
         assert_eq!(hs.receive(&Message::OpenReply(info()).to_vec()).unwrap(), Step::Opened(info()));
     }
 
@@ -424,7 +477,7 @@ mod tests {
         let r = hs.receive(&refuse(Status::AUTH_FAILED));
         assert!(matches!(r, Err(Error::Refused { status: Status::AUTH_FAILED, .. })), "{r:?}");
         let mut hs = ready();
-        hs.open("nope", 0, 0);
+        hs.open("nope", 0, 0, false);
         let r = hs.receive(&refuse(Status::NO_SUCH_VOLUME));
         assert!(matches!(r, Err(Error::Refused { status: Status::NO_SUCH_VOLUME, .. })), "{r:?}");
     }
@@ -488,7 +541,7 @@ mod tests {
         ];
         for limits in bad {
             let mut hs = ready();
-            hs.open("v", 0, 0);
+            hs.open("v", 0, 0, false);
             match hs.receive(&Message::OpenReply(limits).to_vec()) {
                 Err(Error::ImpossibleLimits(i)) => assert_eq!(i, limits),
                 other => panic!("{limits:?}: {other:?}"),
@@ -509,7 +562,7 @@ mod tests {
         };
         assert!(matches!(feed(&mut hs, &hello_reply(AUTH_HMAC_SHA256, 0)), Step::Send(_)));
         assert_eq!(feed(&mut hs, &ok), Step::Ready);
-        hs.open("v", 0, 0);
+        hs.open("v", 0, 0, false);
         assert_eq!(feed(&mut hs, &open), Step::Opened(info()));
     }
 
@@ -524,7 +577,7 @@ mod tests {
         assert!(matches!(r, Err(Error::UnexpectedMessage { got: "LIST_REPLY", .. })), "{r:?}");
         // Bytes past OPEN_REPLY go to the transmission phase untouched.
         let mut hs = ready();
-        hs.open("v", 0, 0);
+        hs.open("v", 0, 0, false);
         let mut reply = Message::OpenReply(info()).to_vec();
         reply.extend_from_slice(b"next");
         assert_eq!(hs.receive(&reply).unwrap(), Step::Opened(info()));
@@ -571,12 +624,12 @@ mod tests {
             assert!(matches!(next_message(&mut s, &mut buf).await, Message::Hello { .. }));
             s.write_all(&hello_reply(AUTH_NONE, 0)).await.unwrap();
             let open = next_message(&mut s, &mut buf).await;
-            assert_eq!(open, Message::Open { session: 0, slot: 0, name: "v".into() });
+            assert_eq!(open, Message::Open { session: 0, slot: 0, flags: 0, name: "v".into() });
             s.write_all(&Message::OpenReply(info()).to_vec()).await.unwrap();
             s
         });
         let mut hs = Handshake::start(&Endpoint::Unix(path), &Options::default()).await.unwrap();
-        assert_eq!(hs.open("v", 0, 0).await.unwrap(), info());
+        assert_eq!(hs.open("v", 0, 0, false).await.unwrap(), info());
         let (stream, leftover, digests) = hs.into_parts();
         assert!(matches!(stream, Stream::Unix(_)) && leftover.is_empty() && !digests);
         drop(target.await.unwrap());
@@ -586,7 +639,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "before the handshake is ready")]
     fn open_before_ready_is_a_bug() {
-        machine(None).open("v", 0, 0);
+        machine(None).open("v", 0, 0, false);
     }
 
     #[test]

@@ -107,7 +107,9 @@ impl Volume {
         if opts.request_timeout.is_zero() {
             return Err(Error::InvalidArgument("the request timeout must be more than zero".into()));
         }
-        let (hs, info) = open_handshake(&url, &opts, opts.session, 0).await?;
+        // A session given (a restarted gateway's) is taken over: its first
+        // OPEN fences every connection the predecessor left, in every slot.
+        let (hs, info) = open_handshake(&url, &opts, opts.session, 0, opts.session != 0).await?;
         let taken_over = opts.session != 0;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
@@ -647,7 +649,7 @@ fn start_conn(
 /// Opens connection `slot` of the session (its `epoch`-th time) and checks
 /// that the volume behind the name is still the one the session opened.
 async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Error> {
-    let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session, slot as u16).await?;
+    let (hs, info) = open_handshake(&sh.url, &sh.opts, sh.info.session, slot as u16, false).await?;
     let old = &sh.info;
     if info.generation != old.generation {
         let volatile = old.flags & VOLUME_VOLATILE != 0;
@@ -689,10 +691,11 @@ async fn open_handshake(
     opts: &Options,
     session: u64,
     slot: u16,
+    takeover: bool,
 ) -> Result<(Handshake, OpenInfo), Error> {
     let work = async {
         let mut hs = Handshake::start(&url.endpoint, opts).await?;
-        let info = hs.open(&url.volume, session, slot).await?;
+        let info = hs.open(&url.volume, session, slot, takeover).await?;
         Ok((hs, info))
     };
     tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("handshake"))?

@@ -36,7 +36,7 @@ fn main() {
     let dir = std::env::args().nth(1).expect("usage: target_fuzz_seeds DIR");
     let dir = Path::new(&dir);
     let hello = |features| Message::Hello { min_version: 2, max_version: 2, features };
-    let open = |name: &str| Message::Open { session: 0, slot: 0, name: name.into() };
+    let open = |name: &str| Message::Open { session: 0, slot: 0, flags: 0, name: name.into() };
     // fuzz_checks::brp_handshake uses challenge [7; 32] and secret "secret".
     let nonce = [1u8; 32];
     let proof = fastsan_brp::auth::client_proof(b"secret", &[7; 32], &nonce, "");

@@ -143,7 +143,7 @@ async fn malformed_frames_close_only_their_connection() {
     // A request before the handshake, and an OPEN before HELLO.
     closes_connection(&srv, RequestHeader::new(Command::Read, 0, 1, 0, 512).encode().to_vec(), false).await;
     let mut raw = Raw::connect(srv.addr).await;
-    match raw.ask(&Message::Open { session: 0, slot: 0, name: "v".into() }).await {
+    match raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: "v".into() }).await {
         Message::Error { status, .. } => assert_eq!(status, Status::UNEXPECTED),
         other => panic!("{other:?}"),
     }
@@ -166,7 +166,7 @@ async fn unknown_volume_and_version_are_refused_politely() {
     }
     let mut raw = Raw::connect(srv.addr).await;
     raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0xFFFF_FFFF }).await;
-    match raw.ask(&Message::Open { session: 0, slot: 0, name: "nope".into() }).await {
+    match raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: "nope".into() }).await {
         Message::Error { status, .. } => assert_eq!(status, Status::NO_SUCH_VOLUME),
         other => panic!("{other:?}"),
     }
@@ -174,7 +174,7 @@ async fn unknown_volume_and_version_are_refused_politely() {
     let Message::ListReply { volumes } = raw.ask(&Message::List).await else { panic!() };
     assert_eq!(volumes.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["v", "ro"]);
     assert!(matches!(
-        raw.ask(&Message::Open { session: 0, slot: 0, name: "v".into() }).await,
+        raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: "v".into() }).await,
         Message::OpenReply(_)
     ));
     bystander_works(&srv).await;
@@ -374,13 +374,18 @@ async fn volumes_not_granted_look_missing_and_guessing_is_cut_short() {
     };
     let mut raw = Raw::connect(srv.addr).await;
     raw.ask(&Message::Hello { min_version: 2, max_version: 2, features: 0 }).await;
-    let hidden = answer(raw.ask(&Message::Open { session: 0, slot: 0, name: "hidden".into() }).await);
-    let missing = answer(raw.ask(&Message::Open { session: 0, slot: 0, name: "nope".into() }).await);
+    let hidden =
+        answer(raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: "hidden".into() }).await);
+    let missing =
+        answer(raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: "nope".into() }).await);
     assert_eq!(hidden, missing, "a volume not granted answers as a missing one");
     assert_eq!(hidden.0, Status::NO_SUCH_VOLUME);
     for i in 2..8 {
         let name = format!("guess{i}");
-        assert!(matches!(raw.ask(&Message::Open { session: 0, slot: 0, name }).await, Message::Error { .. }));
+        assert!(matches!(
+            raw.ask(&Message::Open { session: 0, slot: 0, flags: 0, name }).await,
+            Message::Error { .. }
+        ));
     }
     assert!(raw.closed_within(Duration::from_secs(5)).await, "closed after 8 refused OPENs");
 

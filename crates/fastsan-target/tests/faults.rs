@@ -53,9 +53,17 @@ async fn file_volume_with_faults(
 
 /// HELLO, then OPEN of `volume` as `slot` of `session`, without waiting for the answer.
 async fn open_in(raw: &mut Raw, volume: &str, session: u64, slot: u16) {
-    let hello = Message::Hello { min_version: 2, max_version: 2, features: 0 };
-    assert!(matches!(raw.ask(&hello).await, Message::HelloReply { .. }));
-    raw.send(&Message::Open { session, slot, name: volume.into() }.to_vec()).await;
+    open_with(raw, volume, session, slot, 0).await
+}
+
+/// [`open_in`] with OPEN's `flags` (HELLO asks for the takeover feature when
+/// they hold `OPEN_TAKEOVER`).
+async fn open_with(raw: &mut Raw, volume: &str, session: u64, slot: u16, flags: u16) {
+    let features = if flags != 0 { fastsan_brp::FEATURE_TAKEOVER } else { 0 };
+    let hello = Message::Hello { min_version: 2, max_version: 2, features };
+    let Message::HelloReply { features: agreed, .. } = raw.ask(&hello).await else { panic!("HELLO_REPLY") };
+    assert_eq!(agreed, features);
+    raw.send(&Message::Open { session, slot, flags, name: volume.into() }.to_vec()).await;
 }
 
 /// Finding 1: connection C1 of a session has a WRITE running on a slow
@@ -93,6 +101,53 @@ async fn a_lost_connections_writes_never_land_after_the_retry() {
     assert!(data.iter().all(|&b| b == b'B'), "the block holds {:?}, not the acknowledged B", data[0] as char);
     assert!(c1.closed_within(Duration::from_secs(5)).await, "the replaced connection is closed");
     assert_eq!(srv.handle.volume_stats("v").unwrap().writes, 2, "A and B ran; the buffered write never did");
+    srv.stop().await;
+}
+
+/// A restarted client (a gateway) takes its session over with fewer
+/// connections while its predecessor's still look open: OPEN_TAKEOVER stops
+/// them all, in every slot, and its OPEN_REPLY waits for the write running
+/// in slot 1, so that write cannot land over the new incarnation's. A write
+/// the predecessor sends after the takeover never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_fences_the_predecessors_connections_in_every_slot() {
+    let (srv, _dir) = file_volume_with_faults("takeover", "none", |_| {}).await;
+    let faults = srv.handle.faults("v").unwrap();
+    let mut old0 = Raw::connect(srv.addr).await;
+    open_in(&mut old0, "v", 0, 0).await;
+    let Some(Message::OpenReply(info)) = old0.message().await else { panic!("OPEN_REPLY") };
+    let mut old1 = Raw::connect(srv.addr).await;
+    open_in(&mut old1, "v", info.session, 1).await;
+    assert!(matches!(old1.message().await, Some(Message::OpenReply(_))));
+    // The predecessor's 'A' stalls on the device in slot 1.
+    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall));
+    old1.request(RequestHeader::new(Command::Write, 0, 1, 0, 4096), &[b'A'; 4096]).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The successor comes back with one connection, in slot 0.
+    let mut new0 = Raw::connect(srv.addr).await;
+    open_with(&mut new0, "v", info.session, 0, fastsan_brp::handshake::OPEN_TAKEOVER).await;
+    let early = tokio::time::timeout(Duration::from_millis(300), new0.message()).await;
+    assert!(early.is_err(), "OPEN_REPLY must wait for slot 1's running write");
+    // What slot 1 sends now is never run.
+    old1.request(RequestHeader::new(Command::Write, 0, 2, 4096, 4096), &[b'Z'; 4096]).await;
+    faults.clear();
+    let Some(Message::OpenReply(again)) = new0.message().await else { panic!("OPEN_REPLY after the fence") };
+    assert_eq!(again.session, info.session);
+    new0.request(RequestHeader::new(Command::Write, 0, 3, 0, 4096), &[b'B'; 4096]).await;
+    assert_eq!(new0.reply().await.0.status, Status::OK);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    new0.request(RequestHeader::new(Command::Read, 0, 4, 0, 8192), &[]).await;
+    let (r, data) = new0.reply().await;
+    assert_eq!(r.status, Status::OK);
+    assert!(
+        data[..4096].iter().all(|&b| b == b'B'),
+        "block 0 holds {:?}, not the acknowledged B",
+        data[0] as char
+    );
+    assert!(data[4096..].iter().all(|&b| b == 0), "the predecessor's write after the takeover ran");
+    for c in [&mut old0, &mut old1] {
+        assert!(c.closed_within(Duration::from_secs(5)).await, "the predecessor's connections are closed");
+    }
     srv.stop().await;
 }
 

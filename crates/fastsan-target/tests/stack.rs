@@ -175,7 +175,7 @@ async fn brp_over_a_unix_socket() {
     let srv = TestServer::start(&["v=memory:4M"], move |c| c.brp_unix = Some(p2)).await;
     let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
     let mut out = Message::Hello { min_version: 2, max_version: 2, features: 0 }.to_vec();
-    out.extend(Message::Open { session: 0, slot: 0, name: "v".into() }.to_vec());
+    out.extend(Message::Open { session: 0, slot: 0, flags: 0, name: "v".into() }.to_vec());
     let data = pattern(1, 4096, 8192);
     let mut w = Vec::new();
     fastsan_brp::request::encode_header(&RequestHeader::new(Command::Write, 0, 1, 4096, 8192), false, &mut w);

@@ -78,7 +78,7 @@ impl Raw {
         else {
             panic!("expected HELLO_REPLY")
         };
-        self.ask(&Message::Open { session: 0, slot: 0, name: volume.into() }).await
+        self.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: volume.into() }).await
     }
 
     /// Connects, says HELLO (no features) and opens `volume`.
@@ -95,7 +95,7 @@ impl Raw {
         };
         r.digests = features & fastsan_brp::FEATURE_DIGEST != 0;
         let Message::OpenReply(info) =
-            r.ask(&Message::Open { session: 0, slot: 0, name: volume.into() }).await
+            r.ask(&Message::Open { session: 0, slot: 0, flags: 0, name: volume.into() }).await
         else {
             panic!("expected OPEN_REPLY")
         };

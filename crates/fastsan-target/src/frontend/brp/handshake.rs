@@ -178,7 +178,7 @@ impl BrpHandshake {
                 Message::ListReply { volumes }.encode(out);
                 Step::Continue
             }
-            (State::Open, Message::Open { session, slot, name }) => {
+            (State::Open, Message::Open { session, slot, flags, name }) => {
                 let granted =
                     brp.catalog.get(&name).and_then(|v| match brp.access.mode_for(&self.who, &name, false) {
                         Ok(mode) => Some((v, mode)),
@@ -204,13 +204,15 @@ impl BrpHandshake {
                     Message::Error { status: Status::NO_SUCH_VOLUME, message }.encode(out);
                     return Step::Continue;
                 };
-                let (session, fence) = match brp.sessions.join(session, slot, &name, self.who.name()) {
-                    Ok(s) => s,
-                    Err(message) => {
-                        Message::Error { status: Status::UNEXPECTED, message }.encode(out);
-                        return Step::Continue;
-                    }
-                };
+                let takeover = flags & fastsan_brp::handshake::OPEN_TAKEOVER != 0;
+                let (session, fence) =
+                    match brp.sessions.join(session, slot, &name, self.who.name(), takeover) {
+                        Ok(s) => s,
+                        Err(message) => {
+                            Message::Error { status: Status::UNEXPECTED, message }.encode(out);
+                            return Step::Continue;
+                        }
+                    };
                 let info = OpenInfo {
                     session: session.id(),
                     size: volume.size(),
@@ -351,10 +353,12 @@ mod tests {
         );
         let Message::ListReply { volumes } = &out[1] else { panic!("{out:?}") };
         assert_eq!(volumes[0].name, "vol0");
-        let (step, out) = run(&mut hs, &[Message::Open { session: 0, slot: 0, name: "nope".into() }]);
+        let (step, out) =
+            run(&mut hs, &[Message::Open { session: 0, slot: 0, flags: 0, name: "nope".into() }]);
         assert!(matches!(step, Step::Continue), "an unknown volume leaves the handshake open");
         assert!(matches!(&out[0], Message::Error { status, .. } if *status == Status::NO_SUCH_VOLUME));
-        let (step, out) = run(&mut hs, &[Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
+        let (step, out) =
+            run(&mut hs, &[Message::Open { session: 0, slot: 0, flags: 0, name: "vol0".into() }]);
         let Step::Done(conn) = step else { panic!("{step:?}") };
         let Message::OpenReply(info) = &out[0] else { panic!("{out:?}") };
         assert_eq!((info.size, info.block_size, info.queue_depth, info.instance), (1 << 20, 512, 32, 5));
@@ -422,7 +426,7 @@ mod tests {
         // Skipping AUTH: refused, and OPEN never reached.
         let mut hs = BrpHandshake::new(brp(Some(secret)), local(), CHALLENGE);
         let (step, out) =
-            run(&mut hs, &[hello(), Message::Open { session: 0, slot: 0, name: "vol0".into() }]);
+            run(&mut hs, &[hello(), Message::Open { session: 0, slot: 0, flags: 0, name: "vol0".into() }]);
         assert!(matches!(step, Step::AuthFailed(_)));
         assert!(matches!(&out[1], Message::Error { status, .. } if *status == Status::AUTH_REQUIRED));
         // An unknown identity whose proof is keyed with the challenge (all it knows): refused.
@@ -482,7 +486,7 @@ mod tests {
     fn bytes_one_at_a_time_reach_the_same_end() {
         let mut hs = BrpHandshake::new(brp(None), local(), CHALLENGE);
         let mut all = hello().to_vec();
-        all.extend(Message::Open { session: 0, slot: 0, name: "vol0".into() }.to_vec());
+        all.extend(Message::Open { session: 0, slot: 0, flags: 0, name: "vol0".into() }.to_vec());
         let (mut input, mut out) = (BytesMut::new(), Vec::new());
         let mut done = None;
         for b in all {
