@@ -1,7 +1,8 @@
 //! Chunks of a whole-volume copy, as `fastsan cp` moves them: each is
 //! retried while its error is retryable (a connection lost and
-//! re-established meanwhile, a busy target), and a chunk that ends in a
-//! partial block is padded with zeros, since a volume takes whole blocks.
+//! re-established meanwhile, a busy target), and a chunk that ends inside a
+//! block (a source whose size is not a multiple of the volume's block)
+//! keeps the rest of that block as it was: a volume takes whole blocks.
 
 use crate::{Error, Remote};
 use bytes::{Bytes, BytesMut};
@@ -16,9 +17,20 @@ pub async fn read(vol: &Remote, offset: u64, len: u64) -> Result<Bytes, Error> {
     retry(|| vol.read(offset, len)).await
 }
 
-/// Writes `data` at `offset`, padded with zeros to a whole number of blocks.
+/// Writes `data` at `offset` (a block boundary). When it ends inside a
+/// block, that block is read and `data`'s tail laid over it, so the bytes
+/// of the block past the data stay what they were (padding them with zeros
+/// wiped what followed a short source: a 446-byte boot loader copied onto
+/// a disk took its partition table with it).
 pub async fn write(vol: &Remote, offset: u64, data: Bytes) -> Result<(), Error> {
-    let data = pad_to_block(data, vol.block_size());
+    let bs = u64::from(vol.block_size().max(1));
+    let whole = data.len() as u64 / bs * bs;
+    let data = if whole == data.len() as u64 {
+        data
+    } else {
+        let block = read(vol, offset + whole, bs).await?;
+        overlay_tail(data, &block)
+    };
     retry(|| vol.write_bytes(data.clone(), offset, false)).await
 }
 
@@ -48,15 +60,13 @@ where
     }
 }
 
-/// `data`, grown with zeros to a multiple of `block_size`.
-pub fn pad_to_block(data: Bytes, block_size: u32) -> Bytes {
-    let bs = block_size.max(1) as usize;
-    if data.len().is_multiple_of(bs) {
-        return data;
-    }
-    let mut b = BytesMut::with_capacity(data.len().next_multiple_of(bs));
+/// `data` whose last block is partial, completed with the rest of that
+/// block as it is now (`block`, one whole block).
+fn overlay_tail(data: Bytes, block: &[u8]) -> Bytes {
+    let whole = data.len() / block.len() * block.len();
+    let mut b = BytesMut::with_capacity(whole + block.len());
     b.extend_from_slice(&data);
-    b.resize(data.len().next_multiple_of(bs), 0);
+    b.extend_from_slice(&block[data.len() - whole..]);
     b.freeze()
 }
 
@@ -67,13 +77,14 @@ mod tests {
     use std::cell::Cell;
 
     #[test]
-    fn a_partial_last_block_is_padded_with_zeros() {
-        let whole = Bytes::from(vec![7u8; 1024]);
-        assert_eq!(pad_to_block(whole.clone(), 512).as_ptr(), whole.as_ptr(), "whole blocks are not copied");
-        let tail = pad_to_block(Bytes::from(vec![7u8; 600]), 512);
+    fn a_partial_last_block_keeps_the_rest_of_the_block() {
+        let block = [9u8; 512];
+        let tail = overlay_tail(Bytes::from(vec![7u8; 600]), &block);
         assert_eq!(tail.len(), 1024);
-        assert!(tail[..600].iter().all(|&b| b == 7) && tail[600..].iter().all(|&b| b == 0));
-        assert!(pad_to_block(Bytes::new(), 512).is_empty());
+        assert!(tail[..600].iter().all(|&b| b == 7) && tail[600..].iter().all(|&b| b == 9));
+        let short = overlay_tail(Bytes::from(vec![7u8; 100]), &block);
+        assert_eq!(short.len(), 512);
+        assert!(short[..100].iter().all(|&b| b == 7) && short[100..].iter().all(|&b| b == 9));
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,7 +1,9 @@
 //! `fastsan cp`: copy between a local file and a volume, in either direction
 //! (or between two volumes), many chunks in flight, with a progress bar.
-//! Retries and the padding of a partial last block are the initiator's
-//! ([`fastsan_initiator::copy`]).
+//! Retries and the completion of a partial last block are the initiator's
+//! ([`fastsan_initiator::copy`]). A local destination file is written under
+//! a temporary name beside it and renamed into place once flushed, so a
+//! failed or interrupted copy leaves it as it was.
 
 use crate::ClientArgs;
 use anyhow::{bail, Context};
@@ -12,12 +14,19 @@ use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Copy a local file into a volume, a volume into a local file, or a volume
 /// into another volume (between two local files, use cp).
+///
+/// A local source is a regular file or a block device. A local destination
+/// file is written under a temporary name beside it and renamed over it
+/// once complete and flushed (room for both is needed until then): a copy
+/// that fails or is interrupted leaves it as it was. A block device is
+/// written in place. A source shorter than the destination volume leaves
+/// the volume's bytes past its end as they were.
 ///
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
@@ -43,8 +52,33 @@ pub struct Args {
 }
 
 enum End {
-    Local(Arc<File>, PathBuf),
+    Local(Arc<File>, PathBuf, Local),
     Vol(Remote, String),
+}
+
+/// What a local end is.
+enum Local {
+    /// A regular file (a source).
+    File,
+    /// A block device of `size` bytes: written in place, never truncated.
+    Device { size: u64 },
+    /// A destination file, written whole under a temporary name next to it
+    /// and renamed over it once flushed: an error, a signal or a copy of a
+    /// volume onto its own backing file leaves the old file as it was (it
+    /// was truncated at the start before). `target`: the file renamed over
+    /// (a symbolic link's target, not the link).
+    Replace { tmp: TempFile, target: PathBuf },
+}
+
+/// A temporary file that is removed unless it was renamed into place.
+struct TempFile(Option<PathBuf>);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// Whether `s` names a volume (a URL `cp` takes) rather than a local path;
@@ -63,8 +97,7 @@ fn is_volume(s: &str) -> anyhow::Result<bool> {
 }
 
 /// Refuses the copies that cannot be what was meant: between two local
-/// files (that is cp(1)'s job; a file copied onto itself would be
-/// truncated before it is read) and from a volume onto itself.
+/// files (that is cp(1)'s job) and from a volume onto itself.
 fn check_ends(src: &str, dst: &str) -> anyhow::Result<()> {
     match (is_volume(src)?, is_volume(dst)?) {
         (false, false) => bail!(
@@ -74,6 +107,29 @@ fn check_ends(src: &str, dst: &str) -> anyhow::Result<()> {
         (true, true) if src == dst => bail!("{src} is both the source and the destination"),
         _ => Ok(()),
     }
+}
+
+/// What a file that is neither a regular file nor a block device is, in words.
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a pipe"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The size of an open block device.
+fn device_size(f: &File) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = f;
+    f.seek(SeekFrom::End(0))
 }
 
 impl End {
@@ -86,13 +142,83 @@ impl End {
             return Ok(End::Vol(v, s.to_owned()));
         }
         let path = PathBuf::from(s);
-        let f = if dst {
-            OpenOptions::new().write(true).create(true).truncate(true).open(&path)
-        } else {
-            File::open(&path)
+        let (f, local) = if dst { Self::create(&path)? } else { Self::source(&path)? };
+        Ok(End::Local(Arc::new(f), path, local))
+    }
+
+    /// A local source: a regular file or a block device, whose size is
+    /// known (a pipe's or a character device's reads as 0: it was copied
+    /// as nothing, and reported a success).
+    fn source(path: &Path) -> anyhow::Result<(File, Local)> {
+        use std::os::unix::fs::FileTypeExt;
+        use std::os::unix::fs::OpenOptionsExt;
+        // Without waiting: opening a pipe waits for a writer (regular files
+        // and block devices read alike either way).
+        let f = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let t = f.metadata().with_context(|| format!("reading {}'s metadata", path.display()))?.file_type();
+        if !t.is_file() && !t.is_block_device() {
+            bail!(
+                "{} is {}: cp copies from a regular file or a block device, whose size is known \
+                 (write a stream to a file first)",
+                path.display(),
+                kind_of(t)
+            )
+        }
+        if t.is_file() {
+            return Ok((f, Local::File));
+        }
+        let size = device_size(&f).with_context(|| format!("reading {}'s size", path.display()))?;
+        Ok((f, Local::Device { size }))
+    }
+
+    /// A local destination: a block device, written in place, or a file,
+    /// written under a temporary name in its directory.
+    fn create(path: &Path) -> anyhow::Result<(File, Local)> {
+        use std::os::unix::fs::FileTypeExt;
+        let old = match std::fs::metadata(path) {
+            Ok(m) => Some(m),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
         };
-        let f = f.with_context(|| format!("opening {}", path.display()))?;
-        Ok(End::Local(Arc::new(f), path))
+        if let Some(m) = &old {
+            let t = m.file_type();
+            if t.is_block_device() {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                let size = device_size(&f).with_context(|| format!("reading {}'s size", path.display()))?;
+                return Ok((f, Local::Device { size }));
+            }
+            if !t.is_file() {
+                bail!("{} is {}: cp copies to a file or a block device", path.display(), kind_of(t));
+            }
+        }
+        // Through a symbolic link, the file it names is replaced, not the link.
+        let target = match &old {
+            Some(_) => {
+                std::fs::canonicalize(path).with_context(|| format!("resolving {}", path.display()))?
+            }
+            None => path.to_owned(),
+        };
+        let name = target.file_name().with_context(|| format!("{} names no file", path.display()))?;
+        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let tmp = dir.join(format!(".{}.fastsan-cp-{}", name.to_string_lossy(), std::process::id()));
+        let f =
+            OpenOptions::new().write(true).create_new(true).open(&tmp).with_context(|| {
+                format!("creating {} (to be renamed to {})", tmp.display(), path.display())
+            })?;
+        let tmp = TempFile(Some(tmp));
+        if let Some(m) = old {
+            // The copy replaces the file: it keeps the file's permissions.
+            f.set_permissions(m.permissions())
+                .with_context(|| format!("giving {} {}'s permissions", tmp_name(&tmp), path.display()))?;
+        }
+        Ok((f, Local::Replace { tmp, target }))
     }
 
     /// Every chunk but the last starts where the one before ended: on a
@@ -107,17 +233,28 @@ impl End {
         Ok(())
     }
 
+    /// Bytes a source holds.
     fn len(&self) -> anyhow::Result<u64> {
         Ok(match self {
-            End::Local(f, _) => f.metadata()?.len(),
+            End::Local(_, _, Local::Device { size }) => *size,
+            End::Local(f, _, _) => f.metadata()?.len(),
             End::Vol(v, _) => v.size(),
         })
+    }
+
+    /// Bytes a destination takes at most (`None`: a file, any).
+    fn room(&self) -> Option<u64> {
+        match self {
+            End::Local(_, _, Local::Device { size }) => Some(*size),
+            End::Local(..) => None,
+            End::Vol(v, _) => Some(v.size()),
+        }
     }
 
     async fn read(&self, off: u64, n: u64) -> anyhow::Result<Bytes> {
         match self {
             End::Vol(v, _) => Ok(copy::read(v, off, n).await?),
-            End::Local(f, _) => {
+            End::Local(f, _, _) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || {
                     let mut b = BytesMut::zeroed(n as usize);
@@ -132,7 +269,7 @@ impl End {
     async fn write(&self, off: u64, data: Bytes) -> anyhow::Result<()> {
         match self {
             End::Vol(v, _) => Ok(copy::write(v, off, data).await?),
-            End::Local(f, _) => {
+            End::Local(f, _, _) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || f.write_all_at(&data, off)).await??;
                 Ok(())
@@ -140,16 +277,30 @@ impl End {
         }
     }
 
-    async fn finish(&self, len: u64) -> anyhow::Result<()> {
+    /// Makes the copy durable and, for a file, puts it in place.
+    async fn finish(&mut self, len: u64) -> anyhow::Result<()> {
         match self {
             End::Vol(v, _) => Ok(copy::finish(v).await?),
-            End::Local(f, _) => {
+            End::Local(f, _, Local::File) => Ok(f.sync_all()?),
+            End::Local(f, _, Local::Device { .. }) => {
                 let f = f.clone();
+                tokio::task::spawn_blocking(move || f.sync_all()).await??;
+                Ok(())
+            }
+            End::Local(f, _, Local::Replace { tmp, target }) => {
+                let f = f.clone();
+                let from = tmp.0.clone().expect("not renamed yet");
+                let to = target.clone();
                 tokio::task::spawn_blocking(move || {
                     f.set_len(len)?;
-                    f.sync_all()
+                    f.sync_all()?;
+                    std::fs::rename(&from, &to)?;
+                    // The rename is durable once the directory is.
+                    let dir = to.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                    File::open(dir)?.sync_all()
                 })
                 .await??;
+                tmp.0 = None;
                 Ok(())
             }
         }
@@ -157,11 +308,27 @@ impl End {
 
     fn name(&self) -> String {
         match self {
-            End::Local(_, p) => p.display().to_string(),
+            End::Local(_, p, _) => p.display().to_string(),
             End::Vol(_, u) => u.clone(),
         }
     }
+
+    /// What an unfinished copy left here, in words.
+    fn left(&self) -> String {
+        match self {
+            End::Vol(_, u) => format!("{u} holds part of the copy"),
+            End::Local(_, p, Local::Device { .. }) => format!("{} holds part of the copy", p.display()),
+            End::Local(_, p, _) => format!("{} is as it was", p.display()),
+        }
+    }
 }
+
+fn tmp_name(t: &TempFile) -> String {
+    t.0.as_deref().map_or_else(String::new, |p| p.display().to_string())
+}
+
+/// Most bytes in flight at once (`--depth` chunks of `--chunk`).
+const MAX_IN_FLIGHT: u64 = 1 << 30;
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
     let chunk = parse_size(&a.chunk)?;
@@ -171,16 +338,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if a.depth == 0 || a.depth > 4096 {
         bail!("--depth must be 1..=4096");
     }
+    if a.depth as u64 * chunk > MAX_IN_FLIGHT {
+        bail!("--depth x --chunk is the memory a copy holds in flight: at most 1 GiB");
+    }
     check_ends(&a.src, &a.dst)?;
     let src = End::open(&a.src, false, &a.client).await?;
     src.check_chunk(chunk)?;
     let len = src.len()?;
-    // (Checked before a local destination is opened, which truncates it.)
-    let dst = End::open(&a.dst, true, &a.client).await?;
+    let mut dst = End::open(&a.dst, true, &a.client).await?;
     dst.check_chunk(chunk)?;
-    if let End::Vol(v, u) = &dst {
-        if len > v.size() {
-            bail!("{} has {len} bytes; {u} holds only {}", src.name(), v.size());
+    if let Some(room) = dst.room() {
+        if len > room {
+            bail!("{} has {len} bytes; {} holds only {room}", src.name(), dst.name());
         }
     }
     let pb = ProgressBar::new(len).with_style(
@@ -188,25 +357,45 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             .expect("valid template"),
     );
     let start = Instant::now();
-    let (src, dst) = (&src, &dst);
-    futures::stream::iter((0..len.div_ceil(chunk)).map(|i| {
-        let off = i * chunk;
-        (off, chunk.min(len - off))
-    }))
-    .map(|(off, n)| {
-        let pb = pb.clone();
-        async move {
-            let data = src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
-            dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
-            pb.inc(n);
-            anyhow::Ok(())
-        }
-    })
-    .buffer_unordered(a.depth)
-    .try_collect::<()>()
-    .await?;
-    dst.finish(len).await?;
+    // SIGINT and SIGTERM end the copy as an error does: a destination file
+    // stays as it was (its temporary copy is removed), a volume is told to
+    // hold part of it.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let copied = async {
+        let (src, dst) = (&src, &dst);
+        futures::stream::iter((0..len.div_ceil(chunk)).map(|i| {
+            let off = i * chunk;
+            (off, chunk.min(len - off))
+        }))
+        .map(|(off, n)| {
+            let pb = pb.clone();
+            async move {
+                let data =
+                    src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+                dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
+                pb.inc(n);
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(a.depth)
+        .try_collect::<()>()
+        .await
+    };
+    let copied = tokio::select! {
+        r = copied => r,
+        _ = int.recv() => Err(anyhow::anyhow!("interrupted (SIGINT)")),
+        _ = term.recv() => Err(anyhow::anyhow!("interrupted (SIGTERM)")),
+    };
+    let done = match copied {
+        Ok(()) => dst.finish(len).await.with_context(|| format!("flushing {}", dst.name())),
+        Err(e) => Err(e),
+    };
     pb.finish_and_clear();
+    if let Err(e) = done {
+        return Err(e.context(format!("the copy did not finish: {}", dst.left())));
+    }
     let secs = start.elapsed().as_secs_f64();
     outln!(
         "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",

@@ -19,7 +19,7 @@ macro_rules! say {
 macro_rules! out {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        write!(std::io::stdout(), $($t)*)
+        $crate::stdout_result(write!(std::io::stdout(), $($t)*))
     }};
 }
 
@@ -27,8 +27,30 @@ macro_rules! out {
 macro_rules! outln {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout(), $($t)*)
+        $crate::stdout_result(writeln!(std::io::stdout(), $($t)*))
     }};
+}
+
+/// Standard output's reader went away: the one error `main` ends quietly on.
+/// Only [`out!`] and [`outln!`] make it, so a broken pipe anywhere else (a
+/// socket to a target, a local file) is still an error and exits non-zero.
+#[derive(Debug)]
+struct StdoutGone;
+
+impl std::fmt::Display for StdoutGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("standard output was closed")
+    }
+}
+
+impl std::error::Error for StdoutGone {}
+
+/// A write to standard output: a broken pipe becomes [`StdoutGone`].
+fn stdout_result(r: std::io::Result<()>) -> anyhow::Result<()> {
+    match r {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(StdoutGone.into()),
+        r => Ok(r?),
+    }
 }
 
 mod attach;
@@ -204,11 +226,9 @@ fn main() -> std::process::ExitCode {
             Cmd::Mirror(a) => mirror::run(a).await,
         }
     });
-    let stdout_gone = |e: &anyhow::Error| {
-        e.chain().any(|c| {
-            c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-        })
-    };
+    // Not any broken pipe: a target's socket breaking mid-handshake is one
+    // too, and taking it for a closed stdout ended `cp` with 0, nothing copied.
+    let stdout_gone = |e: &anyhow::Error| e.chain().any(|c| c.is::<StdoutGone>());
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // Whoever read the output stopped reading (`| head`): nothing to report.

@@ -4,6 +4,7 @@ mod common;
 
 use common::*;
 use fastsan_initiator::{BlockingVolume, Options};
+use std::path::Path;
 
 #[test]
 fn cp_128_mib_into_a_volume_and_back_is_identical() {
@@ -60,6 +61,146 @@ fn cp_refuses_copies_that_would_lose_data_and_says_why() {
     let mut got = vec![1u8; 1 << 20];
     v.read_at(&mut got, 0).unwrap();
     assert!(got.iter().all(|&b| b == 0), "nothing was written to the volume");
+}
+
+/// A copy is reported only when it was made: a source with no size (a
+/// pipe, a character device) is refused (it was copied as 0 bytes, exit
+/// 0); a target whose socket breaks in the handshake is an error (the
+/// broken pipe was taken for a closed stdout: exit 0, nothing copied); a
+/// block device is copied whole in both directions.
+#[test]
+fn cp_never_reports_a_copy_it_did_not_make() {
+    let dir = temp_dir("cp-made");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:4M", "--volume", "w=memory:4M"]);
+    let fifo = dir.join("fifo");
+    ok("mkfifo", &[fifo.to_str().unwrap()]);
+    for (src, what) in [(fifo.to_str().unwrap(), "is a pipe"), ("/dev/zero", "is a character device")] {
+        let out = fastsan(&["cp", src, &s.url("v")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(what), "{src}: {err}");
+    }
+    // An NBD server that greets and hangs up: the client's next write breaks.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let greeter = std::thread::spawn(move || {
+        for _ in 0..2 {
+            use std::io::Write;
+            let (mut c, _) = l.accept().unwrap();
+            let mut g = b"NBDMAGIC".to_vec();
+            g.extend_from_slice(&0x49484156454F5054u64.to_be_bytes());
+            g.extend_from_slice(&3u16.to_be_bytes());
+            c.write_all(&g).unwrap();
+        }
+    });
+    let file = dir.join("f.bin");
+    random_file(&file, 1 << 20);
+    let back = dir.join("back.bin");
+    for (src, dst) in [
+        (file.to_str().unwrap(), format!("nbd://{addr}/x")),
+        (&format!("nbd://{addr}/x")[..], back.display().to_string()),
+    ] {
+        let out = fastsan(&["cp", src, &dst]);
+        assert!(!out.status.success(), "cp {src} {dst} succeeded: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(!String::from_utf8_lossy(&out.stderr).is_empty());
+    }
+    greeter.join().unwrap();
+    assert!(!back.exists(), "no file for a copy that did not happen");
+    // A block device, both ways.
+    let img = dir.join("dev.img");
+    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
+    let dev = LoopDev::over(&img);
+    let data = random_file(&file, 4 << 20);
+    let out = fastsan(&["cp", file.to_str().unwrap(), &s.url("v")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = fastsan(&["cp", &s.url("v"), &dev.0]);
+    assert!(out.status.success(), "to {}: {}", dev.0, String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&img).unwrap() == data, "the device holds the volume");
+    let out = fastsan(&["cp", &dev.0, &s.url("w")]);
+    assert!(out.status.success(), "from {}: {}", dev.0, String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(4194304 bytes)"), "not as 0 bytes");
+    assert!(fastsan(&["cp", &s.url("w"), back.to_str().unwrap()]).status.success());
+    assert!(std::fs::read(&back).unwrap() == data, "the device copied whole");
+    // A device too small for the volume: refused before anything is written.
+    let small = dir.join("small.img");
+    std::fs::File::create(&small).unwrap().set_len(1 << 20).unwrap();
+    let small_dev = LoopDev::over(&small);
+    let out = fastsan(&["cp", &s.url("v"), &small_dev.0]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("holds only"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A local destination file is replaced only by a whole, flushed copy: a
+/// copy that fails half-way (a read error at 2 MiB) leaves it as it was,
+/// with its permissions and no temporary file behind; through a symbolic
+/// link the linked file is replaced. A volume copied onto its own backing
+/// file keeps its data (the file was truncated before it was read).
+#[test]
+fn cp_replaces_a_file_only_with_a_whole_copy() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("cp-replace");
+    let backup = dir.join("backup.img");
+    let old = random_file(&backup, 3_000_000);
+    std::fs::set_permissions(&backup, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let own = dir.join("own.img");
+    let own_data = random_file(&own, 4 << 20);
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "bad=memory:4M,faults=read:eio@2M-3M",
+        "--volume",
+        "good=memory:4M",
+        "--volume",
+        &format!("own=file:{}", own.display()),
+    ]);
+    let listing = |d: &Path| {
+        let mut v: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        v.sort();
+        v
+    };
+    let before = listing(&dir);
+    let out = fastsan(&["cp", &s.url("bad"), backup.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is as it was"), "{err}");
+    assert!(std::fs::read(&backup).unwrap() == old, "the backup is untouched");
+    assert_eq!(listing(&dir), before, "no temporary file left behind");
+    // A whole copy replaces it, keeping its permissions, through a link.
+    let link = dir.join("link.img");
+    std::os::unix::fs::symlink(&backup, &link).unwrap();
+    let src = dir.join("src.bin");
+    let data = random_file(&src, 4 << 20);
+    assert!(fastsan(&["cp", src.to_str().unwrap(), &s.url("good")]).status.success());
+    let out = fastsan(&["cp", &s.url("good"), link.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
+    assert!(std::fs::read(&backup).unwrap() == data, "the linked file holds the copy");
+    assert_eq!(std::fs::metadata(&backup).unwrap().permissions().mode() & 0o777, 0o640);
+    // A volume onto its own backing file: the data survives.
+    let out = fastsan(&["cp", &s.url("own"), own.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&own).unwrap() == own_data);
+}
+
+/// A source shorter than the volume's last block leaves the rest of that
+/// block as it was (it was padded with zeros, wiping what followed: a boot
+/// loader copied onto a disk took its partition table).
+#[test]
+fn cp_of_a_partial_block_keeps_the_rest_of_the_block() {
+    let dir = temp_dir("cp-tail");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:1M"]);
+    let v = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+    v.write_at(&[0xff; 4096], 0, false).unwrap();
+    let src = dir.join("boot.bin");
+    let data = random_file(&src, 1000);
+    let out = fastsan(&["cp", src.to_str().unwrap(), &s.url("v")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut got = vec![0u8; 4096];
+    v.read_at(&mut got, 0).unwrap();
+    assert!(got[..1000] == data[..], "the source's bytes");
+    assert!(got[1000..].iter().all(|&b| b == 0xff), "the block's other bytes are as they were");
 }
 
 /// A job the volume cannot run is refused at once, not run for its whole

@@ -97,15 +97,6 @@ fn nbdinfo_list_map_and_flags() {
     assert_eq!(size.trim(), "4194304");
 }
 
-/// A loop device over a file, detached on every exit path.
-struct LoopDev(String);
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).output();
-    }
-}
-
 #[test]
 fn capabilities_pass_through_the_stack() {
     // The same layers (faults, delay) over three stores: what NBD advertises
@@ -113,7 +104,7 @@ fn capabilities_pass_through_the_stack() {
     let dir = temp_dir("caps");
     let img = dir.join("blk.img");
     std::fs::File::create(&img).unwrap().set_len(8 << 20).unwrap();
-    let dev = LoopDev(ok("losetup", &["-f", "--show", img.to_str().unwrap()]).trim().to_owned());
+    let dev = LoopDev::over(&img);
     let file = dir.join("ro.img");
     std::fs::File::create(&file).unwrap().set_len(4 << 20).unwrap();
     let s = serve(&[

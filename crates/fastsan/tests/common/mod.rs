@@ -183,3 +183,19 @@ pub fn ok(name: &str, args: &[&str]) -> String {
     assert!(success, "{name} {args:?} failed:\n{text}");
     text
 }
+
+/// A loop device over a file, detached on every exit path.
+pub struct LoopDev(pub String);
+
+impl LoopDev {
+    /// A loop device over `file`.
+    pub fn over(file: &Path) -> LoopDev {
+        LoopDev(ok("losetup", &["-f", "--show", file.to_str().unwrap()]).trim().to_owned())
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).output();
+    }
+}
