@@ -337,6 +337,30 @@ impl ServerConfig {
                 return Err(ConfigError::Invalid(format!("volume name {:?} given twice", v.name)));
             }
         }
+        // Memory volumes fill as clients write: together they must fit, or
+        // the kernel's OOM killer ends the target, and every memory volume
+        // with it, once they fill (each alone is checked at open).
+        let memory: u64 = self
+            .volumes
+            .iter()
+            .filter_map(|v| match v.backend {
+                BackendSpec::Memory { size } => Some(size),
+                _ => None,
+            })
+            .fold(0u64, u64::saturating_add);
+        if let Some(ram) = crate::backend::ram() {
+            if memory > ram
+                && self.volumes.iter().filter(|v| matches!(v.backend, BackendSpec::Memory { .. })).count() > 1
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "the memory volumes hold {} together, more than this machine's RAM ({}): once clients \
+                     fill them, the kernel's out-of-memory killer would end the target and every memory \
+                     volume with it",
+                    crate::backend::gib(memory),
+                    crate::backend::gib(ram)
+                )));
+            }
+        }
         // --serial runs each request on its connection's runtime thread; a
         // remote volume's request waits on a runtime of its own, which a
         // runtime thread may not do (it panicked, and a FLUSH that did
@@ -660,6 +684,22 @@ mod tests {
         ] {
             assert!(VolumeSpec::parse(bad).is_err(), "{bad} should be refused");
         }
+    }
+
+    /// Memory volumes must fit in RAM together, not only each alone.
+    #[test]
+    fn memory_volumes_must_fit_together() {
+        let ram = crate::backend::ram().expect("/proc/meminfo");
+        let vol =
+            |name: &str, size: u64| VolumeSpec::parse(&format!("{name}=memory:{}K", size >> 10)).unwrap();
+        let mut c = ServerConfig {
+            volumes: vec![vol("a", ram / 5 * 3), vol("b", ram / 5 * 3)],
+            ..Default::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("more than this machine's RAM") && e.contains("GiB"), "{e}");
+        c.volumes[1] = vol("b", ram / 5);
+        c.validate().expect("4/5 of the RAM together");
     }
 
     #[test]

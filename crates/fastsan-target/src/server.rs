@@ -439,13 +439,21 @@ struct Unix {
 }
 
 impl Unix {
-    /// Binds a unix socket, replacing a stale socket file (never any other file).
+    /// Binds a unix socket, replacing a stale socket file (never any other
+    /// file, and never a socket something still listens on: a second
+    /// target took a running one's address, and removed it as it stopped).
     fn bind(what: &'static str, path: &Path) -> Result<Unix, ServerError> {
         use std::os::unix::fs::FileTypeExt;
         let err = |source| ServerError::Bind { what, addr: path.display().to_string(), source };
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if !meta.file_type().is_socket() {
                 return Err(err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket")));
+            }
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    "another process is listening on it (a running target?)",
+                )));
             }
             std::fs::remove_file(path).map_err(err)?;
         }

@@ -15,6 +15,17 @@ use fastsan_target::backend::{BackendError, Effect, FaultOps, FaultRule};
 
 const MIB: u64 = 1 << 20;
 
+/// An error and its sources, as the command line prints them.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(c) = at {
+        s += &format!(": {c}");
+        at = c.source();
+    }
+    s
+}
+
 /// Writes and reads back a pattern through the initiator, `rounds` times.
 async fn bystander(url: String, at: u64, rounds: u64) {
     let vol = Volume::connect(&url, Options { connections: 1, ..Default::default() }).await.unwrap();
@@ -217,9 +228,65 @@ async fn brp_over_a_unix_socket() {
     let mine = pattern(2, 1 << 20, 65536);
     vol.write_at(&mine, 1 << 20, true).await.unwrap();
     assert_eq!(vol.read(1 << 20, 65536).await.unwrap()[..], mine[..]);
+    // A second target asking for the same socket is refused while this one
+    // listens (it took the address and removed it when it stopped).
+    let mut c = fastsan_target::config::ServerConfig {
+        brp: "127.0.0.1:0".parse().unwrap(),
+        nbd: None,
+        brp_unix: Some(path.clone()),
+        volumes: vec![fastsan_target::config::VolumeSpec::parse("w=memory:1M").unwrap()],
+        ..Default::default()
+    };
+    let err = fastsan_target::Server::bind(c.clone()).await.err().expect("the socket is in use");
+    assert!(chain(&err).contains("listening on it"), "{}", chain(&err));
+    assert_eq!(vol.read(4096, 8192).await.unwrap()[..], data[..], "the first target still serves");
     drop(vol);
     srv.stop().await;
     assert!(!path.exists(), "the socket file is removed at shutdown");
+    // A stale socket file (nothing listening) is replaced.
+    let stale = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    drop(stale);
+    c.brp_unix = Some(path.clone());
+    let again = fastsan_target::Server::bind(c).await.expect("a stale socket file is replaced");
+    drop(again);
+}
+
+/// A file volume's file is locked while it is served: a second writer (a
+/// volume of another target, or a second volume of the same one, on the
+/// same file) is refused, since nothing would fence the two; read-only
+/// volumes share it; once the writer stops, the file is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_served_for_writing_is_not_served_twice() {
+    use fastsan_target::config::{ServerConfig, VolumeSpec};
+    let (_dir, path) = common::temp_file("lock", 1 << 20);
+    let spec = |s: String| VolumeSpec::parse(&s).unwrap();
+    let config = |vols: &[String]| ServerConfig {
+        brp: "127.0.0.1:0".parse().unwrap(),
+        nbd: None,
+        volumes: vols.iter().map(|v| spec(v.clone())).collect(),
+        ..Default::default()
+    };
+    let rw = format!("a=file:{}", path.display());
+    let ro = format!("b=file:{},ro", path.display());
+    let in_use = |r: Result<fastsan_target::Server, fastsan_target::server::ServerError>| match r {
+        Err(e) => assert!(chain(&e).contains("is in use"), "{}", chain(&e)),
+        Ok(_) => panic!("a second writer of {} was let in", path.display()),
+    };
+    in_use(fastsan_target::Server::bind(config(&[rw.clone(), format!("c=file:{}", path.display())])).await);
+    in_use(fastsan_target::Server::bind(config(&[rw.clone(), ro.clone()])).await);
+    let srv = TestServer::start(&[rw.as_str()], |_| {}).await;
+    in_use(fastsan_target::Server::bind(config(&[format!("x=file:{}", path.display())])).await);
+    in_use(fastsan_target::Server::bind(config(std::slice::from_ref(&ro))).await);
+    bystander(srv.url("a"), 0, 2).await;
+    srv.stop().await;
+    // Read-only volumes share the file; a writer waits for them to go.
+    let readers =
+        fastsan_target::Server::bind(config(&[ro.clone(), format!("c=file:{},ro", path.display())]))
+            .await
+            .expect("read-only volumes share a file");
+    in_use(fastsan_target::Server::bind(config(std::slice::from_ref(&rw))).await);
+    drop(readers);
+    fastsan_target::Server::bind(config(&[rw])).await.expect("the file is free once its volumes are gone");
 }
 
 /// Large reads of a memory volume are sent from its chunks without a copy.

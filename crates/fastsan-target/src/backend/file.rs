@@ -135,6 +135,11 @@ impl FileBackend {
         self.file.as_raw_fd()
     }
 
+    /// The open file's descriptor (valid while `self` lives).
+    pub(crate) fn raw_fd(&self) -> libc::c_int {
+        self.fd()
+    }
+
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
         // SAFETY: fallocate only reads its integer arguments; the fd is ours and open.
         let r = unsafe { libc::fallocate(self.fd(), mode, offset as i64, len as i64) };

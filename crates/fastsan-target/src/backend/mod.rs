@@ -40,6 +40,7 @@ pub use stats::{Histogram, StatsLayer, VolumeStats, VolumeStatsSnapshot, LATENCY
 use crate::config::{BackendSpec, VolumeSpec};
 use crate::request::{Extent, ReadData};
 use std::io;
+use std::path::Path;
 use std::sync::Arc;
 
 /// Why a backend call failed. Each front end maps it to its wire code in its
@@ -500,6 +501,7 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
                 };
                 io::Error::new(e.kind(), format!("opening {}: {e}{hint}", path.display()))
             })?;
+            lock(&f, path, spec.read_only)?;
             Arc::new(f)
         }
         BackendSpec::Remote { url, secret, connections, origin } => {
@@ -536,17 +538,51 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
 
 /// Refuses a memory volume larger than the machine's RAM: it could never be filled.
 fn check_memory(size: u64) -> io::Result<()> {
-    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
-    });
-    match total {
+    match ram() {
         Some(ram) if size > ram => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("a memory volume of {size} bytes exceeds this machine's RAM ({ram} bytes)"),
+            format!("a memory volume of {} exceeds this machine's RAM ({})", gib(size), gib(ram)),
         )),
         _ => Ok(()),
     }
+}
+
+/// This machine's RAM in bytes (`MemTotal`), when it can be read.
+pub fn ram() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+}
+
+/// `bytes` for a person: GiB with two decimals, and the exact count.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB, {bytes} bytes", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// Takes an advisory lock on a file volume's file for as long as `f` is
+/// open: exclusive for a writable volume, shared for a read-only one. Two
+/// writers of one file (a second target, or a second volume of this one,
+/// on the same file) have no fence between them and would corrupt it, as
+/// qemu's image locking also refuses.
+fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<()> {
+    let how = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
+    // SAFETY: flock on a descriptor `f` owns and keeps open.
+    if unsafe { libc::flock(f.raw_fd(), how | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(io::Error::new(e.kind(), format!("locking {}: {e}", path.display())));
+    }
+    let holder = if read_only { "a volume that writes it" } else { "another volume" };
+    Err(io::Error::new(
+        io::ErrorKind::ResourceBusy,
+        format!(
+            "{} is in use: {holder} (of this target or another fastsan) has it open, and two \
+             writers without a fence between them would corrupt it",
+            path.display()
+        ),
+    ))
 }
 
 #[cfg(test)]
