@@ -336,10 +336,12 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     }
     let span = spec.size.unwrap_or(u64::MAX).min(target.size()) / spec.bs as u64 * spec.bs as u64;
     if span < spec.bs as u64 {
-        return Err(BenchError::Invalid(format!(
-            "the volume ({} bytes) is smaller than one block (--bs)",
-            target.size()
-        )));
+        return Err(BenchError::Invalid(match spec.size {
+            Some(size) if size < target.size() => {
+                format!("--size {size} is smaller than one block (--bs {})", spec.bs)
+            }
+            _ => format!("the volume ({} bytes) is smaller than one block (--bs {})", target.size(), spec.bs),
+        }));
     }
     let blocks = span / spec.bs as u64;
     let target = Arc::new(target);

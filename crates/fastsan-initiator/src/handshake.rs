@@ -159,6 +159,14 @@ impl ClientHandshake {
                 let _ = self.buf.split_to(n);
                 self.handle(m)
             }
+            // An NBD server's greeting ("NBDMAGIC") where a BRP target's
+            // HELLO_REPLY should be: say what the address serves.
+            Err(fastsan_brp::ProtocolError::BadMagic(m)) if m == u32::from_le_bytes(*b"NBDM") => {
+                Err(Error::InvalidArgument(
+                    "the address answers as an NBD server, not a BRP target: use nbd://HOST:PORT/EXPORT"
+                        .into(),
+                ))
+            }
             Err(e) => Err(e.into()),
         };
         if r.is_err() {

@@ -87,7 +87,10 @@ pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
     if !url.volume.is_empty() {
         all.retain(|v| v.name == url.volume);
         if all.is_empty() {
-            return Err(Error::InvalidArgument(format!("{url}: the target has no volume {:?}", url.volume)));
+            return Err(Error::InvalidArgument(format!(
+                "{url}: the target lists no volume {:?} that this client may open",
+                url.volume
+            )));
         }
     }
     Ok(all)

@@ -482,9 +482,11 @@ impl ServerConfig {
         if self.max_handshakes == 0 {
             return Err(ConfigError::Invalid("max handshakes must be at least 1".into()));
         }
-        for (name, d) in
-            [("handshake timeout", self.handshake_timeout), ("stall timeout", self.stall_timeout)]
-        {
+        for (name, d) in [
+            ("handshake timeout", self.handshake_timeout),
+            ("stall timeout", self.stall_timeout),
+            ("drain timeout", self.drain_timeout),
+        ] {
             if d.is_zero() || d > Duration::from_secs(3600) {
                 return Err(ConfigError::Invalid(format!(
                     "{name} must be more than 0 and at most 3600 seconds"
@@ -529,6 +531,7 @@ impl ServerConfig {
 /// io_threads = 16
 /// handshake_timeout = 10           # seconds
 /// stall_timeout = 30               # seconds
+/// drain_timeout = 30               # seconds
 /// max_connections = 1024
 /// max_handshakes = 64
 /// memory_budget = "1G"
@@ -579,6 +582,8 @@ pub struct ConfigFile {
     pub handshake_timeout_ms: Option<u64>,
     /// Seconds.
     pub stall_timeout: Option<f64>,
+    /// Seconds.
+    pub drain_timeout: Option<f64>,
     pub max_connections: Option<usize>,
     pub max_handshakes: Option<usize>,
     pub memory_budget: Option<String>,

@@ -332,14 +332,12 @@ impl Server {
                 connections = tracker.len(),
                 "shutting down: no new connections; finishing in-flight requests"
             );
-            if tokio::time::timeout(drain_timeout, tracker.wait()).await.is_err() {
-                warn!("some connections did not finish within {drain_timeout:?}");
-            }
+            let abandoned = drain_connections(&tracker, drain_timeout).await;
             let unflushed = flush_all(&catalog, drain_timeout).await;
             drained.cancel();
-            unflushed
+            (abandoned, unflushed)
         };
-        let (_, _, _, _, _, unflushed) = tokio::join!(
+        let (_, _, _, _, _, (abandoned, unflushed)) = tokio::join!(
             accept.run(brp_tcp, brp.clone()),
             accept.run_opt(brp_unix, brp),
             accept_nbd.run_opt(nbd_tcp, nbd.clone()),
@@ -359,7 +357,36 @@ impl Server {
         if !unflushed.is_empty() {
             return Err(io::Error::other(format!("could not flush volume(s) {}", unflushed.join(", "))));
         }
+        if abandoned > 0 {
+            return Err(io::Error::other(format!(
+                "{abandoned} connection(s) still had requests running after {drain_timeout:?}: \
+                 they were left unanswered (a stalled device?)"
+            )));
+        }
         Ok(())
+    }
+}
+
+/// Waits up to `limit` for every connection to finish, saying every 5 s
+/// how many are left; how many were left at the end.
+async fn drain_connections(tracker: &TaskTracker, limit: Duration) -> usize {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let step = (deadline - tokio::time::Instant::now()).min(Duration::from_secs(5));
+        if tokio::time::timeout(step, tracker.wait()).await.is_ok() {
+            return 0;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            warn!(
+                connections = tracker.len(),
+                "connections did not finish within {limit:?}; going on without them"
+            );
+            return tracker.len();
+        }
+        info!(
+            connections = tracker.len(),
+            "still finishing in-flight requests (a second signal exits at once)"
+        );
     }
 }
 
@@ -384,26 +411,35 @@ fn access(config: &ServerConfig) -> Result<Access, ServerError> {
     })
 }
 
-/// Flushes every volume, off the runtime and bounded (a stalled device must
-/// not hold the exit forever); the names of those that failed.
+/// Flushes every volume at once, off the runtime and bounded (a stalled
+/// device must not hold the exit forever, nor one volume's the others':
+/// one after another, each bounded, they could outlast a supervisor's stop
+/// timeout); the names of those that failed.
 async fn flush_all(catalog: &Catalog, limit: Duration) -> Vec<String> {
-    let mut unflushed = Vec::new();
-    for v in catalog.iter() {
+    let flushes = catalog.iter().map(|v| {
         let vol = v.clone();
-        let flush = tokio::task::spawn_blocking(move || vol.flush());
-        let failed = match tokio::time::timeout(limit, flush).await {
-            Ok(Ok(Ok(()))) => {
-                info!(volume = v.name(), "flushed");
-                continue;
-            }
-            Ok(Ok(Err(e))) => e.to_string(),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("did not finish within {limit:?}"),
-        };
-        error!(volume = v.name(), "flush at shutdown failed: {failed}; acknowledged writes may be lost");
-        unflushed.push(v.name().to_owned());
-    }
-    unflushed
+        async move {
+            let flush = tokio::task::spawn_blocking({
+                let vol = vol.clone();
+                move || vol.flush()
+            });
+            let failed = match tokio::time::timeout(limit, flush).await {
+                Ok(Ok(Ok(()))) => {
+                    info!(volume = vol.name(), "flushed");
+                    return None;
+                }
+                Ok(Ok(Err(e))) => e.to_string(),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("did not finish within {limit:?}"),
+            };
+            error!(
+                volume = vol.name(),
+                "flush at shutdown failed: {failed}; acknowledged writes may be lost"
+            );
+            Some(vol.name().to_owned())
+        }
+    });
+    futures::future::join_all(flushes).await.into_iter().flatten().collect()
 }
 
 /// A listening socket of any kind.

@@ -1,6 +1,7 @@
 //! `fastsan ls`: list a target's volumes.
 
 use crate::ClientArgs;
+use anyhow::Context;
 use indicatif::HumanBytes;
 
 /// List the volumes of a target, with their sizes (or one volume, if the
@@ -20,7 +21,9 @@ pub struct Args {
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
-    let volumes = fastsan_initiator::list(&a.url, &a.client.options()?).await?;
+    let volumes = fastsan_initiator::list(&a.url, &a.client.options()?)
+        .await
+        .with_context(|| format!("listing {}", a.url))?;
     let width = volumes.iter().map(|v| v.name.len()).max().unwrap_or(4).max(4);
     outln!("{:<width$}  {:>14}  {:>10}  {:>6}  FLAGS", "NAME", "BYTES", "SIZE", "BLOCK")?;
     for v in &volumes {

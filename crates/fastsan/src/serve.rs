@@ -35,7 +35,8 @@ pub struct Args {
     /// Repeat --volume for several volumes.
     #[arg(long = "volume", short = 'v', value_name = "SPEC", value_parser = VolumeSpec::parse)]
     volumes: Vec<VolumeSpec>,
-    /// TOML configuration file; flags given here override it.
+    /// TOML configuration file; flags given here override it (a --volume or
+    /// --grant replaces the file's entry of the same name, the others stay).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
     /// Address of the BRP listener [default: 127.0.0.1:10810].
@@ -139,6 +140,12 @@ pub struct Args {
     /// Seconds a client may leave its replies unread before it is dropped [default: 30].
     #[arg(long, value_name = "SECS")]
     stall_timeout: Option<f64>,
+    /// Seconds a stop waits for in-flight requests, and again for the flushes
+    /// of the volumes (all at once), before it exits non-zero without them;
+    /// keep both under a supervisor's stop timeout. A second SIGTERM or
+    /// SIGINT exits at once [default: 30].
+    #[arg(long, value_name = "SECS")]
+    drain_timeout: Option<f64>,
     /// Most connections at once; more are refused as busy [default: 1024].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
@@ -210,7 +217,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(p) = a.secrets_file.as_ref().or(file.secrets_file.as_ref()) {
         c.secrets = read_secrets(p)?;
     }
-    c.grants = file.grants.iter().map(|g| Grant::parse(g)).collect::<Result<_, _>>()?;
+    // Lists merge, a flag overriding the file's entry of the same name (a
+    // volume, or a grant of a volume to an identity).
+    c.grants = file.grants.iter().map(|g| Grant::parse(g)).collect::<Result<Vec<_>, _>>()?;
+    c.grants.retain(|g| !a.grants.iter().any(|f| f.volume == g.volume && f.identity == g.identity));
     c.grants.extend(a.grants);
     let cert = a.tls_cert.or(file.tls_cert);
     let key = a.tls_key.or(file.tls_key);
@@ -235,7 +245,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     if c.nbd_insecure && c.authenticates() && (c.nbd.is_some() || c.nbd_unix.is_some()) {
         warn!("serving NBD with --nbd-insecure: NBD clients without a certificate are not authenticated");
     }
-    c.volumes = file.volumes.iter().map(|s| VolumeSpec::parse(s)).collect::<Result<_, _>>()?;
+    c.volumes = file.volumes.iter().map(|s| VolumeSpec::parse(s)).collect::<Result<Vec<_>, _>>()?;
+    c.volumes.retain(|v| !a.volumes.iter().any(|f| f.name == v.name));
     c.volumes.extend(a.volumes);
     if let Some(q) = a.queue_depth.or(file.queue_depth) {
         c.queue_depth = q;
@@ -257,6 +268,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(s) = a.stall_timeout.or(file.stall_timeout) {
         c.stall_timeout = seconds("stall timeout", s)?;
+    }
+    if let Some(s) = a.drain_timeout.or(file.drain_timeout) {
+        c.drain_timeout = seconds("drain timeout", s)?;
     }
     if let Some(n) = a.max_connections.or(file.max_connections) {
         c.max_connections = n;
@@ -287,6 +301,17 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             _ = term.recv() => info!("SIGTERM received"),
         }
         handle.shutdown();
+        // A second signal while requests drain (a stalled device) ends the
+        // process at once: what is unanswered stays unacknowledged, and what
+        // file volumes took is in the page cache, unflushed.
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        tracing::error!(
+            "second signal: exiting now, without finishing in-flight requests or flushing volumes"
+        );
+        std::process::exit(1);
     });
     // Where it listens, for people and supervisors (say! never panics on a closed pipe).
     say!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());

@@ -274,7 +274,13 @@ fn fetch(authority: &str, path: &str) -> anyhow::Result<String> {
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     write!(s, "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n")?;
     let mut all = Vec::new();
-    s.take(64 << 20).read_to_end(&mut all)?;
+    s.take(64 << 20).read_to_end(&mut all).map_err(|e| match e.kind() {
+        // A read timeout reads as EAGAIN ("Resource temporarily unavailable").
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            anyhow::anyhow!("no answer from {authority} within 5 s")
+        }
+        _ => e.into(),
+    })?;
     let all = String::from_utf8_lossy(&all);
     let (head, body) = all.split_once("\r\n\r\n").context("no HTTP answer")?;
     let status = head.lines().next().unwrap_or_default();
@@ -315,9 +321,8 @@ fn plain(
         let now = match scrape() {
             Ok(s) => s,
             Err(e) => {
-                if writeln!(out, "scrape failed: {e}").is_err() {
-                    return Ok(());
-                }
+                // On stderr: stdout holds the tables a script reads.
+                let _ = writeln!(std::io::stderr(), "fastsan top: scrape failed: {e:#}");
                 continue;
             }
         };

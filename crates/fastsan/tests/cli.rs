@@ -5,6 +5,8 @@ mod common;
 use common::*;
 use fastsan_initiator::{BlockingVolume, Options};
 use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
 
 #[test]
 fn cp_128_mib_into_a_volume_and_back_is_identical() {
@@ -340,7 +342,7 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     assert!(out.status.success() && text.lines().count() == 2 && text.contains("\nn "), "{text}");
     let out = fastsan(&["ls", &s.url("nope")]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("the target has no volume \"nope\""));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the target lists no volume \"nope\""));
     drop(s);
     let d = Served::start(&["--brp", "127.0.0.1:0"]);
     let out = fastsan(&["ls", &format!("brp://{}", d.addr)]);
@@ -447,6 +449,76 @@ fn sigterm_drains_flushes_and_exits_cleanly() {
     assert!(log.contains("flush at shutdown failed") && log.contains("could not flush volume(s) v"), "{log}");
 }
 
+/// A stop held up by a stalled device says so while it waits, exits
+/// non-zero once --drain-timeout has passed (the request left unanswered),
+/// and a second signal ends it at once.
+#[test]
+fn a_stop_held_up_by_a_stalled_device_is_bounded_and_says_so() {
+    for second_signal in [false, true] {
+        let drain = if second_signal { "60" } else { "6" };
+        let s = Served::start(&[
+            "--brp",
+            "127.0.0.1:0",
+            "--drain-timeout",
+            drain,
+            "--volume",
+            "v=memory:1M,faults=read:stall",
+        ]);
+        let url = s.url("v");
+        // A read that never ends, in a thread of its own (left behind).
+        std::thread::spawn(move || {
+            let opts = Options { reconnect_timeout: Duration::from_secs(1), ..Default::default() };
+            let v = BlockingVolume::connect(&url, opts).unwrap();
+            let _ = v.read_at(&mut [0u8; 4096], 0);
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let t = Instant::now();
+        let pid = s.child.id().to_string();
+        if second_signal {
+            assert!(Command::new("kill").args(["-s", "TERM", &pid]).status().unwrap().success());
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let (status, log) = s.signal(if second_signal { "INT" } else { "TERM" });
+        assert_eq!(status.code(), Some(1), "{log}");
+        if second_signal {
+            assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+            assert!(log.contains("second signal: exiting now"), "{log}");
+        } else {
+            assert!(
+                t.elapsed() >= Duration::from_secs(6),
+                "left before the drain timeout: {:?}",
+                t.elapsed()
+            );
+            assert!(log.contains("still finishing in-flight requests"), "{log}");
+            assert!(log.contains("still had requests running after 6s"), "{log}");
+        }
+    }
+}
+
+/// A volume given by flag replaces the config file's volume of the same
+/// name (it was "given twice"), the file's others stay.
+#[test]
+fn a_flag_overrides_the_config_files_volume_of_the_same_name() {
+    let dir = temp_dir("override");
+    let conf = dir.join("f.toml");
+    std::fs::write(&conf, "volumes = [\"a=memory:4M\", \"b=memory:1M\"]\n").unwrap();
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--config",
+        conf.to_str().unwrap(),
+        "--volume",
+        "a=memory:8M",
+    ]);
+    let out = fastsan(&["ls", &format!("brp://{}", s.addr)]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("8388608") && !text.contains("4194304") && text.contains("1048576"), "{text}");
+    // ls at an NBD port says what answers there.
+    let out = fastsan(&["ls", &format!("brp://{}", s.nbd)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("use nbd://"), "{err}");
+}
+
 #[test]
 fn bad_command_lines_get_clear_errors() {
     let cases: &[(&[&str], &str)] = &[
@@ -486,7 +558,16 @@ fn bad_command_lines_get_clear_errors() {
     let zero = dir.join("zero.toml");
     std::fs::write(&zero, "brp = \"127.0.0.1:0\"\nhandshake_timeout_ms = 0\nmax_connections = 0\n").unwrap();
     let zero_args = ["serve", "--config", zero.to_str().unwrap()];
-    let cases = cases.iter().copied().chain([(&zero_args[..], "handshake timeout must be more than 0")]);
+    let empty = dir.join("empty.img");
+    std::fs::File::create(&empty).unwrap();
+    let empty_vol = format!("e=file:{}", empty.display());
+    let empty_args = ["serve", "--brp", "127.0.0.1:0", "--volume", &empty_vol];
+    let drain_args = ["serve", "--brp", "127.0.0.1:0", "--drain-timeout", "0"];
+    let cases = cases.iter().copied().chain([
+        (&zero_args[..], "handshake timeout must be more than 0"),
+        (&empty_args[..], "less than one 512-byte block: give it a size with `truncate -s SIZE"),
+        (&drain_args[..], "drain timeout must be more than 0"),
+    ]);
     for (args, needle) in cases {
         let out = fastsan(args);
         assert!(!out.status.success(), "{args:?} should fail");

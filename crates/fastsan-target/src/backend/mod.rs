@@ -502,6 +502,19 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
                 io::Error::new(e.kind(), format!("opening {}: {e}{hint}", path.display()))
             })?;
             lock(&f, path, spec.read_only)?;
+            // (A store smaller than one 512-byte block serves nothing.)
+            if f.size() < 512 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} holds {} bytes, less than one 512-byte block: give it a size with \
+                         `truncate -s SIZE {}`",
+                        path.display(),
+                        f.size(),
+                        path.display()
+                    ),
+                ));
+            }
             Arc::new(f)
         }
         BackendSpec::Remote { url, secret, connections, origin } => {
