@@ -710,6 +710,18 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
     let mut backoff = Duration::from_millis(20);
     // Since when the address has answered with garbage, if it does.
     let mut garbage_since: Option<Instant> = None;
+    // Failed tries are said once, then every 10 s (each connection retries
+    // every second: a target down for a minute filled the log).
+    let mut tries = 0u32;
+    let mut said: Option<Instant> = None;
+    let mut say = |tries: u32| {
+        let now = Instant::now();
+        let due = said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10));
+        if due {
+            said = Some(now);
+        }
+        due.then_some(tries)
+    };
     loop {
         tokio::time::sleep(backoff).await;
         let Some(sh) = weak.upgrade() else { return };
@@ -734,8 +746,11 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                     && garbage_since.get_or_insert_with(Instant::now).elapsed()
                         < sh.opts.reconnect_timeout =>
             {
-                warn!(url = %sh.url, slot, error = &e as &dyn std::error::Error,
-                      "no BRP handshake from the target's address; will retry");
+                tries += 1;
+                if let Some(tries) = say(tries) {
+                    warn!(url = %sh.url, slot, tries, error = &e as &dyn std::error::Error,
+                          "no BRP handshake from the target's address; will retry");
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
             Err(e) if !e.is_retryable() => {
@@ -753,7 +768,11 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                 return;
             }
             Err(e) => {
-                warn!(url = %sh.url, slot, error = &e as &dyn std::error::Error, "reconnect failed; will retry");
+                tries += 1;
+                if let Some(tries) = say(tries) {
+                    warn!(url = %sh.url, slot, tries, error = &e as &dyn std::error::Error,
+                          "reconnect failed; will retry (said again every 10 s)");
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }

@@ -453,6 +453,31 @@ impl ServerConfig {
                     g.volume
                 )));
             }
+            // An identity no client can have is a typo that locks everyone
+            // out of the volume (it names the volume, so others lose it).
+            let named = g.identity != "*" && g.identity != crate::access::ANONYMOUS;
+            let known = |id: &str| {
+                self.secrets.contains_key(id)
+                    || (self.secret.is_some() && id == crate::access::DEFAULT_IDENTITY)
+            };
+            if named && !self.client_certs() && !known(&g.identity) {
+                if self.authenticates() {
+                    return Err(ConfigError::Invalid(format!(
+                        "grant {}:{}: no client can be {:?}: no secret of the secrets files has that \
+                         identity (client certificates, --tls-ca, would be the other source of identities)",
+                        g.volume, g.identity, g.identity
+                    )));
+                }
+                // (Such a grant still hides the volume from everyone: a
+                // way to take it offline, so only said.)
+                tracing::warn!(
+                    "grant {}:{}: this target authenticates nobody (no --secret-file, --secrets-file or \
+                     --tls-ca), so every client is anonymous and none may open {:?}",
+                    g.volume,
+                    g.identity,
+                    g.volume
+                );
+            }
         }
         if self.queue_depth == 0 || self.queue_depth > 65536 {
             return Err(ConfigError::Invalid("queue depth must be 1..=65536".into()));
@@ -689,6 +714,31 @@ mod tests {
         ] {
             assert!(VolumeSpec::parse(bad).is_err(), "{bad} should be refused");
         }
+    }
+
+    /// A grant to an identity no secret has is a typo that locks the
+    /// volume for everyone: refused (with certificates, identities come
+    /// from them and cannot be checked here).
+    #[test]
+    fn a_grant_to_an_identity_no_client_can_have_is_refused() {
+        use crate::access::Grant;
+        let mut c = ServerConfig {
+            volumes: vec![VolumeSpec::parse("v=memory:1M").unwrap()],
+            grants: vec![Grant::parse("v:alcie").unwrap()],
+            nbd: None,
+            ..Default::default()
+        };
+        c.secrets.insert("alice".into(), std::sync::Arc::from(&b"s"[..]));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("no client can be \"alcie\""), "{e}");
+        for ok in ["v:alice", "v:*", "v:anonymous:ro"] {
+            c.grants = vec![Grant::parse(ok).unwrap()];
+            c.validate().unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        c.secrets.clear();
+        c.secret = Some(b"s".to_vec());
+        c.grants = vec![Grant::parse("v:default").unwrap()];
+        c.validate().expect("--secret-file's identity is \"default\"");
     }
 
     /// Memory volumes must fit in RAM together, not only each alone.

@@ -190,11 +190,17 @@ fn main() -> std::process::ExitCode {
     // The guard writes what is waiting when main returns (for a second at
     // most, if the reader still does not read).
     let (log_writer, _log_guard) = tracing_appender::non_blocking(std::io::stderr());
+    // A RUST_LOG that does not parse (RUST_LOG=debug,x=loud) keeps the
+    // default and says so: it silenced every line, shutdown's too.
+    let (filter, bad_filter) = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(f) => (f, None),
+        Err(e) => {
+            let set = std::env::var("RUST_LOG").ok().filter(|v| !v.is_empty());
+            (tracing_subscriber::EnvFilter::new(default_log(&cli.cmd)), set.map(|v| (v, e)))
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log(&cli.cmd))),
-        )
+        .with_env_filter(filter)
         .with_writer(log_writer)
         // A log nobody reads any more (the pipe's reader gone) is dropped
         // quietly. By default the subscriber reports a failed write with
@@ -203,9 +209,16 @@ fn main() -> std::process::ExitCode {
         // dropped each connection at its first log line and never handled
         // SIGTERM (tests/cli.rs, `output_to_a_closed_pipe_ends_quietly`).
         .log_internal_errors(false)
-        // Colour codes only for a terminal: not in log files and pipes.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Colour codes only for a terminal (not in log files and pipes),
+        // and not when NO_COLOR is set (no-color.org).
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
         .init();
+    if let Some((v, e)) = bad_filter {
+        tracing::warn!("RUST_LOG={v:?} is not a log filter ({e}); using the default (e.g. RUST_LOG=debug)");
+    }
     if let Some(e) = io_flusher {
         tracing::debug!("PR_SET_IO_FLUSHER: {e}");
     }

@@ -314,7 +314,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         std::process::exit(1);
     });
     // Where it listens, for people and supervisors (say! never panics on a closed pipe).
-    say!("fastsan: serving BRP on {} (Ctrl-C to stop)", server.local_addr());
+    let stop = if std::io::IsTerminal::is_terminal(&std::io::stdout()) { " (Ctrl-C to stop)" } else { "" };
+    say!("fastsan: serving BRP on {}{stop}", server.local_addr());
     if let Some(p) = &brp_unix {
         say!("fastsan: serving BRP on unix socket {}", p.display());
     }

@@ -495,6 +495,19 @@ fn a_stop_held_up_by_a_stalled_device_is_bounded_and_says_so() {
     }
 }
 
+/// A RUST_LOG that does not parse keeps the default log and says so (it
+/// silenced every line).
+#[test]
+fn a_bad_rust_log_is_said_not_obeyed() {
+    let out = Command::new(env!("CARGO_BIN_EXE_fastsan"))
+        .args(["ls", "brp://127.0.0.1:1"])
+        .env("RUST_LOG", "verbose=loud")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a log filter") && err.contains("Connection refused"), "{err}");
+}
+
 /// A volume given by flag replaces the config file's volume of the same
 /// name (it was "given twice"), the file's others stay.
 #[test]
