@@ -344,14 +344,18 @@ impl ServerConfig {
             .volumes
             .iter()
             .filter_map(|v| match v.backend {
-                BackendSpec::Memory { size } => Some(size),
+                // (A read-only one stays zeros and takes no memory.)
+                BackendSpec::Memory { size } if !v.read_only => Some(size),
                 _ => None,
             })
             .fold(0u64, u64::saturating_add);
+        let writable = self
+            .volumes
+            .iter()
+            .filter(|v| !v.read_only && matches!(v.backend, BackendSpec::Memory { .. }))
+            .count();
         if let Some(ram) = crate::backend::ram() {
-            if memory > ram
-                && self.volumes.iter().filter(|v| matches!(v.backend, BackendSpec::Memory { .. })).count() > 1
-            {
+            if memory > ram && writable > 1 {
                 return Err(ConfigError::Invalid(format!(
                     "the memory volumes hold {} together, more than this machine's RAM ({}): once clients \
                      fill them, the kernel's out-of-memory killer would end the target and every memory \

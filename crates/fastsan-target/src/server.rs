@@ -334,6 +334,13 @@ impl Server {
             );
             let abandoned = drain_connections(&tracker, drain_timeout).await;
             let unflushed = flush_all(&catalog, drain_timeout).await;
+            // Nothing of this server touches its files any more (unless it
+            // abandoned requests: then its process is about to exit).
+            if abandoned == 0 {
+                for v in catalog.iter() {
+                    v.unlock();
+                }
+            }
             drained.cancel();
             (abandoned, unflushed)
         };
@@ -485,7 +492,7 @@ impl Unix {
             if !meta.file_type().is_socket() {
                 return Err(err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket")));
             }
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            if listening(path).map_err(err)? {
                 return Err(err(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     "another process is listening on it (a running target?)",
@@ -494,6 +501,23 @@ impl Unix {
             std::fs::remove_file(path).map_err(err)?;
         }
         Ok(Unix { listener: UnixListener::bind(path).map_err(err)?, path: path.to_owned() })
+    }
+}
+
+/// Whether something listens on the unix socket at `path`, asked without
+/// waiting (a listener whose backlog is full counts as listening). Only a
+/// refused connection makes it stale; any other answer (no permission, say)
+/// is an error, never a reason to remove someone's socket.
+fn listening(path: &Path) -> io::Result<bool> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let s = Socket::new(Domain::UNIX, Type::STREAM.nonblocking(), None)?;
+    match s.connect(&SockAddr::unix(path)?) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::EINPROGRESS) => {
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

@@ -66,8 +66,11 @@ enum Local {
     /// and renamed over it once flushed: an error, a signal or a copy of a
     /// volume onto its own backing file leaves the old file as it was (it
     /// was truncated at the start before). `target`: the file renamed over
-    /// (a symbolic link's target, not the link).
-    Replace { tmp: TempFile, target: PathBuf },
+    /// (a symbolic link's target, not the link). `_held`: the old file,
+    /// locked, so that no target starts serving it meanwhile.
+    Replace { tmp: TempFile, target: PathBuf, _held: Option<File> },
+    /// A character device (/dev/null), written in place, of any size.
+    Char,
 }
 
 /// A temporary file that is removed unless it was renamed into place.
@@ -122,6 +125,27 @@ fn kind_of(t: std::fs::FileType) -> &'static str {
         "a socket"
     } else {
         "not a regular file"
+    }
+}
+
+/// Takes `f`'s exclusive lock for as long as it is open, or says who holds
+/// it: a fastsan target serving the file or device.
+fn exclusive(f: &File, path: &Path) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor `f` owns and keeps open.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => bail!(
+            "{} is in use: a fastsan target serves it (it holds a lock on it); copy into that \
+             volume instead, or stop the target first",
+            path.display()
+        ),
+        // A file system without locks: nothing to learn from it.
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => Ok(()),
+        _ => Err(e).with_context(|| format!("locking {}", path.display())),
     }
 }
 
@@ -184,19 +208,36 @@ impl End {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
         };
+        let mut held = None;
         if let Some(m) = &old {
             let t = m.file_type();
-            if t.is_block_device() {
+            if t.is_char_device() {
+                // (/dev/null: a read of the whole volume, checked and thrown away.)
                 let f = OpenOptions::new()
                     .write(true)
                     .open(path)
                     .with_context(|| format!("opening {}", path.display()))?;
+                return Ok((f, Local::Char));
+            }
+            if !t.is_file() && !t.is_block_device() {
+                bail!("{} is {}: cp copies to a file or a block device", path.display(), kind_of(t));
+            }
+            // A file or device a fastsan target serves is locked by it: the
+            // copy would go behind its back (a file replaced under a target
+            // keeps being served from the old one, and every write made
+            // there is lost at its next start).
+            let f = OpenOptions::new()
+                .write(t.is_block_device())
+                .read(true)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            exclusive(&f, path)?;
+            if t.is_block_device() {
                 let size = device_size(&f).with_context(|| format!("reading {}'s size", path.display()))?;
                 return Ok((f, Local::Device { size }));
             }
-            if !t.is_file() {
-                bail!("{} is {}: cp copies to a file or a block device", path.display(), kind_of(t));
-            }
+            // Held until the copy is in place: no target starts on it meanwhile.
+            held = Some(f);
         }
         // Through a symbolic link, the file it names is replaced, not the link.
         let target = match &old {
@@ -214,11 +255,15 @@ impl End {
             })?;
         let tmp = TempFile(Some(tmp));
         if let Some(m) = old {
-            // The copy replaces the file: it keeps the file's permissions.
+            // The copy replaces the file: it keeps the file's permissions,
+            // and its owner where this user may give it (root restoring a
+            // file the target's user owns).
+            use std::os::unix::fs::MetadataExt;
             f.set_permissions(m.permissions())
                 .with_context(|| format!("giving {} {}'s permissions", tmp_name(&tmp), path.display()))?;
+            let _ = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()));
         }
-        Ok((f, Local::Replace { tmp, target }))
+        Ok((f, Local::Replace { tmp, target, _held: held }))
     }
 
     /// Every chunk but the last starts where the one before ended: on a
@@ -287,7 +332,8 @@ impl End {
                 tokio::task::spawn_blocking(move || f.sync_all()).await??;
                 Ok(())
             }
-            End::Local(f, _, Local::Replace { tmp, target }) => {
+            End::Local(_, _, Local::Char) => Ok(()),
+            End::Local(f, _, Local::Replace { tmp, target, .. }) => {
                 let f = f.clone();
                 let from = tmp.0.clone().expect("not renamed yet");
                 let to = target.clone();

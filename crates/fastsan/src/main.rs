@@ -239,6 +239,10 @@ fn main() -> std::process::ExitCode {
             Cmd::Mirror(a) => mirror::run(a).await,
         }
     });
+    // Blocking work still running is not waited for (for long): a flush the
+    // target gave up on at shutdown (a stalled device) would hold the exit
+    // for ever, since dropping a runtime waits for its blocking threads.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
     // Not any broken pipe: a target's socket breaking mid-handshake is one
     // too, and taking it for a closed stdout ended `cp` with 0, nothing copied.
     let stdout_gone = |e: &anyhow::Error| e.chain().any(|c| c.is::<StdoutGone>());

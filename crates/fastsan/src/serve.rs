@@ -35,8 +35,10 @@ pub struct Args {
     /// Repeat --volume for several volumes.
     #[arg(long = "volume", short = 'v', value_name = "SPEC", value_parser = VolumeSpec::parse)]
     volumes: Vec<VolumeSpec>,
-    /// TOML configuration file; flags given here override it (a --volume or
-    /// --grant replaces the file's entry of the same name, the others stay).
+    /// TOML configuration file; flags given here override it (a --volume
+    /// replaces the file's volume of the same name, a --grant the file's grant
+    /// of the same volume to the same identity; the others stay, and a
+    /// client's mode is the highest of the grants that match it).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
     /// Address of the BRP listener [default: 127.0.0.1:10810].
@@ -308,8 +310,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             _ = int.recv() => {}
             _ = term.recv() => {}
         }
-        tracing::error!(
-            "second signal: exiting now, without finishing in-flight requests or flushing volumes"
+        // Straight to stderr: the log thread's queue is not written out by
+        // process::exit, and this line would be lost with it.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "fastsan: second signal: exiting now, without finishing in-flight requests or flushing volumes"
         );
         std::process::exit(1);
     });

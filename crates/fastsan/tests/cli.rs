@@ -137,8 +137,10 @@ fn cp_never_reports_a_copy_it_did_not_make() {
 /// A local destination file is replaced only by a whole, flushed copy: a
 /// copy that fails half-way (a read error at 2 MiB) leaves it as it was,
 /// with its permissions and no temporary file behind; through a symbolic
-/// link the linked file is replaced. A volume copied onto its own backing
-/// file keeps its data (the file was truncated before it was read).
+/// link the linked file is replaced. A file a target serves is not
+/// replaced at all (the target would go on serving the old one, and lose
+/// every write made there at its next start; before, the file was
+/// truncated and the volume's data destroyed).
 #[test]
 fn cp_replaces_a_file_only_with_a_whole_copy() {
     use std::os::unix::fs::PermissionsExt;
@@ -180,10 +182,16 @@ fn cp_replaces_a_file_only_with_a_whole_copy() {
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
     assert!(std::fs::read(&backup).unwrap() == data, "the linked file holds the copy");
     assert_eq!(std::fs::metadata(&backup).unwrap().permissions().mode() & 0o777, 0o640);
-    // A volume onto its own backing file: the data survives.
+    // A file a target serves (here the volume's own): refused, untouched.
     let out = fastsan(&["cp", &s.url("own"), own.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is in use: a fastsan target serves it"), "{err}");
     assert!(std::fs::read(&own).unwrap() == own_data);
+    let out = fastsan(&["cp", src.to_str().unwrap(), &s.url("own")]);
+    assert!(out.status.success(), "the volume itself takes it: {}", String::from_utf8_lossy(&out.stderr));
+    // A whole volume read and thrown away (/dev/null) is a copy too.
+    let out = fastsan(&["cp", &s.url("good"), "/dev/null"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A source shorter than the volume's last block leaves the rest of that
@@ -493,6 +501,18 @@ fn a_stop_held_up_by_a_stalled_device_is_bounded_and_says_so() {
             assert!(log.contains("still had requests running after 6s"), "{log}");
         }
     }
+    // A flush that never ends: given up after the drain timeout, and the
+    // process exits (the runtime waited for the flush's thread for ever).
+    let dir = temp_dir("stop-flush");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+    let spec = format!("v=file:{},faults=flush:stall", img.display());
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--drain-timeout", "2", "--volume", &spec]);
+    let t = Instant::now();
+    let (status, log) = s.signal("TERM");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("did not finish within 2s") && log.contains("could not flush volume(s) v"), "{log}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
 }
 
 /// A RUST_LOG that does not parse keeps the default log and says so (it

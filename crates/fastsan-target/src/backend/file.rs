@@ -135,9 +135,8 @@ impl FileBackend {
         self.file.as_raw_fd()
     }
 
-    /// The open file's descriptor (valid while `self` lives).
-    pub(crate) fn raw_fd(&self) -> libc::c_int {
-        self.fd()
+    pub(crate) fn is_block_device(&self) -> bool {
+        self.block_device
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {

@@ -480,12 +480,16 @@ pub struct Stack {
     pub stats: Arc<VolumeStats>,
     /// The fault rules, when the spec asked for a faults layer.
     pub faults: Option<Faults>,
+    /// A file volume's lock (see `lock`): the file opened once more, locked;
+    /// closing it releases the lock.
+    pub lock: Option<std::fs::File>,
 }
 
 /// Builds a volume's stack from its spec, bottom up: the store, then
 /// `read-only` (`,ro`), `faults` (`,faults=...`), `delay` (`,delay=...`),
 /// and `stats` on top (it sees what the client sees, delays included).
 pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
+    let mut lock_file = None;
     let mut b: Arc<dyn Backend> = match &spec.backend {
         BackendSpec::Memory { size } => {
             check_memory(*size)?;
@@ -501,7 +505,7 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
                 };
                 io::Error::new(e.kind(), format!("opening {}: {e}{hint}", path.display()))
             })?;
-            lock(&f, path, spec.read_only)?;
+            lock_file = Some(lock(&f, path, spec.read_only)?);
             // (A store smaller than one 512-byte block serves nothing.)
             if f.size() < 512 {
                 return Err(io::Error::new(
@@ -546,7 +550,7 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
     }
     let stats = Arc::new(VolumeStats::default());
     let top: Arc<dyn Backend> = Arc::new(StatsLayer::new(b, stats.clone()));
-    Ok(Stack { top, stats, faults })
+    Ok(Stack { top, stats, faults, lock: lock_file })
 }
 
 /// Refuses a memory volume larger than the machine's RAM: it could never be filled.
@@ -572,20 +576,44 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2} GiB, {bytes} bytes", bytes as f64 / (1u64 << 30) as f64)
 }
 
-/// Takes an advisory lock on a file volume's file for as long as `f` is
-/// open: exclusive for a writable volume, shared for a read-only one. Two
-/// writers of one file (a second target, or a second volume of this one,
-/// on the same file) have no fence between them and would corrupt it, as
-/// qemu's image locking also refuses.
-fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<()> {
+/// Takes an advisory lock on a file volume's file: exclusive for a writable
+/// volume, shared for a read-only one. Two writers of one file (a second
+/// target, or a second volume of this one, on the same file) have no fence
+/// between them and would corrupt it, as qemu's image locking also refuses.
+/// The lock is on a descriptor of its own (returned; closing it releases
+/// the lock), so that a stopped server releases it at once
+/// ([`crate::Volume::unlock`]) even while a thread still holds the store.
+fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<std::fs::File> {
+    let mine = std::fs::File::open(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("opening {} to lock it: {e}", path.display())))?;
     let how = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
-    // SAFETY: flock on a descriptor `f` owns and keeps open.
-    if unsafe { libc::flock(f.raw_fd(), how | libc::LOCK_NB) } == 0 {
-        return Ok(());
+    // A block device is probed by udev (under a shared lock of its own) as
+    // soon as a writer closes it: a target restarted at once may meet that
+    // lock, so it tries for a second.
+    let tries = if f.is_block_device() { 20 } else { 1 };
+    let mut e = io::Error::from_raw_os_error(libc::EWOULDBLOCK);
+    for i in 0..tries {
+        if i > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        // SAFETY: flock on a descriptor `mine` owns and keeps open.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&mine), how | libc::LOCK_NB) } == 0 {
+            return Ok(mine);
+        }
+        e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            break;
+        }
     }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-        return Err(io::Error::new(e.kind(), format!("locking {}: {e}", path.display())));
+    match e.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => {}
+        // A file system without locks (NFS without its lock service): served
+        // as before, unguarded, and said.
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
+            tracing::warn!(path = %path.display(), "cannot lock the file ({e}): nothing stops a second writer of it");
+            return Ok(mine);
+        }
+        _ => return Err(io::Error::new(e.kind(), format!("locking {}: {e}", path.display()))),
     }
     let holder = if read_only { "a volume that writes it" } else { "another volume" };
     Err(io::Error::new(

@@ -67,6 +67,8 @@ pub struct Volume {
     pool: Option<IoPool>,
     /// Its flushes, in groups, and the latch of a failed one.
     flusher: Arc<flush::Flusher>,
+    /// A file volume's lock on its file, until [`Volume::unlock`].
+    lock: parking_lot::Mutex<Option<std::fs::File>>,
 }
 
 impl std::fmt::Debug for Volume {
@@ -130,14 +132,24 @@ impl Volume {
     /// A volume whose calls may block gets its own `io_threads` threads.
     pub fn open(spec: &VolumeSpec, max_transfer: u32, io_threads: usize) -> io::Result<Volume> {
         let stack = backend::build(spec)?;
-        Ok(Volume::from_stack(
+        let v = Volume::from_stack(
             spec.name.clone(),
             stack.top,
             stack.stats,
             stack.faults,
             max_transfer,
             io_threads,
-        ))
+        );
+        *v.lock.lock() = stack.lock;
+        Ok(v)
+    }
+
+    /// Releases a file volume's lock on its file (a server that stopped
+    /// serving it): another target, or this process's next server, may open
+    /// it at once, while the store itself may still be held a moment longer
+    /// by a thread that is ending.
+    pub fn unlock(&self) {
+        self.lock.lock().take();
     }
 
     /// A volume over a ready backend (tests and embedders), with a stats layer on top.
@@ -187,6 +199,7 @@ impl Volume {
         let flusher =
             Arc::new(flush::Flusher::new(name.clone(), b.clone(), pool.as_ref().and_then(IoPool::handle)));
         Volume {
+            lock: parking_lot::Mutex::new(None),
             pool,
             flusher,
             name,
