@@ -305,6 +305,15 @@ pub async fn run(spec: JobSpec) -> Result<Report, BenchError> {
     if spec.rwmixread > 100 {
         return Err(BenchError::Invalid("--rwmixread is a percentage".into()));
     }
+    // Options that would do nothing for this job are refused, not ignored.
+    let writes = spec.rw.writes(spec.rwmixread);
+    if !writes && (spec.verify || spec.fua || spec.fsync > 0) {
+        return Err(BenchError::Invalid(
+            "--verify, --fua and --fsync act on writes; this job only reads (use --rw randwrite, \
+             write or randrw)"
+                .into(),
+        ));
+    }
     let open_err = |e: ClientError| BenchError::Open { url: spec.url.clone(), source: e };
     let target = if BrpUrl::has_scheme(&spec.url) {
         Target::Brp(Volume::connect(&spec.url, spec.brp.clone()).await.map_err(|e| open_err(e.into()))?)

@@ -18,7 +18,7 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    #[error("target refused: {status}: {message}")]
+    #[error("target refused: {}", refusal(.status, .message))]
     Refused { status: Status, message: String },
     #[error("the target requires a secret (--secret-file)")]
     SecretRequired,
@@ -237,6 +237,17 @@ fn replaced_text(volume: &str, restarted: bool, volatile: bool) -> String {
     }
 }
 
+/// A refusal in words: the target's message, then the status it came with
+/// (once: "authentication failed (20): authentication failed" said it twice).
+fn refusal(status: &Status, message: &str) -> String {
+    let name = status.name();
+    if message.is_empty() || message == name {
+        status.to_string()
+    } else {
+        format!("{message} ({name}, {})", status.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +258,17 @@ mod tests {
         let refused = io::Error::new(io::ErrorKind::ConnectionRefused, "connection refused");
         let e = Error::Connect { addr: "h:1".into(), source: refused };
         assert_eq!(chain(&e), "cannot connect to h:1: connection refused");
+        // A refusal says its words once, its status after them.
+        let said = |message: &str| {
+            Error::Refused { status: Status::AUTH_FAILED, message: message.into() }.to_string()
+        };
+        let name = Status::AUTH_FAILED.name();
+        assert_eq!(said(name), format!("target refused: {}", Status::AUTH_FAILED));
+        assert_eq!(said(""), format!("target refused: {}", Status::AUTH_FAILED));
+        assert_eq!(
+            said("try again in 7 s"),
+            format!("target refused: try again in 7 s ({name}, {})", Status::AUTH_FAILED.0)
+        );
         let e = Error::from(ProtocolError::BadMagic(7));
         assert_eq!(chain(&e), "protocol error: bad magic 0x00000007");
         let e = Error::from(io::Error::other("disk on fire"));

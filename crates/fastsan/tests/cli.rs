@@ -586,6 +586,8 @@ fn bad_command_lines_get_clear_errors() {
         (&["bench", "nbd://127.0.0.1:1/v", "--connections", "4"], "--connections does not apply to nbd"),
         (&["bench", "nvme+tcp://127.0.0.1:1/nqn.x", "--merge", "off"], "--merge does not apply to nvme+tcp"),
         (&["bench", "nbd://127.0.0.1:1/v", "--digests"], "--digests does not apply to nbd"),
+        (&["bench", "brp://127.0.0.1:1/v", "--verify"], "act on writes; this job only reads"),
+        (&["bench", "brp://127.0.0.1:1/v", "--rw", "read", "--fsync", "4"], "act on writes"),
     ];
     let dir = temp_dir("badconf");
     let zero = dir.join("zero.toml");
