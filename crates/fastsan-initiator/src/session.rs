@@ -112,8 +112,8 @@ impl Volume {
         }
         // A session given (a restarted gateway's) is taken over: its first
         // OPEN fences every connection the predecessor left, in every slot.
-        let (hs, info) = open_handshake(&url, &opts, opts.session, 0, opts.session != 0).await?;
         let taken_over = opts.session != 0;
+        let (hs, info) = open_handshake(&url, &opts, opts.session, 0, taken_over).await?;
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
             let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
@@ -714,13 +714,13 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
     // every second: a target down for a minute filled the log).
     let mut tries = 0u32;
     let mut said: Option<Instant> = None;
-    let mut say = |tries: u32| {
+    let mut due = || {
         let now = Instant::now();
         let due = said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10));
         if due {
             said = Some(now);
         }
-        due.then_some(tries)
+        due
     };
     loop {
         tokio::time::sleep(backoff).await;
@@ -747,7 +747,7 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
                         < sh.opts.reconnect_timeout =>
             {
                 tries += 1;
-                if let Some(tries) = say(tries) {
+                if due() {
                     warn!(url = %sh.url, slot, tries, error = &e as &dyn std::error::Error,
                           "no BRP handshake from the target's address; will retry");
                 }
@@ -769,7 +769,7 @@ async fn reconnect(weak: Weak<Shared>, slot: usize) {
             }
             Err(e) => {
                 tries += 1;
-                if let Some(tries) = say(tries) {
+                if due() {
                     warn!(url = %sh.url, slot, tries, error = &e as &dyn std::error::Error,
                           "reconnect failed; will retry (said again every 10 s)");
                 }

@@ -340,7 +340,7 @@ impl ServerConfig {
         // Memory volumes fill as clients write: together they must fit, or
         // the kernel's OOM killer ends the target, and every memory volume
         // with it, once they fill (each alone is checked at open).
-        let memory: u64 = self
+        let sizes: Vec<u64> = self
             .volumes
             .iter()
             .filter_map(|v| match v.backend {
@@ -348,14 +348,10 @@ impl ServerConfig {
                 BackendSpec::Memory { size } if !v.read_only => Some(size),
                 _ => None,
             })
-            .fold(0u64, u64::saturating_add);
-        let writable = self
-            .volumes
-            .iter()
-            .filter(|v| !v.read_only && matches!(v.backend, BackendSpec::Memory { .. }))
-            .count();
+            .collect();
+        let memory = sizes.iter().fold(0u64, |a, &s| a.saturating_add(s));
         if let Some(ram) = crate::backend::ram() {
-            if memory > ram && writable > 1 {
+            if memory > ram && sizes.len() > 1 {
                 return Err(ConfigError::Invalid(format!(
                     "the memory volumes hold {} together, more than this machine's RAM ({}): once clients \
                      fill them, the kernel's out-of-memory killer would end the target and every memory \

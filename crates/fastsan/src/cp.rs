@@ -131,22 +131,21 @@ fn kind_of(t: std::fs::FileType) -> &'static str {
 /// Takes `f`'s exclusive lock for as long as it is open, or says who holds
 /// it: a fastsan target serving the file or device.
 fn exclusive(f: &File, path: &Path) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor `f` owns and keeps open.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::EWOULDBLOCK) => bail!(
+    use fastsan_target::backend::{try_lock, Locked};
+    match try_lock(f, true).with_context(|| format!("locking {}", path.display()))? {
+        Locked::Busy => bail!(
             "{} is in use: a fastsan target serves it (it holds a lock on it); copy into that \
              volume instead, or stop the target first",
             path.display()
         ),
         // A file system without locks: nothing to learn from it.
-        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => Ok(()),
-        _ => Err(e).with_context(|| format!("locking {}", path.display())),
+        Locked::Yes | Locked::Unsupported(_) => Ok(()),
     }
+}
+
+/// The directory `p` is in (`.` for a bare name).
+fn dir_of(p: &Path) -> &Path {
+    p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 /// The size of an open block device.
@@ -247,8 +246,8 @@ impl End {
             None => path.to_owned(),
         };
         let name = target.file_name().with_context(|| format!("{} names no file", path.display()))?;
-        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let tmp = dir.join(format!(".{}.fastsan-cp-{}", name.to_string_lossy(), std::process::id()));
+        let tmp =
+            dir_of(&target).join(format!(".{}.fastsan-cp-{}", name.to_string_lossy(), std::process::id()));
         let f =
             OpenOptions::new().write(true).create_new(true).open(&tmp).with_context(|| {
                 format!("creating {} (to be renamed to {})", tmp.display(), path.display())
@@ -326,13 +325,13 @@ impl End {
     async fn finish(&mut self, len: u64) -> anyhow::Result<()> {
         match self {
             End::Vol(v, _) => Ok(copy::finish(v).await?),
-            End::Local(f, _, Local::File) => Ok(f.sync_all()?),
+            // (A source is never finished; a character device keeps nothing.)
+            End::Local(_, _, Local::File | Local::Char) => Ok(()),
             End::Local(f, _, Local::Device { .. }) => {
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || f.sync_all()).await??;
                 Ok(())
             }
-            End::Local(_, _, Local::Char) => Ok(()),
             End::Local(f, _, Local::Replace { tmp, target, .. }) => {
                 let f = f.clone();
                 let from = tmp.0.clone().expect("not renamed yet");
@@ -342,8 +341,7 @@ impl End {
                     f.sync_all()?;
                     std::fs::rename(&from, &to)?;
                     // The rename is durable once the directory is.
-                    let dir = to.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-                    File::open(dir)?.sync_all()
+                    File::open(dir_of(&to))?.sync_all()
                 })
                 .await??;
                 tmp.0 = None;

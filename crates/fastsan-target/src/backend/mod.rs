@@ -576,6 +576,34 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2} GiB, {bytes} bytes", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// What [`try_lock`] got.
+#[derive(Debug)]
+pub enum Locked {
+    /// The lock, held while the file stays open.
+    Yes,
+    /// Someone else holds a conflicting lock (a fastsan target serving it).
+    Busy,
+    /// The file system has no locks (NFS without its lock service).
+    Unsupported(io::Error),
+}
+
+/// An advisory `flock` on `f` (exclusive, or shared), without waiting: how
+/// a target guards its file volumes and `fastsan cp` learns that one serves
+/// a file. Any other failure is an error.
+pub fn try_lock(f: &std::fs::File, exclusive: bool) -> io::Result<Locked> {
+    let how = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    // SAFETY: flock on a descriptor `f` owns and keeps open.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(f), how | libc::LOCK_NB) } == 0 {
+        return Ok(Locked::Yes);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Ok(Locked::Busy),
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => Ok(Locked::Unsupported(e)),
+        _ => Err(e),
+    }
+}
+
 /// Takes an advisory lock on a file volume's file: exclusive for a writable
 /// volume, shared for a read-only one. Two writers of one file (a second
 /// target, or a second volume of this one, on the same file) have no fence
@@ -586,34 +614,26 @@ pub fn gib(bytes: u64) -> String {
 fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<std::fs::File> {
     let mine = std::fs::File::open(path)
         .map_err(|e| io::Error::new(e.kind(), format!("opening {} to lock it: {e}", path.display())))?;
-    let how = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
     // A block device is probed by udev (under a shared lock of its own) as
     // soon as a writer closes it: a target restarted at once may meet that
     // lock, so it tries for a second.
     let tries = if f.is_block_device() { 20 } else { 1 };
-    let mut e = io::Error::from_raw_os_error(libc::EWOULDBLOCK);
     for i in 0..tries {
         if i > 0 {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        // SAFETY: flock on a descriptor `mine` owns and keeps open.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&mine), how | libc::LOCK_NB) } == 0 {
-            return Ok(mine);
+        match try_lock(&mine, !read_only)
+            .map_err(|e| io::Error::new(e.kind(), format!("locking {}: {e}", path.display())))?
+        {
+            Locked::Yes => return Ok(mine),
+            // A file system without locks (NFS without its lock service):
+            // served as before, unguarded, and said.
+            Locked::Unsupported(e) => {
+                tracing::warn!(path = %path.display(), "cannot lock the file ({e}): nothing stops a second writer of it");
+                return Ok(mine);
+            }
+            Locked::Busy => {}
         }
-        e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            break;
-        }
-    }
-    match e.raw_os_error() {
-        Some(libc::EWOULDBLOCK) => {}
-        // A file system without locks (NFS without its lock service): served
-        // as before, unguarded, and said.
-        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
-            tracing::warn!(path = %path.display(), "cannot lock the file ({e}): nothing stops a second writer of it");
-            return Ok(mine);
-        }
-        _ => return Err(io::Error::new(e.kind(), format!("locking {}: {e}", path.display()))),
     }
     let holder = if read_only { "a volume that writes it" } else { "another volume" };
     Err(io::Error::new(
