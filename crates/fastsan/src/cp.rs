@@ -1,9 +1,10 @@
 //! `fastsan cp`: copy between a local file and a volume, in either direction
-//! (or between two volumes), many chunks in flight, with a progress bar.
-//! Retries and the completion of a partial last block are the initiator's
+//! (or between two volumes), many chunks in flight, with a progress bar; or
+//! stream a pipe into a volume, or a volume out to one, in order. Retries
+//! and the completion of a partial last block are the initiator's
 //! ([`fastsan_initiator::copy`]). A local destination file is written under
 //! a temporary name beside it and renamed into place once flushed, so a
-//! failed or interrupted copy leaves it as it was.
+//! failed or interrupted copy leaves it as it was (unless `--in-place`).
 
 use crate::ClientArgs;
 use anyhow::{bail, Context};
@@ -21,26 +22,40 @@ use std::time::Instant;
 /// Copy a local file into a volume, a volume into a local file, or a volume
 /// into another volume (between two local files, use cp).
 ///
-/// A local source is a regular file or a block device. A local destination
-/// file is written under a temporary name beside it and renamed over it
-/// once complete and flushed (room for both is needed until then): a copy
-/// that fails or is interrupted leaves it as it was. A block device is
-/// written in place. A source shorter than the destination volume leaves
-/// the volume's bytes past its end as they were.
+/// A local source is a regular file, a block device, or a stream: `-`
+/// (standard input), a named pipe, or a character device. A stream is read
+/// in order and must end within the volume (a character device such as
+/// /dev/zero is read for as many bytes as the volume holds). A local
+/// destination file is written under a temporary name beside it and
+/// renamed over it once complete and flushed (room for both is needed
+/// until then): a copy that fails or is interrupted leaves it as it was.
+/// With --in-place it is written where it is instead (for a file too big to
+/// hold twice, or one with hard links or extended attributes to keep). A
+/// block device is written in place; `-` (standard output), a named pipe or
+/// a character device gets the volume in order. A source shorter than the
+/// destination volume leaves the volume's bytes past its end as they were.
 ///
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
 ///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
+///   fastsan cp brp://127.0.0.1:10810/vol0 - | zstd > backup.img.zst
+///   zstd -dc backup.img.zst | fastsan cp - brp://127.0.0.1:10810/vol0
 ///   fastsan cp disk.img 'brp+unix:///vol0?socket=/run/fastsan.sock'
 ///   fastsan cp disk.img mirror:brp://a:10810/v,brp://b:10810/v,log=/var/lib/fastsan/v.log
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Source: a local path, brp://HOST:PORT/VOLUME (brps:// with TLS),
-    /// brp+unix:///VOLUME?socket=PATH, nbd://HOST:PORT/EXPORT or mirror:LEG,LEG,log=PATH
+    /// Source: a local path (- for standard input), brp://HOST:PORT/VOLUME
+    /// (brps:// with TLS), brp+unix:///VOLUME?socket=PATH,
+    /// nbd://HOST:PORT/EXPORT or mirror:LEG,LEG,log=PATH
     src: String,
-    /// Destination: a local path or a volume URL, as the source
+    /// Destination: a local path (- for standard output) or a volume URL,
+    /// as the source
     dst: String,
+    /// Write a local destination file where it is, not under a temporary
+    /// name renamed over it: a copy that fails leaves it part-written.
+    #[arg(long)]
+    in_place: bool,
     /// Size of each request.
     #[arg(long, default_value = "1M", value_name = "SIZE")]
     chunk: String,
@@ -52,8 +67,26 @@ pub struct Args {
 }
 
 enum End {
+    /// A file or block device, read and written anywhere.
     Local(Arc<File>, PathBuf, Local),
+    /// Standard input or output, a named pipe, a character device: read or
+    /// written in order, of a size known only at its end.
+    Stream(Arc<File>, String, Flow),
     Vol(Remote, String),
+}
+
+/// What a stream is.
+#[derive(Clone, Copy, PartialEq)]
+enum Flow {
+    /// A pipe or standard input: its end is its size (it must end within
+    /// the destination; bytes past it were lost).
+    Ends,
+    /// A character device (/dev/zero, /dev/urandom) as a source: read for
+    /// as many bytes as the destination holds.
+    Fills,
+    /// A destination: standard output, a pipe, a character device. Made
+    /// durable at the end if it is a file after all (`> file`).
+    Out,
 }
 
 /// What a local end is.
@@ -69,8 +102,10 @@ enum Local {
     /// (a symbolic link's target, not the link). `_held`: the old file,
     /// locked, so that no target starts serving it meanwhile.
     Replace { tmp: TempFile, target: PathBuf, _held: Option<File> },
-    /// A character device (/dev/null), written in place, of any size.
-    Char,
+    /// A destination file written where it is (`--in-place`), cut to the
+    /// copy's length at the end; `created`: it did not exist before (its
+    /// directory is flushed too).
+    InPlace { created: bool },
 }
 
 /// A temporary file that is removed unless it was renamed into place.
@@ -156,7 +191,7 @@ fn device_size(f: &File) -> std::io::Result<u64> {
 }
 
 impl End {
-    async fn open(s: &str, dst: bool, client: &ClientArgs) -> anyhow::Result<End> {
+    async fn open(s: &str, dst: bool, in_place: bool, client: &ClientArgs) -> anyhow::Result<End> {
         if is_volume(s)? {
             let v = Remote::connect(s, client.options()?).await.with_context(|| format!("opening {s}"))?;
             if dst && v.read_only() {
@@ -164,79 +199,132 @@ impl End {
             }
             return Ok(End::Vol(v, s.to_owned()));
         }
+        if s == "-" {
+            return Self::standard(dst);
+        }
         let path = PathBuf::from(s);
-        let (f, local) = if dst { Self::create(&path)? } else { Self::source(&path)? };
-        Ok(End::Local(Arc::new(f), path, local))
+        if dst {
+            return Self::create(&path, in_place);
+        }
+        Self::source(&path)
+    }
+
+    /// `-`: standard input as a source, standard output as a destination;
+    /// never a terminal (a volume's bytes are not for a screen, and a
+    /// source typed by hand is not what was meant).
+    fn standard(dst: bool) -> anyhow::Result<End> {
+        use std::io::IsTerminal;
+        use std::os::fd::AsFd;
+        let (fd, name, terminal) = if dst {
+            let o = std::io::stdout();
+            (o.as_fd().try_clone_to_owned(), "standard output", o.is_terminal())
+        } else {
+            let i = std::io::stdin();
+            (i.as_fd().try_clone_to_owned(), "standard input", i.is_terminal())
+        };
+        if terminal {
+            bail!("{name} is a terminal: cp streams - to or from a pipe or a file (| or < >)");
+        }
+        let f = File::from(fd.with_context(|| format!("duplicating {name}"))?);
+        Ok(End::Stream(Arc::new(f), name.to_owned(), if dst { Flow::Out } else { Flow::Ends }))
     }
 
     /// A local source: a regular file or a block device, whose size is
-    /// known (a pipe's or a character device's reads as 0: it was copied
-    /// as nothing, and reported a success).
-    fn source(path: &Path) -> anyhow::Result<(File, Local)> {
+    /// known, or a named pipe or character device, streamed.
+    fn source(path: &Path) -> anyhow::Result<End> {
+        use std::io::IsTerminal;
         use std::os::unix::fs::FileTypeExt;
         use std::os::unix::fs::OpenOptionsExt;
-        // Without waiting: opening a pipe waits for a writer (regular files
-        // and block devices read alike either way).
-        let f = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(path)
-            .with_context(|| format!("opening {}", path.display()))?;
+        let open = |flags| {
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))
+        };
+        // Without waiting, to learn what it is: opening a pipe waits for a
+        // writer (regular files and block devices read alike either way).
+        let f = open(libc::O_NONBLOCK)?;
         let t = f.metadata().with_context(|| format!("reading {}'s metadata", path.display()))?.file_type();
+        let name = path.display().to_string();
+        if t.is_fifo() || t.is_char_device() {
+            if f.is_terminal() {
+                bail!("{name} is a terminal: cp streams from a pipe or a device");
+            }
+            // A pipe waits for its writer now, as cat(1) would; read without
+            // O_NONBLOCK, a pipe opened before its writer would read as empty.
+            let f = open(0)?;
+            let flow = if t.is_fifo() { Flow::Ends } else { Flow::Fills };
+            return Ok(End::Stream(Arc::new(f), name, flow));
+        }
         if !t.is_file() && !t.is_block_device() {
-            bail!(
-                "{} is {}: cp copies from a regular file or a block device, whose size is known \
-                 (write a stream to a file first)",
-                path.display(),
-                kind_of(t)
-            )
+            bail!("{name} is {}: cp copies from a regular file, a block device or a stream", kind_of(t))
         }
-        if t.is_file() {
-            return Ok((f, Local::File));
-        }
-        let size = device_size(&f).with_context(|| format!("reading {}'s size", path.display()))?;
-        Ok((f, Local::Device { size }))
+        let local = if t.is_file() {
+            Local::File
+        } else {
+            Local::Device { size: device_size(&f).with_context(|| format!("reading {name}'s size"))? }
+        };
+        Ok(End::Local(Arc::new(f), path.to_owned(), local))
     }
 
-    /// A local destination: a block device, written in place, or a file,
-    /// written under a temporary name in its directory.
-    fn create(path: &Path) -> anyhow::Result<(File, Local)> {
+    /// A local destination: a block device, written in place; a file,
+    /// written under a temporary name in its directory (or in place); a
+    /// named pipe or character device, streamed to.
+    fn create(path: &Path, in_place: bool) -> anyhow::Result<End> {
         use std::os::unix::fs::FileTypeExt;
         let old = match std::fs::metadata(path) {
             Ok(m) => Some(m),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
         };
+        let local = |f: File, l| Ok(End::Local(Arc::new(f), path.to_owned(), l));
         let mut held = None;
         if let Some(m) = &old {
             let t = m.file_type();
-            if t.is_char_device() {
+            if t.is_char_device() || t.is_fifo() {
                 // (/dev/null: a read of the whole volume, checked and thrown away.)
                 let f = OpenOptions::new()
                     .write(true)
                     .open(path)
                     .with_context(|| format!("opening {}", path.display()))?;
-                return Ok((f, Local::Char));
+                return Ok(End::Stream(Arc::new(f), path.display().to_string(), Flow::Out));
             }
             if !t.is_file() && !t.is_block_device() {
-                bail!("{} is {}: cp copies to a file or a block device", path.display(), kind_of(t));
+                bail!(
+                    "{} is {}: cp copies to a file, a block device or a stream",
+                    path.display(),
+                    kind_of(t)
+                );
             }
             // A file or device a fastsan target serves is locked by it: the
             // copy would go behind its back (a file replaced under a target
             // keeps being served from the old one, and every write made
             // there is lost at its next start).
             let f = OpenOptions::new()
-                .write(t.is_block_device())
+                .write(t.is_block_device() || in_place)
                 .read(true)
                 .open(path)
                 .with_context(|| format!("opening {}", path.display()))?;
             exclusive(&f, path)?;
             if t.is_block_device() {
                 let size = device_size(&f).with_context(|| format!("reading {}'s size", path.display()))?;
-                return Ok((f, Local::Device { size }));
+                return local(f, Local::Device { size });
+            }
+            if in_place {
+                return local(f, Local::InPlace { created: false });
             }
             // Held until the copy is in place: no target starts on it meanwhile.
             held = Some(f);
+        }
+        if in_place {
+            let f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            exclusive(&f, path)?;
+            return local(f, Local::InPlace { created: true });
         }
         // Through a symbolic link, the file it names is replaced, not the link.
         let target = match &old {
@@ -262,7 +350,7 @@ impl End {
                 .with_context(|| format!("giving {} {}'s permissions", tmp_name(&tmp), path.display()))?;
             let _ = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()));
         }
-        Ok((f, Local::Replace { tmp, target, _held: held }))
+        local(f, Local::Replace { tmp, target, _held: held })
     }
 
     /// Every chunk but the last starts where the one before ended: on a
@@ -277,24 +365,27 @@ impl End {
         Ok(())
     }
 
-    /// Bytes a source holds.
-    fn len(&self) -> anyhow::Result<u64> {
+    /// Bytes a source holds (`None`: a stream, known at its end).
+    fn len(&self) -> anyhow::Result<Option<u64>> {
         Ok(match self {
-            End::Local(_, _, Local::Device { size }) => *size,
-            End::Local(f, _, _) => f.metadata()?.len(),
-            End::Vol(v, _) => v.size(),
+            End::Local(_, _, Local::Device { size }) => Some(*size),
+            End::Local(f, _, _) => Some(f.metadata()?.len()),
+            End::Stream(..) => None,
+            End::Vol(v, _) => Some(v.size()),
         })
     }
 
-    /// Bytes a destination takes at most (`None`: a file, any).
+    /// Bytes a destination takes at most (`None`: a file or a stream, any).
     fn room(&self) -> Option<u64> {
         match self {
             End::Local(_, _, Local::Device { size }) => Some(*size),
-            End::Local(..) => None,
+            End::Local(..) | End::Stream(..) => None,
             End::Vol(v, _) => Some(v.size()),
         }
     }
 
+    /// Reads `n` bytes at `off`; from a stream, its next `n` bytes (fewer
+    /// at its end: the caller keeps `off` in order).
     async fn read(&self, off: u64, n: u64) -> anyhow::Result<Bytes> {
         match self {
             End::Vol(v, _) => Ok(copy::read(v, off, n).await?),
@@ -307,9 +398,33 @@ impl End {
                 })
                 .await?
             }
+            End::Stream(f, _, _) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || {
+                    use std::io::Read;
+                    let mut b = BytesMut::zeroed(n as usize);
+                    let mut got = 0;
+                    // A pipe gives what its writer wrote so far: read until
+                    // the chunk is whole (every chunk but the last starts on
+                    // a block of the volume) or the stream ends.
+                    while got < b.len() {
+                        match (&*f).read(&mut b[got..]) {
+                            Ok(0) => break,
+                            Ok(k) => got += k,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                    b.truncate(got);
+                    Ok(b.freeze())
+                })
+                .await?
+            }
         }
     }
 
+    /// Writes `data` at `off`; to a stream, after what was written before
+    /// (the caller keeps `off` in order).
     async fn write(&self, off: u64, data: Bytes) -> anyhow::Result<()> {
         match self {
             End::Vol(v, _) => Ok(copy::write(v, off, data).await?),
@@ -318,29 +433,58 @@ impl End {
                 tokio::task::spawn_blocking(move || f.write_all_at(&data, off)).await??;
                 Ok(())
             }
+            End::Stream(f, _, _) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || {
+                    use std::io::Write;
+                    (&*f).write_all(&data)
+                })
+                .await??;
+                Ok(())
+            }
         }
     }
 
     /// Makes the copy durable and, for a file, puts it in place.
     async fn finish(&mut self, len: u64) -> anyhow::Result<()> {
+        let sync = |f: &Arc<File>, len: Option<u64>, dir: Option<PathBuf>| {
+            let f = f.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Some(len) = len {
+                    f.set_len(len)?;
+                }
+                f.sync_all()?;
+                // A new name is durable once its directory is.
+                match dir {
+                    Some(d) => File::open(d)?.sync_all(),
+                    None => Ok(()),
+                }
+            })
+        };
         match self {
             End::Vol(v, _) => Ok(copy::finish(v).await?),
-            // (A source is never finished; a character device keeps nothing.)
-            End::Local(_, _, Local::File | Local::Char) => Ok(()),
-            End::Local(f, _, Local::Device { .. }) => {
-                let f = f.clone();
-                tokio::task::spawn_blocking(move || f.sync_all()).await??;
+            // (A source is never finished.)
+            End::Local(_, _, Local::File) | End::Stream(_, _, Flow::Ends | Flow::Fills) => Ok(()),
+            End::Stream(f, _, Flow::Out) => {
+                // A pipe or a character device keeps nothing to flush; `> file` does.
+                use std::os::unix::fs::FileTypeExt;
+                let t = f.metadata()?.file_type();
+                if t.is_file() || t.is_block_device() {
+                    sync(f, None, None).await??;
+                }
                 Ok(())
             }
+            End::Local(f, _, Local::Device { .. }) => Ok(sync(f, None, None).await??),
+            End::Local(f, p, Local::InPlace { created }) => {
+                let dir = created.then(|| dir_of(p).to_owned());
+                Ok(sync(f, Some(len), dir).await??)
+            }
             End::Local(f, _, Local::Replace { tmp, target, .. }) => {
-                let f = f.clone();
                 let from = tmp.0.clone().expect("not renamed yet");
+                sync(f, Some(len), None).await??;
                 let to = target.clone();
                 tokio::task::spawn_blocking(move || {
-                    f.set_len(len)?;
-                    f.sync_all()?;
                     std::fs::rename(&from, &to)?;
-                    // The rename is durable once the directory is.
                     File::open(dir_of(&to))?.sync_all()
                 })
                 .await??;
@@ -353,18 +497,112 @@ impl End {
     fn name(&self) -> String {
         match self {
             End::Local(_, p, _) => p.display().to_string(),
-            End::Vol(_, u) => u.clone(),
+            End::Vol(_, u) | End::Stream(_, u, _) => u.clone(),
         }
     }
 
     /// What an unfinished copy left here, in words.
     fn left(&self) -> String {
         match self {
-            End::Vol(_, u) => format!("{u} holds part of the copy"),
-            End::Local(_, p, Local::Device { .. }) => format!("{} holds part of the copy", p.display()),
-            End::Local(_, p, _) => format!("{} is as it was", p.display()),
+            End::Local(_, p, Local::Replace { .. }) => format!("{} is as it was", p.display()),
+            End::Stream(_, name, _) => format!("{name} got part of the copy"),
+            e => format!("{} holds part of the copy", e.name()),
         }
     }
+}
+
+/// The chunks of a copy of `len` bytes: offset and length.
+fn chunks(len: u64, chunk: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..len.div_ceil(chunk)).map(move |i| {
+        let off = i * chunk;
+        (off, chunk.min(len - off))
+    })
+}
+
+/// Files, devices and volumes: each chunk read and written at its offset,
+/// `depth` chunks at once, in any order.
+async fn at_offsets(
+    src: &End,
+    dst: &End,
+    len: u64,
+    chunk: u64,
+    depth: usize,
+    pb: &ProgressBar,
+) -> anyhow::Result<u64> {
+    futures::stream::iter(chunks(len, chunk))
+        .map(|(off, n)| async move {
+            let data = src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+            dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
+            pb.inc(n);
+            anyhow::Ok(())
+        })
+        .buffer_unordered(depth)
+        .try_collect::<()>()
+        .await?;
+    Ok(len)
+}
+
+/// Out to a stream: `depth` chunks read at once, written in order.
+async fn to_stream(
+    src: &End,
+    dst: &End,
+    len: u64,
+    chunk: u64,
+    depth: usize,
+    pb: &ProgressBar,
+) -> anyhow::Result<u64> {
+    futures::stream::iter(chunks(len, chunk))
+        .map(|(off, n)| async move {
+            let data = src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+            anyhow::Ok((off, data))
+        })
+        .buffered(depth)
+        .try_for_each(|(off, data)| async move {
+            let n = data.len() as u64;
+            dst.write(off, data).await.with_context(|| format!("writing {}", dst.name()))?;
+            pb.inc(n);
+            Ok(())
+        })
+        .await?;
+    Ok(len)
+}
+
+/// In from a stream (into a volume): read in order, `depth` chunks written
+/// at once. A stream that ends must end within the volume (the bytes past
+/// it would be lost); one that fills is read for as much as the volume holds.
+async fn from_stream(
+    src: &End,
+    flow: Flow,
+    dst: &End,
+    chunk: u64,
+    depth: usize,
+    pb: &ProgressBar,
+) -> anyhow::Result<u64> {
+    let room = dst.room().context("a stream is copied into a volume")?;
+    futures::stream::try_unfold((0u64, false), |(off, ended)| async move {
+        if ended {
+            return Ok(None);
+        }
+        let want = chunk.min(room - off);
+        if want == 0 {
+            if flow == Flow::Ends && !src.read(off, 1).await?.is_empty() {
+                bail!("{} holds more than the {room} bytes {} holds", src.name(), dst.name());
+            }
+            return Ok(None);
+        }
+        let data = src.read(off, want).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+        let n = data.len() as u64;
+        Ok((n > 0).then_some(((off, data), (off + n, n < want))))
+    })
+    .map_ok(|(off, data)| async move {
+        let n = data.len() as u64;
+        dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
+        pb.inc(n);
+        Ok(n)
+    })
+    .try_buffer_unordered(depth)
+    .try_fold(0, |total, n| async move { Ok(total + n) })
+    .await
 }
 
 fn tmp_name(t: &TempFile) -> String {
@@ -386,20 +624,29 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         bail!("--depth x --chunk is the memory a copy holds in flight: at most 1 GiB");
     }
     check_ends(&a.src, &a.dst)?;
-    let src = End::open(&a.src, false, &a.client).await?;
+    let src = End::open(&a.src, false, a.in_place, &a.client).await?;
     src.check_chunk(chunk)?;
-    let len = src.len()?;
-    let mut dst = End::open(&a.dst, true, &a.client).await?;
+    let mut dst = End::open(&a.dst, true, a.in_place, &a.client).await?;
     dst.check_chunk(chunk)?;
-    if let Some(room) = dst.room() {
+    let len = match src {
+        End::Stream(_, _, Flow::Fills) => dst.room(),
+        _ => src.len()?,
+    };
+    if let (Some(len), Some(room)) = (len, dst.room()) {
         if len > room {
             bail!("{} has {len} bytes; {} holds only {room}", src.name(), dst.name());
         }
     }
-    let pb = ProgressBar::new(len).with_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .expect("valid template"),
-    );
+    let pb = match len {
+        Some(len) => ProgressBar::new(len).with_style(
+            ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+                .expect("valid template"),
+        ),
+        None => ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("{spinner} {bytes} {binary_bytes_per_sec} {elapsed}")
+                .expect("valid template"),
+        ),
+    };
     let start = Instant::now();
     // SIGINT and SIGTERM end the copy as an error does: a destination file
     // stays as it was (its temporary copy is removed), a volume is told to
@@ -408,24 +655,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
     let copied = async {
-        let (src, dst) = (&src, &dst);
-        futures::stream::iter((0..len.div_ceil(chunk)).map(|i| {
-            let off = i * chunk;
-            (off, chunk.min(len - off))
-        }))
-        .map(|(off, n)| {
-            let pb = pb.clone();
-            async move {
-                let data =
-                    src.read(off, n).await.with_context(|| format!("reading {} at {off}", src.name()))?;
-                dst.write(off, data).await.with_context(|| format!("writing {} at {off}", dst.name()))?;
-                pb.inc(n);
-                anyhow::Ok(())
+        match (&src, len) {
+            (End::Stream(_, _, flow), _) => from_stream(&src, *flow, &dst, chunk, a.depth, &pb).await,
+            (_, None) => bail!("{} has no length", src.name()),
+            (_, Some(len)) if matches!(dst, End::Stream(..)) => {
+                to_stream(&src, &dst, len, chunk, a.depth, &pb).await
             }
-        })
-        .buffer_unordered(a.depth)
-        .try_collect::<()>()
-        .await
+            (_, Some(len)) => at_offsets(&src, &dst, len, chunk, a.depth, &pb).await,
+        }
     };
     let copied = tokio::select! {
         r = copied => r,
@@ -433,20 +670,27 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         _ = term.recv() => Err(anyhow::anyhow!("interrupted (SIGTERM)")),
     };
     let done = match copied {
-        Ok(()) => dst.finish(len).await.with_context(|| format!("flushing {}", dst.name())),
+        Ok(len) => dst.finish(len).await.with_context(|| format!("flushing {}", dst.name())).map(|()| len),
         Err(e) => Err(e),
     };
     pb.finish_and_clear();
-    if let Err(e) = done {
-        return Err(e.context(format!("the copy did not finish: {}", dst.left())));
-    }
+    let len = match done {
+        Ok(len) => len,
+        Err(e) => return Err(e.context(format!("the copy did not finish: {}", dst.left()))),
+    };
     let secs = start.elapsed().as_secs_f64();
-    outln!(
+    let line = format!(
         "copied {} ({len} bytes) from {} to {} in {secs:.2} s ({:.1} MiB/s)",
         indicatif::HumanBytes(len),
         src.name(),
         dst.name(),
         len as f64 / (1 << 20) as f64 / secs.max(1e-9)
-    )?;
-    Ok(())
+    );
+    if a.dst == "-" {
+        // Standard output holds the copy: the report goes beside it.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{line}");
+        return Ok(());
+    }
+    outln!("{line}")
 }

@@ -65,22 +65,18 @@ fn cp_refuses_copies_that_would_lose_data_and_says_why() {
     assert!(got.iter().all(|&b| b == 0), "nothing was written to the volume");
 }
 
-/// A copy is reported only when it was made: a source with no size (a
-/// pipe, a character device) is refused (it was copied as 0 bytes, exit
-/// 0); a target whose socket breaks in the handshake is an error (the
-/// broken pipe was taken for a closed stdout: exit 0, nothing copied); a
-/// block device is copied whole in both directions.
+/// A copy is reported only when it was made: a source that is no file, device or
+/// stream (a directory) is refused; a target whose socket breaks in the handshake
+/// is an error (the broken pipe was taken for a closed stdout: exit 0, nothing
+/// copied); a block device is copied whole in both directions (its size read as
+/// 0 before).
 #[test]
 fn cp_never_reports_a_copy_it_did_not_make() {
     let dir = temp_dir("cp-made");
     let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:4M", "--volume", "w=memory:4M"]);
-    let fifo = dir.join("fifo");
-    ok("mkfifo", &[fifo.to_str().unwrap()]);
-    for (src, what) in [(fifo.to_str().unwrap(), "is a pipe"), ("/dev/zero", "is a character device")] {
-        let out = fastsan(&["cp", src, &s.url("v")]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(what), "{src}: {err}");
-    }
+    let out = fastsan(&["cp", dir.to_str().unwrap(), &s.url("v")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is a directory"), "{err}");
     // An NBD server that greets and hangs up: the client's next write breaks.
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
@@ -192,6 +188,135 @@ fn cp_replaces_a_file_only_with_a_whole_copy() {
     // A whole volume read and thrown away (/dev/null) is a copy too.
     let out = fastsan(&["cp", &s.url("good"), "/dev/null"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `fastsan cp ARGS` with `input` on its standard input; its output.
+fn cp_piped(args: &[&str], input: Vec<u8>) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut c = Command::new(BIN)
+        .arg("cp")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = c.stdin.take().unwrap();
+    // (A copy that refuses the stream stops reading it: a broken pipe here.)
+    let feeder = std::thread::spawn(move || drop(stdin.write_all(&input)));
+    let out = c.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    out
+}
+
+/// A stream is copied in order: standard input, of a length that ends inside a
+/// block, into a volume (the rest of that block and of the volume as they were),
+/// the volume out to standard output (the report beside it, on stderr), a named
+/// pipe in, /dev/zero filling a volume. A stream longer than the volume, or a
+/// reader that goes away, is an error, never a copy cut short in silence. (A
+/// stream was refused before: it has no size.)
+#[test]
+fn cp_streams_through_standard_input_output_and_pipes() {
+    use std::io::Read;
+    let dir = temp_dir("cp-stream");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:4M", "--volume", "w=memory:4M"]);
+    let v = BlockingVolume::connect(&s.url("v"), Options::default()).unwrap();
+    v.write_at(&vec![0xff; 4 << 20], 0, false).unwrap();
+    let data = random_file(&dir.join("data"), 3_000_100);
+    let out = cp_piped(&["-", &s.url("v"), "--chunk", "64K"], data.clone());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(3000100 bytes) from standard input"));
+    let out = cp_piped(&[&s.url("v"), "-"], Vec::new());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout.len(), 4 << 20, "the whole volume, and nothing else, on stdout");
+    assert!(out.stdout[..data.len()] == data[..], "the stream's bytes, in order");
+    assert!(out.stdout[data.len()..].iter().all(|&b| b == 0xff), "the volume's other bytes as they were");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("copied 4.00 MiB"), "the report on stderr");
+    // Longer than the volume: an error that says so.
+    let out = cp_piped(&["-", &s.url("w")], vec![7; (4 << 20) + 1]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("holds more than the 4194304 bytes"), "{err}");
+    // A named pipe, opened before its writer.
+    let fifo = dir.join("fifo");
+    ok("mkfifo", &[fifo.to_str().unwrap()]);
+    let piped = data[..1 << 20].to_vec();
+    let writer = {
+        let (fifo, piped) = (fifo.clone(), piped.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            std::fs::write(fifo, piped).unwrap();
+        })
+    };
+    let out = fastsan(&["cp", fifo.to_str().unwrap(), &s.url("w")]);
+    writer.join().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let w = BlockingVolume::connect(&s.url("w"), Options::default()).unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    w.read_at(&mut got, 0).unwrap();
+    assert!(got == piped, "the pipe's bytes");
+    // A character device fills the volume.
+    let out = fastsan(&["cp", "/dev/zero", &s.url("v")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut got = vec![1u8; 4 << 20];
+    v.read_at(&mut got, 0).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "zeros to the end");
+    // A reader that stops after 10 bytes: the copy failed, and says so.
+    let mut c = Command::new(BIN)
+        .args(["cp", &s.url("w"), "-"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 10];
+    c.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    let out = c.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("standard output got part of the copy"), "{err}");
+}
+
+/// --in-place writes the destination file itself: its hard links see the copy,
+/// and it is cut to the volume's length; a copy that fails says the file holds
+/// part of it; a file a target serves is refused all the same.
+#[test]
+fn cp_in_place_writes_the_file_itself() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = temp_dir("cp-in-place");
+    let own = dir.join("own.img");
+    let own_data = random_file(&own, 4 << 20);
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "bad=memory:4M,faults=read:eio@2M-3M",
+        "--volume",
+        "good=memory:4M",
+        "--volume",
+        &format!("own=file:{}", own.display()),
+    ]);
+    let src = dir.join("src.bin");
+    let data = random_file(&src, 4 << 20);
+    assert!(fastsan(&["cp", src.to_str().unwrap(), &s.url("good")]).status.success());
+    let file = dir.join("f.img");
+    random_file(&file, 6 << 20);
+    let link = dir.join("link.img");
+    std::fs::hard_link(&file, &link).unwrap();
+    let ino = std::fs::metadata(&file).unwrap().ino();
+    let out = fastsan(&["cp", "--in-place", &s.url("good"), file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::metadata(&file).unwrap().ino(), ino, "the same file");
+    assert!(std::fs::read(&link).unwrap() == data, "its other name sees the copy, cut to the volume's size");
+    let out = fastsan(&["cp", "--in-place", &s.url("bad"), file.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("f.img holds part of the copy"), "{err}");
+    let out = fastsan(&["cp", "--in-place", &s.url("good"), own.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("a fastsan target serves it"), "{err}");
+    assert!(std::fs::read(&own).unwrap() == own_data, "the served file is untouched");
+    let new = dir.join("new.img");
+    let out = fastsan(&["cp", "--in-place", &s.url("good"), new.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&new).unwrap() == data, "a new file made in place");
 }
 
 /// A source shorter than the volume's last block leaves the rest of that
