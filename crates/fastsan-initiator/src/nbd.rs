@@ -25,7 +25,7 @@ use crate::error::Cause;
 use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::session::{all, chunks, read_pieces};
-use crate::{Error, Options, Status};
+use crate::{Error, Options, Status, VolumeInfo};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fastsan_nbd::consts::*;
 use fastsan_nbd::handshake::{encode_option, InfoRequest};
@@ -102,6 +102,144 @@ fn status_of(errno: u32) -> Status {
     }
 }
 
+/// Connects to the NBD server at `addr` and does the fixed-newstyle
+/// greeting: the connection, ready for options.
+async fn greet(addr: &str) -> Result<TcpStream, Error> {
+    let mut s =
+        TcpStream::connect(addr).await.map_err(|source| Error::Connect { addr: addr.to_owned(), source })?;
+    s.set_nodelay(true)?;
+    socket2::SockRef::from(&s).set_keepalive(true)?;
+    let mut greet = [0u8; 18];
+    s.read_exact(&mut greet).await?;
+    if greet[..8] != NBDMAGIC.to_be_bytes() || greet[8..16] != IHAVEOPT.to_be_bytes() {
+        return Err(bad(format!("{addr} is not a newstyle NBD server")));
+    }
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).await?;
+    Ok(s)
+}
+
+/// One option reply: its type and data (at most 64 KiB, as the NBD spec's
+/// replies are).
+async fn option_reply(s: &mut TcpStream, addr: &str, option: u32) -> Result<(u32, Vec<u8>), Error> {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).await?;
+    if h[..8] != REPLY_MAGIC.to_be_bytes() || h[8..12] != option.to_be_bytes() {
+        return Err(bad(format!("{addr} sent a malformed option reply")));
+    }
+    let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+    if len > 1 << 16 {
+        return Err(bad(format!("an option reply of {len} bytes")));
+    }
+    let mut d = vec![0u8; len];
+    s.read_exact(&mut d).await?;
+    Ok((kind, d))
+}
+
+/// What an option's error reply means.
+fn option_error(addr: &str, export: &str, kind: u32, d: &[u8]) -> Error {
+    let why = String::from_utf8_lossy(d).into_owned();
+    match kind {
+        REP_ERR_UNKNOWN => {
+            Error::Refused { status: Status::NO_SUCH_VOLUME, message: format!("export {export:?}: {why}") }
+        }
+        REP_ERR_UNSUP => bad(format!("{addr} does not know OPT_GO (a server older than 2016)")),
+        REP_ERR_TLS_REQD => bad(format!("{addr} requires TLS, which this client does not speak")),
+        e => bad(format!("export {export:?} refused (NBD reply {e:#x}): {why}")),
+    }
+}
+
+/// Asks for `export`'s information with `option` (OPT_INFO, or OPT_GO to
+/// start using it): its size, transmission flags and, if the server gives
+/// them, its minimum, preferred and maximum block sizes.
+async fn info(
+    s: &mut TcpStream,
+    addr: &str,
+    option: u32,
+    export: &str,
+) -> Result<(u64, u16, Option<(u32, u32, u32)>), Error> {
+    let mut opt = Vec::new();
+    let go = InfoRequest { name: export.to_owned(), infos: vec![INFO_BLOCK_SIZE] };
+    encode_option(option, &go.encode(), &mut opt);
+    s.write_all(&opt).await?;
+    let (mut export_info, mut sizes) = (None, None);
+    loop {
+        let (kind, d) = option_reply(s, addr, option).await?;
+        let be32 = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4 bytes"));
+        match kind {
+            REP_INFO if d.len() >= 12 && d[..2] == INFO_EXPORT.to_be_bytes() => {
+                let size = u64::from_be_bytes(d[2..10].try_into().expect("8 bytes"));
+                export_info = Some((size, u16::from_be_bytes([d[10], d[11]])));
+            }
+            REP_INFO if d.len() >= 14 && d[..2] == INFO_BLOCK_SIZE.to_be_bytes() => {
+                sizes = Some((be32(2), be32(6), be32(10)));
+            }
+            REP_INFO => {}
+            REP_ACK => break,
+            e => return Err(option_error(addr, export, e, &d)),
+        }
+    }
+    let (size, flags) = export_info.ok_or_else(|| bad("no NBD_INFO_EXPORT in the reply to OPT_GO".into()))?;
+    Ok((size, flags, sizes))
+}
+
+/// Lists the exports of the NBD server at `url`, with their sizes
+/// (OPT_LIST, then OPT_INFO for each), or the one export the URL names
+/// (from a server that does not list its exports, too). Of the options,
+/// the connect timeout applies.
+pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
+    let work = async {
+        let (addr, export) = parse_url(url)?;
+        let mut s = greet(&addr).await?;
+        // nbd://HOST:PORT lists them all; nbd://HOST:PORT/ names the default export.
+        let names = if url.strip_prefix("nbd://").is_some_and(|r| r.contains('/')) {
+            vec![export]
+        } else {
+            let mut opt = Vec::new();
+            encode_option(OPT_LIST, &[], &mut opt);
+            s.write_all(&opt).await?;
+            let mut names = Vec::new();
+            loop {
+                match option_reply(&mut s, &addr, OPT_LIST).await? {
+                    (REP_SERVER, d) if d.len() >= 4 => {
+                        let n = u32::from_be_bytes(d[..4].try_into().expect("4 bytes")) as usize;
+                        let name = d
+                            .get(4..4 + n)
+                            .ok_or_else(|| bad(format!("{addr} sent a malformed export name")))?;
+                        names.push(String::from_utf8_lossy(name).into_owned());
+                    }
+                    (REP_ACK, _) => break,
+                    (REP_ERR_POLICY | REP_ERR_UNSUP, _) => {
+                        return Err(bad(format!(
+                            "{addr} does not list its exports: name one (nbd://{addr}/EXPORT)"
+                        )))
+                    }
+                    (kind, d) => return Err(option_error(&addr, "", kind, &d)),
+                }
+            }
+            names
+        };
+        let mut all = Vec::with_capacity(names.len());
+        for name in names {
+            let (size, flags, sizes) = info(&mut s, &addr, OPT_INFO, &name).await?;
+            let mut volume_flags = 0;
+            if flags & TFLAG_READ_ONLY != 0 {
+                volume_flags |= crate::VOLUME_READ_ONLY;
+            }
+            // The preferred size: the minimum of a server that takes any
+            // byte range (fastsan's, nbdkit's) is 1.
+            let block_size = sizes.map_or(1, |(_, preferred, _)| preferred);
+            all.push(VolumeInfo { name, size, block_size, flags: volume_flags });
+        }
+        let mut opt = Vec::new();
+        encode_option(OPT_ABORT, &[], &mut opt);
+        // (The server's answer to ABORT, if any, is of no use.)
+        let _ = s.write_all(&opt).await;
+        Ok(all)
+    };
+    tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("NBD handshake"))?
+}
+
 impl NbdVolume {
     /// Opens the export (the handshake up to OPT_GO, within the connect
     /// timeout), then starts the reader and writer tasks. Of the options,
@@ -113,65 +251,9 @@ impl NbdVolume {
 
     async fn open(url: &str, request_timeout: Duration) -> Result<NbdVolume, Error> {
         let (addr, export) = parse_url(url)?;
-        let mut s = TcpStream::connect(&addr)
-            .await
-            .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
-        s.set_nodelay(true)?;
-        socket2::SockRef::from(&s).set_keepalive(true)?;
-        let mut greet = [0u8; 18];
-        s.read_exact(&mut greet).await?;
-        if greet[..8] != NBDMAGIC.to_be_bytes() || greet[8..16] != IHAVEOPT.to_be_bytes() {
-            return Err(bad(format!("{addr} is not a newstyle NBD server")));
-        }
-        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).await?;
-        let mut opt = Vec::new();
-        let go = InfoRequest { name: export.clone(), infos: vec![INFO_BLOCK_SIZE] };
-        encode_option(OPT_GO, &go.encode(), &mut opt);
-        s.write_all(&opt).await?;
-        let (mut export_info, mut sizes) = (None, None);
-        loop {
-            let mut h = [0u8; 20];
-            s.read_exact(&mut h).await?;
-            if h[..8] != REPLY_MAGIC.to_be_bytes() || h[8..12] != OPT_GO.to_be_bytes() {
-                return Err(bad(format!("{addr} sent a malformed reply to OPT_GO")));
-            }
-            let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
-            let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
-            if len > 1 << 16 {
-                return Err(bad(format!("an option reply of {len} bytes")));
-            }
-            let mut d = vec![0u8; len];
-            s.read_exact(&mut d).await?;
-            let be32 = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4 bytes"));
-            let why = || String::from_utf8_lossy(&d).into_owned();
-            match kind {
-                REP_INFO if len >= 12 && d[..2] == INFO_EXPORT.to_be_bytes() => {
-                    let size = u64::from_be_bytes(d[2..10].try_into().expect("8 bytes"));
-                    export_info = Some((size, u16::from_be_bytes([d[10], d[11]])));
-                }
-                REP_INFO if len >= 14 && d[..2] == INFO_BLOCK_SIZE.to_be_bytes() => {
-                    sizes = Some((be32(2), be32(10)));
-                }
-                REP_INFO => {}
-                REP_ACK => break,
-                REP_ERR_UNKNOWN => {
-                    return Err(Error::Refused {
-                        status: Status::NO_SUCH_VOLUME,
-                        message: format!("export {export:?}: {}", why()),
-                    })
-                }
-                REP_ERR_UNSUP => {
-                    return Err(bad(format!("{addr} does not know OPT_GO (a server older than 2016)")))
-                }
-                REP_ERR_TLS_REQD => {
-                    return Err(bad(format!("{addr} requires TLS, which this client does not speak")))
-                }
-                e => return Err(bad(format!("export {export:?} refused (NBD reply {e:#x}): {}", why()))),
-            }
-        }
-        let (size, flags) =
-            export_info.ok_or_else(|| bad("no NBD_INFO_EXPORT in the reply to OPT_GO".into()))?;
-        let (block, max) = sizes.unwrap_or((1, DEFAULT_MAX));
+        let mut s = greet(&addr).await?;
+        let (size, flags, sizes) = info(&mut s, &addr, OPT_GO, &export).await?;
+        let (block, _, max) = sizes.unwrap_or((1, 1, DEFAULT_MAX));
         if !block.is_power_of_two() || block > MAX_MIN_BLOCK || max < block {
             return Err(bad(format!("impossible block sizes: minimum {block}, maximum {max}")));
         }

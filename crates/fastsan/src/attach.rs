@@ -63,7 +63,7 @@ pub struct Args {
     #[arg(long, default_value_t = 4, value_name = "N", requires = "fuse")]
     threads: usize,
     /// List what is attached on this host (device, URL, state, connections).
-    #[arg(long, conflicts_with_all = ["device", "fuse"])]
+    #[arg(long, conflicts_with_all = ["url", "device", "fuse"])]
     list: bool,
     /// Serve the session's metrics (connections, requests, merging,
     /// reconnects, retries) as Prometheus text at http://ADDR/metrics.

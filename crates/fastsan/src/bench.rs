@@ -53,9 +53,9 @@ pub struct Args {
     /// Bytes of the volume to use [default: all].
     #[arg(long, value_name = "SIZE")]
     size: Option<String>,
-    /// Percentage of reads for randrw.
-    #[arg(long, default_value_t = 50, value_name = "PCT")]
-    rwmixread: u8,
+    /// Percentage of reads for randrw [default: 50].
+    #[arg(long, value_name = "PCT")]
+    rwmixread: Option<u8>,
     /// Write offset-dependent data and check every read of a block written in this run.
     #[arg(long)]
     verify: bool,
@@ -105,6 +105,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             a.url.split("://").next().unwrap_or("this URL"),
         );
     }
+    anyhow::ensure!(
+        a.rwmixread.is_none() || a.rw == fastsan_bench::Rw::RandRw,
+        "--rwmixread mixes the reads and writes of --rw randrw; this job does not mix them"
+    );
     let bs = parse_size(&a.bs)?;
     anyhow::ensure!(bs <= u32::MAX as u64, "--bs too large");
     let spec = fastsan_bench::JobSpec {
@@ -121,7 +125,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         },
         ramp: secs(a.ramp, "ramp")?,
         size: a.size.as_deref().map(parse_size).transpose()?,
-        rwmixread: a.rwmixread,
+        rwmixread: a.rwmixread.unwrap_or(50),
         verify: a.verify,
         fua: a.fua,
         fsync: a.fsync,

@@ -169,13 +169,35 @@ fn exclusive(f: &File, path: &Path) -> anyhow::Result<()> {
     use fastsan_target::backend::{try_lock, Locked};
     match try_lock(f, true).with_context(|| format!("locking {}", path.display()))? {
         Locked::Busy => bail!(
-            "{} is in use: a fastsan target serves it (it holds a lock on it); copy into that \
-             volume instead, or stop the target first",
+            "{} is in use: a fastsan target serves it, or another fastsan cp writes it (either \
+             holds a lock on it); copy into that volume instead, or stop the target first",
             path.display()
         ),
         // A file system without locks: nothing to learn from it.
         Locked::Yes | Locked::Unsupported(_) => Ok(()),
     }
+}
+
+/// Whether a character device reads for ever, and so fills a volume: the
+/// kernel's memory devices /dev/zero, /dev/full, /dev/random and
+/// /dev/urandom. Any other (a tape, /dev/null, a serial line) ends, as a
+/// pipe does, and must end within the volume.
+fn endless(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let rdev = m.rdev();
+    m.file_type().is_char_device() && libc::major(rdev) == 1 && matches!(libc::minor(rdev), 5 | 7 | 8 | 9)
+}
+
+/// Whether `f` is the file standard output is (`/dev/stdout`, `> f`): the
+/// copy's report must not go there.
+fn is_stdout(f: &File) -> bool {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let Ok(out) = std::io::stdout().as_fd().try_clone_to_owned().map(File::from).and_then(|o| o.metadata())
+    else {
+        return false;
+    };
+    f.metadata().is_ok_and(|m| (m.dev(), m.ino()) == (out.dev(), out.ino()))
 }
 
 /// The directory `p` is in (`.` for a bare name).
@@ -226,7 +248,22 @@ impl End {
             bail!("{name} is a terminal: cp streams - to or from a pipe or a file (| or < >)");
         }
         let f = File::from(fd.with_context(|| format!("duplicating {name}"))?);
-        Ok(End::Stream(Arc::new(f), name.to_owned(), if dst { Flow::Out } else { Flow::Ends }))
+        if dst {
+            return Ok(End::Stream(Arc::new(f), name.to_owned(), Flow::Out));
+        }
+        // `< disk.img` at its start is that file, with its size: checked
+        // against the volume's before anything is written, as its path is.
+        let m = f.metadata().with_context(|| format!("reading {name}'s metadata"))?;
+        let t = m.file_type();
+        let at_start = || {
+            use std::io::Seek;
+            (&f).stream_position().is_ok_and(|p| p == 0)
+        };
+        if (t.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&t)) && at_start() {
+            return Self::local_source(f, PathBuf::from(name), t);
+        }
+        let flow = if endless(&m) { Flow::Fills } else { Flow::Ends };
+        Ok(End::Stream(Arc::new(f), name.to_owned(), flow))
     }
 
     /// A local source: a regular file or a block device, whose size is
@@ -245,7 +282,8 @@ impl End {
         // Without waiting, to learn what it is: opening a pipe waits for a
         // writer (regular files and block devices read alike either way).
         let f = open(libc::O_NONBLOCK)?;
-        let t = f.metadata().with_context(|| format!("reading {}'s metadata", path.display()))?.file_type();
+        let m = f.metadata().with_context(|| format!("reading {}'s metadata", path.display()))?;
+        let t = m.file_type();
         let name = path.display().to_string();
         if t.is_fifo() || t.is_char_device() {
             if f.is_terminal() {
@@ -254,9 +292,16 @@ impl End {
             // A pipe waits for its writer now, as cat(1) would; read without
             // O_NONBLOCK, a pipe opened before its writer would read as empty.
             let f = open(0)?;
-            let flow = if t.is_fifo() { Flow::Ends } else { Flow::Fills };
+            let flow = if endless(&m) { Flow::Fills } else { Flow::Ends };
             return Ok(End::Stream(Arc::new(f), name, flow));
         }
+        Self::local_source(f, path.to_owned(), t)
+    }
+
+    /// A source read at offsets: a regular file or a block device.
+    fn local_source(f: File, path: PathBuf, t: std::fs::FileType) -> anyhow::Result<End> {
+        use std::os::unix::fs::FileTypeExt;
+        let name = path.display();
         if !t.is_file() && !t.is_block_device() {
             bail!("{name} is {}: cp copies from a regular file, a block device or a stream", kind_of(t))
         }
@@ -265,7 +310,7 @@ impl End {
         } else {
             Local::Device { size: device_size(&f).with_context(|| format!("reading {name}'s size"))? }
         };
-        Ok(End::Local(Arc::new(f), path.to_owned(), local))
+        Ok(End::Local(Arc::new(f), path, local))
     }
 
     /// A local destination: a block device, written in place; a file,
@@ -288,6 +333,12 @@ impl End {
                     .write(true)
                     .open(path)
                     .with_context(|| format!("opening {}", path.display()))?;
+                if std::io::IsTerminal::is_terminal(&f) {
+                    bail!(
+                        "{} is a terminal: cp streams a volume to a pipe, a file or a device",
+                        path.display()
+                    );
+                }
                 return Ok(End::Stream(Arc::new(f), path.display().to_string(), Flow::Out));
             }
             if !t.is_file() && !t.is_block_device() {
@@ -585,8 +636,12 @@ async fn from_stream(
         }
         let want = chunk.min(room - off);
         if want == 0 {
-            if flow == Flow::Ends && !src.read(off, 1).await?.is_empty() {
-                bail!("{} holds more than the {room} bytes {} holds", src.name(), dst.name());
+            if flow == Flow::Ends {
+                let more =
+                    src.read(off, 1).await.with_context(|| format!("reading {} at {off}", src.name()))?;
+                if !more.is_empty() {
+                    bail!("{} holds more than the {room} bytes {} holds", src.name(), dst.name());
+                }
             }
             return Ok(None);
         }
@@ -628,6 +683,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     src.check_chunk(chunk)?;
     let mut dst = End::open(&a.dst, true, a.in_place, &a.client).await?;
     dst.check_chunk(chunk)?;
+    if a.in_place && !matches!(dst, End::Local(_, _, Local::InPlace { .. })) {
+        bail!("--in-place is for a destination file: {} is written in place as it is", dst.name());
+    }
     let len = match src {
         End::Stream(_, _, Flow::Fills) => dst.room(),
         _ => src.len()?,
@@ -649,8 +707,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     };
     let start = Instant::now();
     // SIGINT and SIGTERM end the copy as an error does: a destination file
-    // stays as it was (its temporary copy is removed), a volume is told to
-    // hold part of it.
+    // stays as it was (its temporary copy is removed; --in-place, it holds
+    // part of the copy, as a volume or a device does), and the user is told.
     use tokio::signal::unix::{signal, SignalKind};
     let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
@@ -670,6 +728,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         _ = term.recv() => Err(anyhow::anyhow!("interrupted (SIGTERM)")),
     };
     let done = match copied {
+        // A pipe whose writer failed at once (`zstd -dc damaged.zst |`)
+        // copied nothing: not a success.
+        Ok(0) if matches!(src, End::Stream(..)) => {
+            pb.finish_and_clear();
+            bail!("{} was empty: nothing was copied", src.name())
+        }
         Ok(len) => dst.finish(len).await.with_context(|| format!("flushing {}", dst.name())).map(|()| len),
         Err(e) => Err(e),
     };
@@ -686,9 +750,28 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         dst.name(),
         len as f64 / (1 << 20) as f64 / secs.max(1e-9)
     );
-    if a.dst == "-" {
-        // Standard output holds the copy: the report goes beside it.
-        use std::io::Write;
+    use std::io::Write;
+    if let (End::Stream(..), Some(room)) = (&src, dst.room()) {
+        if len < room {
+            // A pipe that ended early (its writer failed, a transfer cut)
+            // looks like a short image: say what was left as it was.
+            let _ = writeln!(
+                std::io::stderr(),
+                "note: {} ended after {len} bytes; the {} bytes of {} after them are as they were",
+                src.name(),
+                room - len,
+                dst.name()
+            );
+        }
+    }
+    let on_stdout = match &dst {
+        End::Stream(..) => true,
+        End::Local(f, _, _) => is_stdout(f),
+        End::Vol(..) => false,
+    };
+    if on_stdout {
+        // Standard output holds the copy (`-`, `/dev/stdout`, a pipe): the
+        // report goes beside it, never into it.
         let _ = writeln!(std::io::stderr(), "{line}");
         return Ok(());
     }

@@ -1,29 +1,35 @@
 //! `fastsan ls`: list a target's volumes.
 
-use crate::ClientArgs;
+use crate::AccessArgs;
 use anyhow::Context;
 use indicatif::HumanBytes;
 
 /// List the volumes of a target, with their sizes (or one volume, if the
-/// URL names it).
+/// URL names it); the exports of any NBD server too.
 ///
 /// Examples:
 ///   fastsan ls brp://127.0.0.1:10810
 ///   fastsan ls brp://127.0.0.1:10810/vol0
 ///   fastsan ls 'brp+unix://?socket=/run/fastsan.sock'
+///   fastsan ls nbd://127.0.0.1:10809
 #[derive(clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The target: brp://HOST[:PORT][/VOLUME] (brps:// with TLS) or brp+unix://[/VOLUME]?socket=PATH
+    /// The target: brp://HOST[:PORT][/VOLUME] (brps:// with TLS),
+    /// brp+unix://[/VOLUME]?socket=PATH or nbd://HOST[:PORT][/EXPORT]
     url: String,
     #[command(flatten)]
-    client: ClientArgs,
+    access: AccessArgs,
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
-    let volumes = fastsan_initiator::list(&a.url, &a.client.options()?)
-        .await
-        .with_context(|| format!("listing {}", a.url))?;
+    let opts = a.access.options()?;
+    let volumes = if a.url.starts_with("nbd://") {
+        fastsan_initiator::nbd::list(&a.url, &opts).await
+    } else {
+        fastsan_initiator::list(&a.url, &opts).await
+    };
+    let volumes = volumes.with_context(|| format!("listing {}", a.url))?;
     let width = volumes.iter().map(|v| v.name.len()).max().unwrap_or(4).max(4);
     outln!("{:<width$}  {:>14}  {:>10}  {:>6}  FLAGS", "NAME", "BYTES", "SIZE", "BLOCK")?;
     for v in &volumes {

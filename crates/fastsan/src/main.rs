@@ -87,9 +87,9 @@ enum Cmd {
     Top(top::Args),
 }
 
-/// Options every client subcommand shares.
+/// How a client proves who it is (BRP): every client subcommand takes these.
 #[derive(clap::Args, Clone)]
-pub struct ClientArgs {
+pub struct AccessArgs {
     /// File holding the shared secret, when the target requires authentication.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
@@ -107,6 +107,36 @@ pub struct ClientArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+}
+
+impl AccessArgs {
+    /// The initiator's options with these credentials, the rest default.
+    pub fn options(&self) -> anyhow::Result<fastsan_initiator::Options> {
+        let secret = match &self.secret_file {
+            Some(p) => Some(fastsan_target::config::read_secret(p)?),
+            None => None,
+        };
+        let tls = match &self.tls_ca {
+            None => None,
+            Some(ca) => {
+                let id = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
+                Some(fastsan_initiator::tls::client_config(ca, id)?)
+            }
+        };
+        Ok(fastsan_initiator::Options {
+            secret,
+            identity: self.identity.clone().unwrap_or_default(),
+            tls,
+            ..Default::default()
+        })
+    }
+}
+
+/// Options every client subcommand that opens a volume shares.
+#[derive(clap::Args, Clone)]
+pub struct ClientArgs {
+    #[command(flatten)]
+    pub access: AccessArgs,
     /// Connections per BRP session (over NBD and NVMe/TCP, bench makes
     /// one connection or queue per job: --jobs).
     #[arg(long, default_value_t = 2, value_name = "N")]
@@ -129,10 +159,6 @@ pub struct ClientArgs {
 
 impl ClientArgs {
     pub fn options(&self) -> anyhow::Result<fastsan_initiator::Options> {
-        let secret = match &self.secret_file {
-            Some(p) => Some(fastsan_target::config::read_secret(p)?),
-            None => None,
-        };
         let secs = |s: f64, what: &str| {
             anyhow::ensure!(
                 s.is_finite() && (0.0..=86400.0).contains(&s),
@@ -142,23 +168,13 @@ impl ClientArgs {
         };
         let request_timeout = secs(self.request_timeout, "request-timeout")?;
         anyhow::ensure!(!request_timeout.is_zero(), "--request-timeout must be more than 0");
-        let tls = match &self.tls_ca {
-            None => None,
-            Some(ca) => {
-                let id = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
-                Some(fastsan_initiator::tls::client_config(ca, id)?)
-            }
-        };
         Ok(fastsan_initiator::Options {
             connections: self.connections,
             merge: self.merge,
-            secret,
-            identity: self.identity.clone().unwrap_or_default(),
-            tls,
             digests: self.digests,
             reconnect_timeout: secs(self.reconnect_timeout, "reconnect-timeout")?,
             request_timeout,
-            ..Default::default()
+            ..self.access.options()?
         })
     }
 }

@@ -51,6 +51,7 @@ fn cp_refuses_copies_that_would_lose_data_and_says_why() {
         (&["cp", path, "nvme+tcp://127.0.0.1:4420/nqn.x/1"], "cp does not take nvme+tcp:// URLs"),
         (&["cp", &vol, &vol], "both the source and the destination"),
         (&["cp", path, &vol, "--chunk", "1000"], "not a multiple of"),
+        (&["cp", path, &vol, "--in-place"], "--in-place is for a destination file"),
     ];
     for (args, needle) in cases {
         let out = fastsan(args);
@@ -211,11 +212,12 @@ fn cp_piped(args: &[&str], input: Vec<u8>) -> std::process::Output {
 }
 
 /// A stream is copied in order: standard input, of a length that ends inside a
-/// block, into a volume (the rest of that block and of the volume as they were),
-/// the volume out to standard output (the report beside it, on stderr), a named
-/// pipe in, /dev/zero filling a volume. A stream longer than the volume, or a
-/// reader that goes away, is an error, never a copy cut short in silence. (A
-/// stream was refused before: it has no size.)
+/// block, into a volume (the rest of that block and of the volume as they were,
+/// and said so), the volume out to standard output (the report beside it, on
+/// stderr, even when stdout is named by its path), a named pipe in, /dev/zero
+/// filling a volume. A stream longer than the volume, an empty one, or a reader
+/// that goes away, is an error, never a copy cut short in silence. (A stream was
+/// refused before: it has no size.)
 #[test]
 fn cp_streams_through_standard_input_output_and_pipes() {
     use std::io::Read;
@@ -227,16 +229,43 @@ fn cp_streams_through_standard_input_output_and_pipes() {
     let out = cp_piped(&["-", &s.url("v"), "--chunk", "64K"], data.clone());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("(3000100 bytes) from standard input"));
-    let out = cp_piped(&[&s.url("v"), "-"], Vec::new());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.stdout.len(), 4 << 20, "the whole volume, and nothing else, on stdout");
-    assert!(out.stdout[..data.len()] == data[..], "the stream's bytes, in order");
-    assert!(out.stdout[data.len()..].iter().all(|&b| b == 0xff), "the volume's other bytes as they were");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("copied 4.00 MiB"), "the report on stderr");
-    // Longer than the volume: an error that says so.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("ended after 3000100 bytes; the 1194204 bytes"),
+        "a short stream is pointed out: {err}"
+    );
+    for to in ["-", "/dev/stdout"] {
+        let out = cp_piped(&[&s.url("v"), to], Vec::new());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.stdout.len(), 4 << 20, "the whole volume, and nothing else, on stdout ({to})");
+        assert!(out.stdout[..data.len()] == data[..], "the stream's bytes, in order");
+        assert!(out.stdout[data.len()..].iter().all(|&b| b == 0xff), "the volume's other bytes as they were");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("copied 4.00 MiB"), "the report on stderr");
+    }
+    // Longer than the volume: an error that says so; from a file on
+    // standard input, before anything is written.
     let out = cp_piped(&["-", &s.url("w")], vec![7; (4 << 20) + 1]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("holds more than the 4194304 bytes"), "{err}");
+    let big = dir.join("big");
+    random_file(&big, (4 << 20) + 1);
+    let out = Command::new(BIN)
+        .args(["cp", "-", &s.url("v")])
+        .stdin(std::fs::File::open(&big).unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("holds only 4194304"), "{err}");
+    // Nothing at all (a pipe whose writer failed, /dev/null): not a copy.
+    let out = cp_piped(&["-", &s.url("v")], Vec::new());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("standard input was empty"), "{err}");
+    let out = fastsan(&["cp", "/dev/null", &s.url("v")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("/dev/null was empty"), "{err}");
+    let mut got = vec![0u8; 4 << 20];
+    v.read_at(&mut got, 0).unwrap();
+    assert!(got[..data.len()] == data[..], "the volume untouched by the refused copies");
     // A named pipe, opened before its writer.
     let fifo = dir.join("fifo");
     ok("mkfifo", &[fifo.to_str().unwrap()]);
@@ -476,11 +505,56 @@ fn ls_lists_volumes_with_sizes_and_default_volume_exists() {
     let out = fastsan(&["ls", &s.url("nope")]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("the target lists no volume \"nope\""));
+    // The same volumes as NBD exports.
+    let out = fastsan(&["ls", &format!("nbd://{}", s.nbd)]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let a = text.lines().find(|l| l.starts_with("a ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(a.contains("67108864") && !a.contains("read-only"), "{a}");
+    let n = text.lines().find(|l| l.starts_with("n ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(n.contains("2.00 GiB") && n.contains("read-only"), "{n}");
+    let out = fastsan(&["ls", &s.nbd_url("n")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.lines().count() == 2 && text.contains("\nn "), "{text}");
+    let out = fastsan(&["ls", &s.nbd_url("nope")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no such volume"), "{err}");
     drop(s);
     let d = Served::start(&["--brp", "127.0.0.1:0"]);
     let out = fastsan(&["ls", &format!("brp://{}", d.addr)]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.lines().any(|l| l.starts_with("vol0 ") && l.contains("1.00 GiB")), "{text}");
+}
+
+/// `fastsan ls nbd://` lists another server's exports (qemu-nbd's), as
+/// nbdinfo --list does.
+#[test]
+fn ls_lists_the_exports_of_any_nbd_server() {
+    let dir = temp_dir("ls-nbd");
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(3 << 20).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut qemu = Command::new("qemu-nbd")
+        .args(["-f", "raw", "-r", "-t", "-b", "127.0.0.1", "-p", &port, "-x", "disk"])
+        .arg(&img)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("qemu-nbd (qemu-utils) runs");
+    let url = format!("nbd://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        let out = fastsan(&["ls", &url]);
+        if out.status.success() || Instant::now() > deadline {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let disk = text.lines().find(|l| l.starts_with("disk ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(disk.contains("3145728") && disk.contains("read-only"), "{disk}");
 }
 
 /// `fastsan ls | head -0` and the like: output to a reader that has gone
@@ -713,6 +787,9 @@ fn bad_command_lines_get_clear_errors() {
         (&["bench", "nbd://127.0.0.1:1/v", "--digests"], "--digests does not apply to nbd"),
         (&["bench", "brp://127.0.0.1:1/v", "--verify"], "act on writes; this job only reads"),
         (&["bench", "brp://127.0.0.1:1/v", "--rw", "read", "--fsync", "4"], "act on writes"),
+        (&["bench", "brp://127.0.0.1:1/v", "--rw", "randwrite", "--rwmixread", "70"], "--rw randrw"),
+        (&["attach", "--list", "brp://127.0.0.1:1/v"], "cannot be used with"),
+        (&["ls", "brp://127.0.0.1:1", "--connections", "4"], "unexpected argument '--connections'"),
     ];
     let dir = temp_dir("badconf");
     let zero = dir.join("zero.toml");
