@@ -840,7 +840,8 @@ where
     }
 
     /// Sends the replies held so far: written here at once when the socket's
-    /// writer is free, else handed to the writer task. Readers call it after
+    /// writer is free, else handed to the writer task (or, for replies that
+    /// hold no credit, written here once the writer is done). Readers call it after
     /// dispatching what one read brought; it also runs before waiting for a
     /// credit (the held replies are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
@@ -852,28 +853,37 @@ where
             }
             std::mem::take(&mut *pending)
         };
-        match self.sink.try_lock() {
-            Ok(mut sink) => {
-                let r = sink.write(&batch).await;
-                drop(sink);
-                // The replies (and the credits they hold) go now, as they
-                // always did; their room stays for the next read's replies.
-                // Until 2026-11-26 every flush left an empty vector behind,
-                // which grew again by doubling: a realloc chain per read
-                // (`perf record --call-graph dwarf` of NVMe/TCP reads put
-                // glibc's `malloc_consolidate` at 0.5% of the target's cycles).
-                batch.clear();
-                let mut pending = self.pending.lock();
-                if pending.is_empty() {
-                    std::mem::swap(&mut *pending, &mut batch);
-                }
-                r
-            }
+        let mut sink = match self.sink.try_lock() {
+            Ok(sink) => sink,
+            // Replies the front end made itself hold no credit, so nothing
+            // else bounds them: the reader waits for the socket's writer
+            // (and so for the client to read) before it reads more. Until
+            // 2026-11-29 they went to the writer's unbounded queue too, and
+            // an NVMe/TCP host that stopped reading during a large read's
+            // answer and went on sending commands the target refuses itself
+            // (namespace 0) grew its memory without end: 256 MiB of such
+            // commands taken in a second (tests/nvme.rs,
+            // `a_host_that_reads_nothing_cannot_queue_answers_without_end`).
+            Err(_) if batch.iter().any(|r| r._credit.is_none()) => self.sink.lock().await,
             Err(_) => {
                 let _ = self.tx.send(batch);
-                Ok(())
+                return Ok(());
             }
+        };
+        let r = sink.write(&batch).await;
+        drop(sink);
+        // The replies (and the credits they hold) go now, as they always
+        // did; their room stays for the next read's replies. Until
+        // 2026-11-26 every flush left an empty vector behind, which grew
+        // again by doubling: a realloc chain per read (`perf record
+        // --call-graph dwarf` of NVMe/TCP reads put glibc's
+        // `malloc_consolidate` at 0.5% of the target's cycles).
+        batch.clear();
+        let mut pending = self.pending.lock();
+        if pending.is_empty() {
+            std::mem::swap(&mut *pending, &mut batch);
         }
+        r
     }
 
     /// A queue slot and, for requests that move data, byte budget (the

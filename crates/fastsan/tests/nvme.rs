@@ -14,7 +14,7 @@ use fastsan_nvme::command::{fctype, sgl, status, Cqe, SglDesc, Sqe, OPC_FABRICS}
 use fastsan_nvme::pdu::{self, flag, DataHeader, Digests, Header, IcReq, Pdu};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const NQN: &str = "nqn.2026-11.io.fastsan:test";
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000001";
@@ -868,6 +868,94 @@ fn hosts_that_flood_admin_commands_and_read_nothing_pin_little_memory() {
     assert!(io.write(1, 8, &pattern(3, 4096)).status.is_success());
     assert_eq!(io.read(1, 8, 8).1, pattern(3, 4096));
     drop(floods);
+}
+
+/// A host that stops reading while a large read's answer is half-written
+/// (the target's writer waits on its socket) and goes on sending commands the
+/// target answers itself (here with Invalid Namespace) makes the target
+/// wait too: until 2026-11-29 those answers, holding no credit, went to the
+/// writer's unbounded queue while the reader kept reading, so one host could
+/// grow the target's memory without end. Another host goes on meanwhile.
+#[test]
+fn a_host_that_reads_nothing_cannot_queue_answers_without_end() {
+    let t = nvme_target(&["--volume", "v=memory:64M,faults=read:delay=1ms"]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut h, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    // 16 MiB of answers to reads, more than the sockets hold.
+    for i in 0..16u64 {
+        let mut c = sqe(0x02).with(|s| {
+            s.nsid = 1;
+            s.cdw10 = (i * 2048) as u32;
+            s.cdw12 = 2047;
+        });
+        c.dptr = SglDesc { addr: 0, length: 1 << 20, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        h.submit(&mut c, &[]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let before = rss(t.child.id());
+    // Then 1 MiB after 1 MiB of reads of namespace 0, for at most 3 s.
+    let mut flood = Vec::new();
+    for cid in 0..(1u32 << 20) / 72 {
+        let mut c = sqe(0x02).with(|s| s.nsid = 0);
+        c.cid = 100 + (cid % 30_000) as u16;
+        c.dptr = SglDesc { addr: 0, length: 512, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+        pdu::encode(&Header::CapsuleCmd(c), 0, &[], h.d, 0, &mut flood);
+    }
+    h.s.set_write_timeout(Some(Duration::from_secs(1))).unwrap();
+    let (start, mut sent) = (Instant::now(), 0usize);
+    while start.elapsed() < Duration::from_secs(3) && sent < 256 << 20 {
+        match h.s.write(&flood) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = rss(t.child.id()).saturating_sub(before);
+    // What the sockets' buffers take, no more (a few MiB here; before the
+    // fix, all 256 MiB went in, and the target grew by hundreds of MiB).
+    assert!(sent < 48 << 20, "the target took {} MiB of commands", sent >> 20);
+    assert!(grown < 64 << 20, "the target grew by {} MiB", grown >> 20);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    assert!(io.write(1, 8, &pattern(5, 4096)).status.is_success());
+    assert_eq!(io.read(1, 8, 8).1, pattern(5, 4096));
+    drop(h);
+}
+
+/// The number of threads of process `pid`.
+fn threads(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+}
+
+/// A host that toggles CC.SHN over and over gets one shutdown flush at a
+/// time, the last one after its last toggle: until 2026-11-29 each toggle
+/// started a blocking thread of its own, and a few hundred toggles kept
+/// hundreds of threads in the fsync of a volume every host shares.
+#[test]
+fn a_host_toggling_shutdown_runs_one_flush_at_a_time() {
+    let t = nvme_target(&["--volume", "v=memory:8M,faults=flush:delay=50ms"]);
+    let (mut admin, _) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let before = threads(t.child.id());
+    let mut most = before;
+    for i in 0..300 {
+        assert!(admin.property_set(0x14, 0x0046_4001).status.is_success(), "CC.SHN set");
+        assert!(admin.property_set(0x14, 0x0046_0001).status.is_success(), "CC.SHN clear");
+        if i % 20 == 0 {
+            most = most.max(threads(t.child.id()));
+        }
+    }
+    assert!(admin.property_set(0x14, 0x0046_4001).status.is_success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin.property_get(0x1c) >> 2 & 3 != 2 {
+        assert!(Instant::now() < deadline, "the last shutdown never completed");
+        most = most.max(threads(t.child.id()));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(most < before + 8, "{before} threads before, {most} at most while toggling");
 }
 
 /// A write whose data comes in many small H2CData PDUs, each in a read of

@@ -186,6 +186,11 @@ struct CtrlState {
     async_config: u32,
     /// Each connected queue's activity, by queue id (stopped on teardown).
     queues: HashMap<u16, Arc<Activity>>,
+    /// A shutdown's flush is running; `flush_again`: the host asked for
+    /// another shutdown meanwhile (its writes since then are flushed by a
+    /// second round of the same task, not by a task each).
+    flushing: bool,
+    flush_again: bool,
 }
 
 /// CC and CSTS bits.
@@ -324,6 +329,8 @@ impl Subsystem {
                     aers: 0,
                     async_config: 0,
                     queues: HashMap::from([(0, activity.clone())]),
+                    flushing: false,
+                    flush_again: false,
                 }),
                 last_seen: AtomicU64::new(self.now_ms()),
             });
@@ -816,25 +823,40 @@ impl NvmeConn {
             st.aers = 0;
         }
         if cc & CC_SHN != 0 && was & CC_SHN == 0 {
-            // Shutdown: flush every namespace this host sees, then report it done.
+            // Shutdown: flush every namespace this host sees, then report it
+            // done. One flush task per controller at most: a host toggling
+            // CC.SHN started one blocking thread per toggle (hundreds of
+            // threads, each in an fsync of a volume other hosts share).
             st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_BUSY;
+            if st.flushing {
+                st.flush_again = true;
+                return;
+            }
+            st.flushing = true;
             let ctrl = self.ctrl.clone();
             let sub = self.sub.clone();
             tokio::task::spawn_blocking(move || {
                 let mut failed = false;
-                for n in sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()) {
-                    if let Err(e) = n.volume.flush() {
-                        warn!(volume = n.volume.name(), "flush at the host's shutdown failed: {e}");
-                        failed = true;
+                loop {
+                    for n in sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()) {
+                        if let Err(e) = n.volume.flush() {
+                            warn!(volume = n.volume.name(), "flush at the host's shutdown failed: {e}");
+                            failed = true;
+                        }
                     }
-                }
-                let mut st = ctrl.state.lock();
-                if st.cc & CC_SHN != 0 {
-                    st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_DONE;
-                    // Writes may be lost: the controller reports a fatal status, not a clean shutdown.
-                    if failed {
-                        st.csts |= CSTS_CFS;
+                    let mut st = ctrl.state.lock();
+                    if std::mem::take(&mut st.flush_again) {
+                        continue;
                     }
+                    st.flushing = false;
+                    if st.cc & CC_SHN != 0 {
+                        st.csts = (st.csts & !(3 << 2)) | CSTS_SHST_DONE;
+                        // Writes may be lost: the controller reports a fatal status, not a clean shutdown.
+                        if failed {
+                            st.csts |= CSTS_CFS;
+                        }
+                    }
+                    return;
                 }
             });
         } else if cc & CC_SHN == 0 {
