@@ -113,7 +113,11 @@ impl Volume {
         // A session given (a restarted gateway's) is taken over: its first
         // OPEN fences every connection the predecessor left, in every slot.
         let taken_over = opts.session != 0;
-        let (hs, info) = open_handshake(&url, &opts, opts.session, 0, taken_over).await?;
+        let (hs, info) = if taken_over {
+            open_taking_over(&url, &opts).await?
+        } else {
+            open_handshake(&url, &opts, 0, 0, false).await?
+        };
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
             let stats = Arc::new(Stats::default());
             let first = start_conn(weak, 0, 0, hs, &info, &opts, &stats);
@@ -702,6 +706,28 @@ async fn open_handshake(
         Ok((hs, info))
     };
     tokio::time::timeout(opts.connect_timeout, work).await.map_err(|_| Error::Timeout("handshake"))?
+}
+
+/// The first OPEN of a session taken over (a restarted gateway's): the
+/// target answers it once the predecessor's work has finished (the fence),
+/// which a stalled device can make longer than the connect timeout. A try
+/// that times out is made again (each one a takeover; the predecessor's
+/// connections are stopped already) until the reconnect timeout, as a lost
+/// connection's reconnects are. Until 2026-11-29 a fence longer than 10 s
+/// failed the gateway's start.
+async fn open_taking_over(url: &BrpUrl, opts: &Options) -> Result<(Handshake, OpenInfo), Error> {
+    let until = Instant::now() + opts.reconnect_timeout;
+    loop {
+        match open_handshake(url, opts, opts.session, 0, true).await {
+            Err(Error::Timeout(what)) if Instant::now() < until => warn!(
+                %url,
+                "no answer to the session's takeover within {:?} ({what}): the target may still be \
+                 finishing its predecessor's work (the fence); trying again",
+                opts.connect_timeout
+            ),
+            r => return r,
+        }
+    }
 }
 
 /// Re-opens connection `slot` until it works, the volume is dropped, or the

@@ -34,8 +34,10 @@ fn a_restarted_gateway_lets_its_predecessors_writes_land_before_it_serves() {
     let g1 = gateway("127.0.0.1:0");
     let addr = g1.addr.clone();
 
-    // The first write to block 0 takes 4 s on the remote's device.
-    let delay = Duration::from_secs(4);
+    // The first write to block 0 takes 12 s on the remote's device: longer
+    // than the connect timeout (10 s), so the new gateway's takeover is
+    // tried again (its start failed before).
+    let delay = Duration::from_secs(12);
     handle
         .faults("v")
         .unwrap()
