@@ -34,16 +34,38 @@ pub fn mount(
     fuser::spawn_mount(fs, dir, &cfg)
 }
 
-/// Unmounts `dir` (EBUSY while a loop device or an open file holds it).
+/// Unmounts `dir` (EBUSY while a loop device or an open file holds it);
+/// not as root, through fusermount3 -u.
 pub fn umount(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
     // SAFETY: a valid NUL-terminated path; no flags.
     if unsafe { libc::umount2(path.as_ptr(), 0) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+        return Ok(());
     }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EPERM) {
+        return Err(e);
+    }
+    // Not root: the setuid helper unmounts for us, and not lazily (a lazy
+    // unmount of a file in use hid the mount while it stayed in use, and
+    // the detach that asked for it waited in vain).
+    for helper in ["fusermount3", "fusermount"] {
+        match std::process::Command::new(helper).arg("-u").arg(dir).output() {
+            Ok(out) if out.status.success() => return Ok(()),
+            Ok(out) if String::from_utf8_lossy(&out.stderr).contains("busy") => {
+                return Err(std::io::Error::from_raw_os_error(libc::EBUSY))
+            }
+            Ok(out) => {
+                return Err(std::io::Error::other(format!(
+                    "{helper} -u: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )))
+            }
+            Err(_) => continue,
+        }
+    }
+    Err(e)
 }
 
 const DIR: INodeNo = INodeNo::ROOT;
@@ -73,7 +95,7 @@ impl VolumeFile {
 
     fn attr(&self, ino: INodeNo) -> FileAttr {
         let file = ino == FILE;
-        let size = if file { self.vol.size() } else { 0 };
+        let size = if file { self.size() } else { 0 };
         let perm = match (file, self.vol.read_only()) {
             (false, _) => 0o755,
             (true, false) => 0o644,
@@ -103,6 +125,13 @@ impl VolumeFile {
         self.vol.block_size() as u64
     }
 
+    /// The file's size: the volume's whole blocks (an NBD export may end
+    /// inside its minimum block, which can be neither read nor written; the
+    /// last bytes read as an error before), as the kernel's device has.
+    fn size(&self) -> u64 {
+        self.vol.size() / self.block() * self.block()
+    }
+
     /// `[offset, offset + len)` widened to whole blocks.
     fn widen(&self, offset: u64, len: u64) -> (u64, u64) {
         let bs = self.block();
@@ -111,7 +140,7 @@ impl VolumeFile {
     }
 
     fn read(&self, offset: u64, size: u64) -> Result<Bytes, Errno> {
-        let end = (offset + size).min(self.vol.size());
+        let end = (offset + size).min(self.size());
         if offset >= end {
             return Ok(Bytes::new());
         }
@@ -121,7 +150,7 @@ impl VolumeFile {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), Errno> {
-        if offset + data.len() as u64 > self.vol.size() {
+        if offset + data.len() as u64 > self.size() {
             return Err(Errno::ENOSPC);
         }
         let bs = self.block();
@@ -147,7 +176,7 @@ impl VolumeFile {
     /// inside the volume has nothing to do.
     fn fallocate(&self, offset: u64, len: u64, mode: i32) -> Result<(), Errno> {
         let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-        let size = self.vol.size();
+        let size = self.size();
         let len = match offset.checked_add(len) {
             Some(end) if end <= size => len,
             Some(_) | None if keep => size.saturating_sub(offset),

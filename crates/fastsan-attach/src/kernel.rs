@@ -499,6 +499,18 @@ pub enum DetachError {
     },
     #[error("the final flush failed: writes may be lost")]
     Flush(#[source] fastsan_initiator::Error),
+    /// A device no live fastsan attach serves could not be synced: nobody
+    /// may be left to write its cached data.
+    #[error(
+        "{device} stays attached: the kernel's cached data for it cannot be written (is the process \
+         that served it gone, a killed fastsan attach?); `fastsan detach --force {device}` \
+         disconnects it, and that data is lost"
+    )]
+    Unsynced {
+        device: String,
+        #[source]
+        source: Box<DetachError>,
+    },
 }
 
 impl Device {
@@ -537,18 +549,37 @@ impl Device {
 
     /// Detaches cleanly, with the device [`Device::claim`]ed: writes the
     /// kernel's cached data for it and flushes (fsync on the device),
-    /// disconnects, waits for every request to be answered, and flushes the
-    /// volume. If the sync fails, the device is given back, still attached
-    /// and served: its cached data must not be dropped.
+    /// disconnects, waits for every request to be answered, and closes the
+    /// volume (flushes it; a mirror clears its log). If the sync fails, the
+    /// device is given back, still attached and served: its cached data
+    /// must not be dropped. Unless the volume's session is over (its target
+    /// restarted without the volume's data, or its host lost acknowledged
+    /// writes): then nothing can be made durable any more, a new try would
+    /// fail the same way for ever, and the device is disconnected with that
+    /// error (it stayed attached, refusing every detach, before).
     pub async fn detach(
-        mut self,
+        self,
         claimed: Option<std::fs::File>,
     ) -> Result<(), (Option<Device>, DetachError)> {
         // Held until the end: nobody can mount the device in between.
         let _claimed = match sync(claimed, &self.path).await {
             Ok(f) => f,
-            Err(e) => return Err((Some(self), e)),
+            Err(e) => match self.vol.flush().await {
+                Err(over) if over.session_over() => {
+                    warn!(device = %self.path.display(), "{e}: the volume's session is over, detaching");
+                    self.disconnect_and_wait().await;
+                    return Err((None, DetachError::Flush(over)));
+                }
+                _ => return Err((Some(self), e)),
+            },
         };
+        let vol = self.disconnect_and_wait().await;
+        vol.close().await.map_err(|e| (None, DetachError::Flush(e)))
+    }
+
+    /// Disconnects, and waits for every queue to end (their requests
+    /// answered) and, with the ioctls, for the kernel's thread; the volume.
+    async fn disconnect_and_wait(mut self) -> Remote {
         let bridges = self.queues.detaching();
         self.disconnect();
         for b in bridges {
@@ -564,7 +595,7 @@ impl Device {
         if let Control::Ioctl { doit, .. } = self.control {
             let _ = tokio::task::spawn_blocking(move || doit.join()).await;
         }
-        self.vol.flush().await.map_err(|e| (None, DetachError::Flush(e)))
+        self.vol
     }
 }
 
@@ -603,14 +634,26 @@ async fn sync(claimed: Option<std::fs::File>, path: &Path) -> Result<Option<std:
 
 /// Detaches a device that no live `fastsan attach` serves (`nbd-client`'s,
 /// or one whose `fastsan attach` was killed): refused while it is mounted
-/// or held; else synced and disconnected through netlink.
-pub async fn detach_other(path: &Path) -> Result<(), DetachError> {
+/// or held; else synced and disconnected through netlink. A device whose
+/// sync fails stays attached ([`DetachError::Unsynced`]) unless `force`:
+/// then it is disconnected all the same, and the sync's error returned
+/// with the success (the kernel's cached data is lost). A killed attach
+/// left its device so, and nothing could free it but `nbd-client -d`.
+pub async fn detach_other(path: &Path, force: bool) -> Result<Option<DetachError>, DetachError> {
     let io = |what: String| move |source| DetachError::Io { what, source };
     let index = index_of(path)
         .map_err(|e| DetachError::Io { what: e.to_string(), source: io::ErrorKind::InvalidInput.into() })?;
-    let _claimed = sync(claim(path)?, path).await?;
+    let (_claimed, lost) = match sync(claim(path)?, path).await {
+        Ok(claimed) => (claimed, None),
+        // Claimed again: still nobody may mount it meanwhile.
+        Err(e) if force => (claim(path)?, Some(e)),
+        Err(e) => {
+            return Err(DetachError::Unsynced { device: path.display().to_string(), source: Box::new(e) })
+        }
+    };
     let mut nl = NbdNetlink::open()
         .and_then(|nl| nl.ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "no NBD netlink family")))
         .map_err(io("cannot reach the kernel's NBD driver".into()))?;
-    nl.disconnect(index).map_err(io(format!("cannot disconnect {}", path.display())))
+    nl.disconnect(index).map_err(io(format!("cannot disconnect {}", path.display())))?;
+    Ok(lost)
 }

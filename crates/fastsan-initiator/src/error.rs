@@ -133,6 +133,19 @@ fn unreachable_text(cause: Option<&str>, reconnect: std::time::Duration) -> Stri
 }
 
 impl Error {
+    /// Whether the volume's session is over for good: the volume behind the
+    /// name is another now, or writes it acknowledged may be lost; nothing
+    /// it holds can be made durable any more (reopen the volume).
+    pub fn session_over(&self) -> bool {
+        matches!(
+            self,
+            Error::VolumeChanged { .. }
+                | Error::VolumeReplaced { .. }
+                | Error::SessionEnded(_)
+                | Error::UnflushedWritesLost { .. }
+        )
+    }
+
     /// Whether the same request may succeed if sent again.
     pub fn is_retryable(&self) -> bool {
         match self {

@@ -90,6 +90,11 @@ pub struct DetachArgs {
     /// Seconds to wait for the attaching process to finish.
     #[arg(long, default_value_t = 120, value_name = "SECS")]
     timeout: u64,
+    /// For a device no live fastsan attach serves (its attach was killed):
+    /// disconnect it even when the kernel's cached data for it cannot be
+    /// written, dropping that data. Still refused while it is mounted.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Marks this process as serving a block device (PR_SET_IO_FLUSHER), as
@@ -137,6 +142,17 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let timeout = match a.device_timeout {
         Some(s) => {
             anyhow::ensure!((1..=86400).contains(&s), "--device-timeout must be 1..=86400 seconds");
+            // A request the kernel gives up on is sent again; the first may
+            // still land, over a later write to the same place, unless the
+            // session orders overlapping writes (BRP's does; an NBD server's
+            // and a mirror's log do not).
+            anyhow::ensure!(
+                fastsan_initiator::BrpUrl::has_scheme(&url) || Duration::from_secs(s) >= initiator_longest,
+                "--device-timeout {s} is shorter than the longest a request to {url} may take ({} s): \
+                 the kernel would send a write again while the first may still land over a later \
+                 one (only a brp:// session orders overlapping writes)",
+                initiator_longest.as_secs()
+            );
             Some(Duration::from_secs(s))
         }
         None => None,
@@ -418,10 +434,19 @@ pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
         let index = kernel::index_of(&a.target)
             .with_context(|| format!("nothing attached by fastsan at {}", a.target.display()))?;
         anyhow::ensure!(kernel::is_connected(index), "{} is not attached", a.target.display());
-        kernel::detach_other(&a.target).await?;
+        if let Some(lost) = kernel::detach_other(&a.target, a.force).await? {
+            let lost = fastsan_initiator::error::chain(&lost);
+            warn!(device = %a.target.display(), "disconnected without the kernel's cached data (--force): {lost}");
+        }
         outln!("fastsan: {} disconnected", a.target.display())?;
         return Ok(());
     };
+    anyhow::ensure!(
+        !a.force,
+        "--force is for a device whose attach is gone; process {} serves {}: detach it without --force",
+        e.pid,
+        e.device
+    );
     if let Some(why) = e.state.strip_prefix("failed: ") {
         anyhow::bail!("the attachment of {} ended with an error: {why}", e.device);
     }

@@ -427,6 +427,72 @@ fn attach_list_and_detach() {
     assert_eq!(&b[..10], b"still here");
 }
 
+/// A user who is not root (here nobody, through setpriv) detaches a FUSE
+/// attachment only once its file is no longer in use: until 2026-11-29 the
+/// unmount went through `fusermount -u -z`, which took the mount out of
+/// sight at once while the file stayed in use, and the detach waited in
+/// vain for the process to end.
+#[test]
+fn a_user_not_root_detaches_only_a_file_not_in_use() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("attach-user");
+    std::fs::set_permissions(&*dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (fuse, run) = (dir.join("fuse"), dir.join("run"));
+    for d in [&fuse, &run] {
+        std::fs::create_dir(d).unwrap();
+        std::os::unix::fs::chown(d, Some(65534), Some(65534)).unwrap();
+    }
+    // Users open /dev/fuse themselves (fusermount3 only mounts): mode 0666,
+    // as udev makes it; a container's devtmpfs may give 0600, restored after.
+    struct Mode(u32);
+    impl Drop for Mode {
+        fn drop(&mut self) {
+            let _ = std::fs::set_permissions("/dev/fuse", std::fs::Permissions::from_mode(self.0));
+        }
+    }
+    let _mode = Mode(std::fs::metadata("/dev/fuse").unwrap().permissions().mode() & 0o7777);
+    std::fs::set_permissions("/dev/fuse", std::fs::Permissions::from_mode(0o666)).unwrap();
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M"]);
+    let nobody = |program: &str| {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", program]).env("FASTSAN_RUN_DIR", &run);
+        c
+    };
+    let child = nobody(BIN)
+        .args(["attach", &s.url("v"), "--fuse", fuse.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut a = Attached { child: Some(child), fuse: fuse.clone(), mnt: dir.join("mnt"), loopdev: None };
+    let mut line = String::new();
+    let stdout = a.child.as_mut().unwrap().stdout.take().unwrap();
+    std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+    assert!(line.contains("attached as"), "attach as nobody: {line:?}");
+    let file = fuse.join("v");
+    // The file held open by a process of that user (root may not look into
+    // another user's FUSE mount).
+    let mut holder =
+        nobody("sh").args(["-c", &format!("exec sleep 60 < {}", file.display())]).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(holder.try_wait().unwrap().is_none(), "the holder opened the file");
+    let out = nobody(BIN).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("in use"), "{err}");
+    assert!(a.child.as_mut().unwrap().try_wait().unwrap().is_none(), "still attached and serving");
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(mounts.contains(fuse.to_str().unwrap()), "still mounted: {mounts}");
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let out = nobody(BIN).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let status =
+        wait_exit(a.child.as_mut().unwrap(), Duration::from_secs(10)).expect("attach exits after detach");
+    assert!(status.success());
+    assert!(!std::fs::read_to_string("/proc/mounts").unwrap().contains(fuse.to_str().unwrap()));
+}
+
 /// Any NBD server's export attaches too (here fastsan's own NBD front end):
 /// unaligned writes, fsync and fallocate reach the volume, seen through BRP.
 #[test]

@@ -131,6 +131,24 @@ fn cp_never_reports_a_copy_it_did_not_make() {
     );
 }
 
+/// A target with volumes `bad` (a read error at 2 MiB), `good` and `own`,
+/// a file in `dir` (returned with its bytes): what a copy to a file meets.
+fn serve_bad_good_own(dir: &Path) -> (Served, std::path::PathBuf, Vec<u8>) {
+    let own = dir.join("own.img");
+    let own_data = random_file(&own, 4 << 20);
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--volume",
+        "bad=memory:4M,faults=read:eio@2M-3M",
+        "--volume",
+        "good=memory:4M",
+        "--volume",
+        &format!("own=file:{}", own.display()),
+    ]);
+    (s, own, own_data)
+}
+
 /// A local destination file is replaced only by a whole, flushed copy: a
 /// copy that fails half-way (a read error at 2 MiB) leaves it as it was,
 /// with its permissions and no temporary file behind; through a symbolic
@@ -145,18 +163,7 @@ fn cp_replaces_a_file_only_with_a_whole_copy() {
     let backup = dir.join("backup.img");
     let old = random_file(&backup, 3_000_000);
     std::fs::set_permissions(&backup, std::fs::Permissions::from_mode(0o640)).unwrap();
-    let own = dir.join("own.img");
-    let own_data = random_file(&own, 4 << 20);
-    let s = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--volume",
-        "bad=memory:4M,faults=read:eio@2M-3M",
-        "--volume",
-        "good=memory:4M",
-        "--volume",
-        &format!("own=file:{}", own.display()),
-    ]);
+    let (s, own, own_data) = serve_bad_good_own(&dir);
     let listing = |d: &Path| {
         let mut v: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
         v.sort();
@@ -311,18 +318,7 @@ fn cp_streams_through_standard_input_output_and_pipes() {
 fn cp_in_place_writes_the_file_itself() {
     use std::os::unix::fs::MetadataExt;
     let dir = temp_dir("cp-in-place");
-    let own = dir.join("own.img");
-    let own_data = random_file(&own, 4 << 20);
-    let s = Served::start(&[
-        "--brp",
-        "127.0.0.1:0",
-        "--volume",
-        "bad=memory:4M,faults=read:eio@2M-3M",
-        "--volume",
-        "good=memory:4M",
-        "--volume",
-        &format!("own=file:{}", own.display()),
-    ]);
+    let (s, own, own_data) = serve_bad_good_own(&dir);
     let src = dir.join("src.bin");
     let data = random_file(&src, 4 << 20);
     assert!(fastsan(&["cp", src.to_str().unwrap(), &s.url("good")]).status.success());
@@ -789,6 +785,7 @@ fn bad_command_lines_get_clear_errors() {
         (&["bench", "brp://127.0.0.1:1/v", "--rw", "read", "--fsync", "4"], "act on writes"),
         (&["bench", "brp://127.0.0.1:1/v", "--rw", "randwrite", "--rwmixread", "70"], "--rw randrw"),
         (&["attach", "--list", "brp://127.0.0.1:1/v"], "cannot be used with"),
+        (&["attach", "nbd://127.0.0.1:1/v", "--device-timeout", "3"], "only a brp:// session orders"),
         (&["ls", "brp://127.0.0.1:1", "--connections", "4"], "unexpected argument '--connections'"),
     ];
     let dir = temp_dir("badconf");

@@ -12,7 +12,11 @@
 //! each reconnect meets `nc`'s own error text instead of a handshake. At
 //! `@@STOP` it stops the target (SIGSTOP) for 10 s, longer than the device
 //! timeout the guest attached with (3 s): the kernel gives up on its queues'
-//! sockets, and attach must give it new ones without losing a write.
+//! sockets, and attach must give it new ones without losing a write. At
+//! `@@REPLACE` it restarts the target at once: the memory volume the guest
+//! attached last comes back empty (another volume), and detach must not
+//! leave the device attached for ever. Before that, an attach killed with
+//! SIGKILL leaves a device that `detach --force` frees.
 
 mod common;
 
@@ -33,7 +37,8 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
     let spec = format!("v=file:{}", img.display());
-    let mut target = Some(Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]));
+    let memory = "m=memory:64M";
+    let mut target = Some(Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec, "--volume", memory]));
     let addr = target.as_ref().unwrap().addr.clone();
     let port = addr.rsplit(':').next().unwrap().to_owned();
 
@@ -49,7 +54,15 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
             t.child.kill().unwrap();
             t.child.wait().unwrap();
             std::thread::sleep(Duration::from_secs(35));
-            target = Some(Served::start(&["--brp", &addr, "--volume", &spec]));
+            target = Some(Served::start(&["--brp", &addr, "--volume", &spec, "--volume", memory]));
+        } else if event == "REPLACE" {
+            // Restarted at once: the memory volume comes back empty, another.
+            eprintln!("host: the target restarts (its memory volume is replaced)");
+            std::thread::sleep(Duration::from_millis(500));
+            let mut t = target.take().unwrap();
+            t.child.kill().unwrap();
+            t.child.wait().unwrap();
+            target = Some(Served::start(&["--brp", &addr, "--volume", &spec, "--volume", memory]));
         } else if event == "STOP" {
             // Stopped, not killed: its connections stay, nothing answers
             // for 10 s, longer than the guest's device timeout (3 s).
@@ -77,6 +90,11 @@ fn the_kernel_nbd_client_on_attach_survives_a_target_restart() {
         "reconnected",
         "SIGTERM detaches",
         "queues renewed",
+        "fails with 'detach --force'",
+        "detach --force frees",
+        "fails with 'writes may be lost'",
+        "a replaced volume's device is detached",
+        "attach reports the loss",
     ]);
     drop(target);
 }

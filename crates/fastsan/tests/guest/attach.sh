@@ -189,6 +189,32 @@ if attach --device /dev/nbd0 --device-timeout 3; then
   else say "FAIL no new socket: $(tail -5 /tmp/attach.log)"; fi
   detach
 fi
+# 5. An attach killed with SIGKILL leaves its device configured, its sockets
+# dead: detach says the kernel's cached data cannot be written and how to
+# let go anyway; --force disconnects it (nothing else but nbd-client -d
+# could, before), and the device is free for the next attach.
+if attach --device /dev/nbd0; then
+  kill -KILL $pid
+  wait $pid 2>/dev/null
+  fails_with "detach --force" timeout 90 fastsan detach /dev/nbd0
+  check timeout 90 fastsan detach --force /dev/nbd0
+  if [ -e /sys/block/nbd0/pid ]; then say "FAIL still attached after detach --force"
+  else say "PASS detach --force frees a killed attach's device"; fi
+fi
+# 6. A memory volume whose target the host restarts (@@REPLACE) with data
+# written and not flushed: the volume is another now, nothing can be made
+# durable, and detach disconnects with that error (it stayed attached,
+# refusing every detach, before).
+URL=brp://10.0.2.100:10810/m
+if attach --device /dev/nbd0; then
+  check dd if=/dev/urandom of=/dev/nbd0 bs=1M count=4
+  say "REPLACE"
+  sleep 5
+  fails_with "writes may be lost" timeout 90 fastsan detach /dev/nbd0
+  if [ -e /sys/block/nbd0/pid ]; then say "FAIL still attached after its volume was replaced"
+  else say "PASS a replaced volume's device is detached"; fi
+  if wait $pid; then say "FAIL attach exited 0 after losing writes"; else say "PASS attach reports the loss"; fi
+fi
 # The tracing the stall report relies on worked (requests in the ring buffer).
 echo "trace: $(grep -c nbd_header_sent $T/trace 2>/dev/null) NBD headers sent in the ring buffer"
 say "END"
