@@ -557,10 +557,7 @@ impl Device {
     /// writes): then nothing can be made durable any more, a new try would
     /// fail the same way for ever, and the device is disconnected with that
     /// error (it stayed attached, refusing every detach, before).
-    pub async fn detach(
-        self,
-        claimed: Option<std::fs::File>,
-    ) -> Result<(), (Option<Device>, DetachError)> {
+    pub async fn detach(self, claimed: Option<std::fs::File>) -> Result<(), (Option<Device>, DetachError)> {
         // Held until the end: nobody can mount the device in between.
         let _claimed = match sync(claimed, &self.path).await {
             Ok(f) => f,
