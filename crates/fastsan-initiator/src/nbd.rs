@@ -183,6 +183,9 @@ async fn info(
     Ok((size, flags, sizes))
 }
 
+/// Most exports [`list`] takes from one server.
+const MAX_LISTED: usize = 4096;
+
 /// Lists the exports of the NBD server at `url`, with their sizes
 /// (OPT_LIST, then OPT_INFO for each), or the one export the URL names
 /// (from a server that does not list its exports, too). Of the options,
@@ -201,6 +204,9 @@ pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
             let mut names = Vec::new();
             loop {
                 match option_reply(&mut s, &addr, OPT_LIST).await? {
+                    (REP_SERVER, _) if names.len() >= MAX_LISTED => {
+                        return Err(bad(format!("{addr} lists more than {MAX_LISTED} exports")))
+                    }
                     (REP_SERVER, d) if d.len() >= 4 => {
                         let n = u32::from_be_bytes(d[..4].try_into().expect("4 bytes")) as usize;
                         let name = d

@@ -533,6 +533,8 @@ pub struct Dispatcher<W, E: Encoder> {
     peer: Arc<str>,
     tx: mpsc::UnboundedSender<Batch<E>>,
     sink: Sink<W, E>,
+    /// Replies without a credit in the writer's queue ([`MAX_LOCAL_HANDED`]).
+    handed: Arc<AtomicUsize>,
     credits: Arc<Credits>,
     /// Replies of requests run inline, held until the reader has dispatched
     /// everything one read brought, then written together in one `writev`.
@@ -622,6 +624,17 @@ struct Logged {
 pub struct Writer<W, E: Encoder> {
     rx: mpsc::UnboundedReceiver<Batch<E>>,
     sink: Sink<W, E>,
+    handed: Arc<AtomicUsize>,
+}
+
+/// Most replies without a credit (made by the front end itself: an
+/// NVMe/TCP R2T, an admin command's answer) waiting in the writer's queue;
+/// past it, the reader writes its replies itself, waiting for the socket.
+const MAX_LOCAL_HANDED: usize = 1024;
+
+/// Replies in `batch` that hold no credit.
+fn local_replies<M>(batch: &[Reply<M>]) -> usize {
+    batch.iter().filter(|r| r._credit.is_none()).count()
 }
 
 impl<W, E> Dispatcher<W, E>
@@ -659,12 +672,14 @@ where
             server: env.budget.clone(),
             stats: env.stats.clone(),
         });
+        let handed = Arc::new(AtomicUsize::new(0));
         let d = Dispatcher {
             env,
             limits,
             peer,
             tx,
             sink: sink.clone(),
+            handed: handed.clone(),
             credits,
             pending: parking_lot::Mutex::new(Vec::with_capacity(64)),
             logged: Arc::new(Logged::default()),
@@ -672,7 +687,7 @@ where
             client: NEXT_CLIENT.fetch_add(1, Relaxed),
             unkicked: parking_lot::Mutex::new(Vec::new()),
         };
-        (d, Writer { rx, sink })
+        (d, Writer { rx, sink, handed })
     }
 
     /// Check, then hand to `volume`'s device: inline or on the pool. `req`
@@ -840,36 +855,44 @@ where
     }
 
     /// Sends the replies held so far: written here at once when the socket's
-    /// writer is free, else handed to the writer task (or, for replies that
-    /// hold no credit, written here once the writer is done). Readers call it after
-    /// dispatching what one read brought; it also runs before waiting for a
-    /// credit (the held replies are what would free it).
+    /// writer is free, else handed to the writer task (or, when too many
+    /// replies without a credit wait there already, written here once the
+    /// writer is done). Readers call it after dispatching what one read
+    /// brought; it also runs before waiting for a credit (the held replies
+    /// are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
         self.kick();
-        let mut batch = {
-            let mut pending = self.pending.lock();
+        let local = {
+            let pending = self.pending.lock();
             if pending.is_empty() {
                 return Ok(());
             }
-            std::mem::take(&mut *pending)
+            local_replies(&pending)
         };
+        // The lock before the replies: a flush given up while it waits
+        // (shutdown, a stop) leaves them held, to be sent, not dropped.
         let mut sink = match self.sink.try_lock() {
             Ok(sink) => sink,
             // Replies the front end made itself hold no credit, so nothing
-            // else bounds them: the reader waits for the socket's writer
-            // (and so for the client to read) before it reads more. Until
-            // 2026-11-29 they went to the writer's unbounded queue too, and
-            // an NVMe/TCP host that stopped reading during a large read's
-            // answer and went on sending commands the target refuses itself
-            // (namespace 0) grew its memory without end: 256 MiB of such
-            // commands taken in a second (tests/nvme.rs,
+            // else bounds how many wait for the writer: past a bound the
+            // reader waits for the socket's writer (and so for the client
+            // to read) before it reads more. Until 2026-11-29 they all went
+            // to the writer's unbounded queue, and an NVMe/TCP host that
+            // stopped reading during a large read's answer and went on
+            // sending commands the target refuses itself (namespace 0) grew
+            // its memory without end: 256 MiB of such commands taken in a
+            // second (tests/nvme.rs,
             // `a_host_that_reads_nothing_cannot_queue_answers_without_end`).
-            Err(_) if batch.iter().any(|r| r._credit.is_none()) => self.sink.lock().await,
+            Err(_) if local > 0 && self.handed.load(Relaxed) + local > MAX_LOCAL_HANDED => {
+                self.sink.lock().await
+            }
             Err(_) => {
-                let _ = self.tx.send(batch);
+                let batch = std::mem::take(&mut *self.pending.lock());
+                self.hand_off(batch);
                 return Ok(());
             }
         };
+        let mut batch = std::mem::take(&mut *self.pending.lock());
         let r = sink.write(&batch).await;
         drop(sink);
         // The replies (and the credits they hold) go now, as they always
@@ -953,6 +976,16 @@ where
     }
 }
 
+impl<W, E: Encoder> Dispatcher<W, E> {
+    /// Hands `batch` to the writer task, counting its replies without a credit.
+    fn hand_off(&self, batch: Batch<E>) {
+        if !batch.is_empty() {
+            self.handed.fetch_add(local_replies(&batch), Relaxed);
+            let _ = self.tx.send(batch);
+        }
+    }
+}
+
 impl<W, E: Encoder> Drop for Dispatcher<W, E> {
     fn drop(&mut self) {
         // A connection that ends mid-read: what it submitted starts now.
@@ -960,9 +993,7 @@ impl<W, E: Encoder> Drop for Dispatcher<W, E> {
             v.kick();
         }
         let p = std::mem::take(&mut *self.pending.lock());
-        if !p.is_empty() {
-            let _ = self.tx.send(p);
-        }
+        self.hand_off(p);
     }
 }
 
@@ -980,6 +1011,8 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
                     Err(_) => break,
                 }
             }
+            // Out of the queue (what the dispatcher counts): in hand now.
+            self.handed.fetch_sub(local_replies(&batch), Relaxed);
             self.sink.lock().await.write(&batch).await?;
             batch.clear();
         }

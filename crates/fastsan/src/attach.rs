@@ -441,15 +441,15 @@ pub async fn detach(a: DetachArgs) -> anyhow::Result<()> {
         outln!("fastsan: {} disconnected", a.target.display())?;
         return Ok(());
     };
+    if let Some(why) = e.state.strip_prefix("failed: ") {
+        anyhow::bail!("the attachment of {} ended with an error: {why}", e.device);
+    }
     anyhow::ensure!(
         !a.force,
         "--force is for a device whose attach is gone; process {} serves {}: detach it without --force",
         e.pid,
         e.device
     );
-    if let Some(why) = e.state.strip_prefix("failed: ") {
-        anyhow::bail!("the attachment of {} ended with an error: {why}", e.device);
-    }
     // SAFETY: plain kill(2) of a pid the registry vouches for (same start time).
     if unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGTERM) } != 0 {
         return Err(std::io::Error::last_os_error()).context(format!("cannot signal process {}", e.pid));

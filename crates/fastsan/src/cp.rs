@@ -147,6 +147,17 @@ fn check_ends(src: &str, dst: &str) -> anyhow::Result<()> {
     }
 }
 
+/// `--in-place` is for a destination file (new or not): refused, before
+/// anything is opened, for a volume, a stream or a device, which are
+/// written in place as they are (a pipe's open would wait for its reader).
+fn check_in_place(dst: &str) -> anyhow::Result<()> {
+    let file = !is_volume(dst)? && dst != "-" && std::fs::metadata(dst).map_or(true, |m| m.is_file());
+    if !file {
+        bail!("--in-place is for a destination file: {dst} is written in place as it is");
+    }
+    Ok(())
+}
+
 /// What a file that is neither a regular file nor a block device is, in words.
 fn kind_of(t: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
@@ -679,13 +690,13 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         bail!("--depth x --chunk is the memory a copy holds in flight: at most 1 GiB");
     }
     check_ends(&a.src, &a.dst)?;
+    if a.in_place {
+        check_in_place(&a.dst)?;
+    }
     let src = End::open(&a.src, false, a.in_place, &a.client).await?;
     src.check_chunk(chunk)?;
     let mut dst = End::open(&a.dst, true, a.in_place, &a.client).await?;
     dst.check_chunk(chunk)?;
-    if a.in_place && !matches!(dst, End::Local(_, _, Local::InPlace { .. })) {
-        bail!("--in-place is for a destination file: {} is written in place as it is", dst.name());
-    }
     let len = match src {
         End::Stream(_, _, Flow::Fills) => dst.room(),
         _ => src.len()?,

@@ -30,7 +30,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         fastsan_initiator::list(&a.url, &opts).await
     };
     let volumes = volumes.with_context(|| format!("listing {}", a.url))?;
-    let width = volumes.iter().map(|v| v.name.len()).max().unwrap_or(4).max(4);
+    // A name is the server's to choose: its control characters are shown
+    // escaped, never sent to the terminal.
+    let shown = |name: &str| -> String {
+        name.chars()
+            .flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] })
+            .collect()
+    };
+    let width = volumes.iter().map(|v| shown(&v.name).chars().count()).max().unwrap_or(4).max(4);
     outln!("{:<width$}  {:>14}  {:>10}  {:>6}  FLAGS", "NAME", "BYTES", "SIZE", "BLOCK")?;
     for v in &volumes {
         let mut flags = Vec::new();
@@ -42,7 +49,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         outln!(
             "{:<width$}  {:>14}  {:>10}  {:>6}  {}",
-            v.name,
+            shown(&v.name),
             v.size,
             HumanBytes(v.size).to_string(),
             v.block_size,

@@ -234,6 +234,14 @@ fn main() -> std::process::ExitCode {
         .init();
     if let Some((v, e)) = bad_filter {
         tracing::warn!("RUST_LOG={v:?} is not a log filter ({e}); using the default (e.g. RUST_LOG=debug)");
+    } else if let Some(v) = std::env::var("RUST_LOG").ok().filter(|v| names_no_fastsan_log(v)) {
+        // Said straight to stderr: the filter itself silences the log.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "fastsan: RUST_LOG={v:?} names no level and no fastsan module, so it silences fastsan's \
+             log (e.g. RUST_LOG=debug, or RUST_LOG=fastsan_target=debug)"
+        );
     }
     if let Some(e) = io_flusher {
         tracing::debug!("PR_SET_IO_FLUSHER: {e}");
@@ -273,6 +281,20 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Whether a log filter that parses turns on nothing of fastsan's: none of
+/// its directives is a bare level (`debug`) or names a fastsan module (or
+/// none: `[span]=debug`). `RUST_LOG=verbose` is such a filter: it asks for
+/// the module "verbose", and silenced every line.
+fn names_no_fastsan_log(filter: &str) -> bool {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let enables = |d: &str| {
+        let d = d.trim();
+        let target = d.split(['=', '[']).next().unwrap_or("");
+        LEVELS.iter().any(|l| d.eq_ignore_ascii_case(l)) || target.is_empty() || target.starts_with("fastsan")
+    };
+    !filter.trim().is_empty() && !filter.split(',').filter(|d| !d.trim().is_empty()).any(enables)
 }
 
 /// The target logs what it does; client commands stay quiet unless warned.

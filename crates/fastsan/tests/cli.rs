@@ -280,8 +280,25 @@ fn cp_streams_through_standard_input_output_and_pipes() {
     let writer = {
         let (fifo, piped) = (fifo.clone(), piped.clone());
         std::thread::spawn(move || {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            use std::os::unix::io::AsRawFd;
+            // Opened without waiting (ENXIO until cp opens it to read), so
+            // that a cp that never does fails the test instead of hanging it.
             std::thread::sleep(Duration::from_millis(300));
-            std::fs::write(fifo, piped).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut f = loop {
+                match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo) {
+                    Ok(f) => break f,
+                    Err(e) if e.raw_os_error() == Some(libc::ENXIO) && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(e) => panic!("cp never opened the pipe: {e}"),
+                }
+            };
+            // SAFETY: clears O_NONBLOCK on a descriptor this thread owns.
+            unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, 0) };
+            f.write_all(&piped).unwrap();
         })
     };
     let out = fastsan(&["cp", fifo.to_str().unwrap(), &s.url("w")]);
@@ -721,6 +738,19 @@ fn a_bad_rust_log_is_said_not_obeyed() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is not a log filter") && err.contains("Connection refused"), "{err}");
+    // A filter that parses but turns on nothing of fastsan's is pointed out
+    // (its own warning would be silenced by it); one that does is not.
+    for (filter, said) in
+        [("verbose", true), ("rustls=debug", true), ("debug", false), ("fastsan_initiator=info", false)]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_fastsan"))
+            .args(["ls", "brp://127.0.0.1:1"])
+            .env("RUST_LOG", filter)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.contains("names no level and no fastsan module"), said, "{filter}: {err}");
+    }
 }
 
 /// A volume given by flag replaces the config file's volume of the same

@@ -836,6 +836,19 @@ impl NvmeConn {
             let ctrl = self.ctrl.clone();
             let sub = self.sub.clone();
             tokio::task::spawn_blocking(move || {
+                // A flush that panics must not leave the controller "flushing"
+                // for good (every later shutdown would stay busy).
+                struct Ends(Arc<Controller>);
+                impl Drop for Ends {
+                    fn drop(&mut self) {
+                        if std::thread::panicking() {
+                            let mut st = self.0.state.lock();
+                            st.flushing = false;
+                            st.flush_again = false;
+                        }
+                    }
+                }
+                let _ends = Ends(ctrl.clone());
                 let mut failed = false;
                 loop {
                     for n in sub.namespaces.iter().filter(|n| ctrl.namespace(n.nsid).is_some()) {
