@@ -459,7 +459,12 @@ fn a_user_not_root_detaches_only_a_file_not_in_use() {
         c.args(["--reuid=65534", "--regid=65534", "--clear-groups", program]).env("FASTSAN_RUN_DIR", &run);
         c
     };
-    let child = nobody(BIN)
+    // A copy that nobody can run wherever the checkout is (a 0700 home).
+    let bin = dir.join("fastsan");
+    std::fs::copy(BIN, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = bin.to_str().unwrap();
+    let child = nobody(bin)
         .args(["attach", &s.url("v"), "--fuse", fuse.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -477,7 +482,7 @@ fn a_user_not_root_detaches_only_a_file_not_in_use() {
         nobody("sh").args(["-c", &format!("exec sleep 60 < {}", file.display())]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert!(holder.try_wait().unwrap().is_none(), "the holder opened the file");
-    let out = nobody(BIN).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
+    let out = nobody(bin).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("in use"), "{err}");
     assert!(a.child.as_mut().unwrap().try_wait().unwrap().is_none(), "still attached and serving");
@@ -485,7 +490,7 @@ fn a_user_not_root_detaches_only_a_file_not_in_use() {
     assert!(mounts.contains(fuse.to_str().unwrap()), "still mounted: {mounts}");
     let _ = holder.kill();
     let _ = holder.wait();
-    let out = nobody(BIN).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
+    let out = nobody(bin).args(["detach", fuse.to_str().unwrap(), "--timeout", "20"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let status =
         wait_exit(a.child.as_mut().unwrap(), Duration::from_secs(10)).expect("attach exits after detach");
