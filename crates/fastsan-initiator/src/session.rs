@@ -710,21 +710,25 @@ async fn open_handshake(
 
 /// The first OPEN of a session taken over (a restarted gateway's): the
 /// target answers it once the predecessor's work has finished (the fence),
-/// which a stalled device can make longer than the connect timeout. A try
-/// that times out is made again (each one a takeover; the predecessor's
-/// connections are stopped already) until the reconnect timeout, as a lost
+/// which a stalled device can make longer than the connect timeout (or
+/// than the target's own handshake timeout, after which it closes the
+/// connection). A try that fails so, or with any error a new try may not
+/// meet, is made again (each one a takeover; the predecessor's connections
+/// are stopped already) until the reconnect timeout, as a lost
 /// connection's reconnects are. Until 2026-11-29 a fence longer than 10 s
 /// failed the gateway's start.
 async fn open_taking_over(url: &BrpUrl, opts: &Options) -> Result<(Handshake, OpenInfo), Error> {
     let until = Instant::now() + opts.reconnect_timeout;
     loop {
         match open_handshake(url, opts, opts.session, 0, true).await {
-            Err(Error::Timeout(what)) if Instant::now() < until => warn!(
-                %url,
-                "no answer to the session's takeover within {:?} ({what}): the target may still be \
-                 finishing its predecessor's work (the fence); trying again",
-                opts.connect_timeout
-            ),
+            Err(e) if e.is_retryable() && Instant::now() < until => {
+                warn!(
+                    %url,
+                    "the session's takeover failed ({e}): the target may still be finishing its \
+                     predecessor's work (the fence); trying again"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
             r => return r,
         }
     }

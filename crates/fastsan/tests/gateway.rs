@@ -24,6 +24,8 @@ fn a_restarted_gateway_lets_its_predecessors_writes_land_before_it_serves() {
         brp: "127.0.0.1:0".parse().unwrap(),
         nbd: None,
         volumes: vec![VolumeSpec::parse("v=memory:16M,faults=none").unwrap()],
+        // A handshake (an OPEN held by the fence too) is cut after 3 s.
+        handshake_timeout: Duration::from_secs(3),
         ..Default::default()
     };
     let server = rt.block_on(Server::bind(config)).expect("the remote target binds");
@@ -34,10 +36,11 @@ fn a_restarted_gateway_lets_its_predecessors_writes_land_before_it_serves() {
     let g1 = gateway("127.0.0.1:0");
     let addr = g1.addr.clone();
 
-    // The first write to block 0 takes 12 s on the remote's device: longer
-    // than the connect timeout (10 s), so the new gateway's takeover is
-    // tried again (its start failed before).
-    let delay = Duration::from_secs(12);
+    // The first write to block 0 takes 8 s on the remote's device: longer
+    // than the remote lets a handshake wait (3 s here; the gateway's own
+    // connect timeout is 10 s, and CI met either first), so the new
+    // gateway's takeover is tried again (its start failed before).
+    let delay = Duration::from_secs(8);
     handle
         .faults("v")
         .unwrap()
