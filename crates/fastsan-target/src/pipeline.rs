@@ -862,35 +862,17 @@ where
     /// are what would free it).
     pub async fn flush(&self) -> io::Result<()> {
         self.kick();
-        let local = {
-            let pending = self.pending.lock();
-            if pending.is_empty() {
-                return Ok(());
-            }
-            local_replies(&pending)
-        };
+        if self.pending.lock().is_empty() {
+            return Ok(());
+        }
         // The lock before the replies: a flush given up while it waits
         // (shutdown, a stop) leaves them held, to be sent, not dropped.
         let mut sink = match self.sink.try_lock() {
             Ok(sink) => sink,
-            // Replies the front end made itself hold no credit, so nothing
-            // else bounds how many wait for the writer: past a bound the
-            // reader waits for the socket's writer (and so for the client
-            // to read) before it reads more. Until 2026-11-29 they all went
-            // to the writer's unbounded queue, and an NVMe/TCP host that
-            // stopped reading during a large read's answer and went on
-            // sending commands the target refuses itself (namespace 0) grew
-            // its memory without end: 256 MiB of such commands taken in a
-            // second (tests/nvme.rs,
-            // `a_host_that_reads_nothing_cannot_queue_answers_without_end`).
-            Err(_) if local > 0 && self.handed.load(Relaxed) + local > MAX_LOCAL_HANDED => {
-                self.sink.lock().await
-            }
-            Err(_) => {
-                let batch = std::mem::take(&mut *self.pending.lock());
-                self.hand_off(batch);
-                return Ok(());
-            }
+            Err(_) => match self.hand_off_or_wait().await {
+                Some(sink) => sink,
+                None => return Ok(()),
+            },
         };
         let mut batch = std::mem::take(&mut *self.pending.lock());
         let r = sink.write(&batch).await;
@@ -907,6 +889,29 @@ where
             std::mem::swap(&mut *pending, &mut batch);
         }
         r
+    }
+
+    /// With the socket's writer busy: hands the held replies to it (`None`),
+    /// or waits for the socket's lock (`Some`) when too many replies
+    /// without a credit wait there already.
+    async fn hand_off_or_wait(&self) -> Option<tokio::sync::MutexGuard<'_, SinkState<W, E>>> {
+        let local = local_replies(&self.pending.lock());
+        // Replies the front end made itself hold no credit, so nothing
+        // else bounds how many wait for the writer: past a bound the
+        // reader waits for the socket's writer (and so for the client
+        // to read) before it reads more. Until 2026-11-29 they all went
+        // to the writer's unbounded queue, and an NVMe/TCP host that
+        // stopped reading during a large read's answer and went on
+        // sending commands the target refuses itself (namespace 0) grew
+        // its memory without end: 256 MiB of such commands taken in a
+        // second (tests/nvme.rs,
+        // `a_host_that_reads_nothing_cannot_queue_answers_without_end`).
+        if local > 0 && self.handed.load(Relaxed) + local > MAX_LOCAL_HANDED {
+            return Some(self.sink.lock().await);
+        }
+        let batch = std::mem::take(&mut *self.pending.lock());
+        self.hand_off(batch);
+        None
     }
 
     /// A queue slot and, for requests that move data, byte budget (the
