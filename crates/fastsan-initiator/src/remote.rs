@@ -73,6 +73,15 @@ impl Single {
             Single::Nbd(v) => v.can_trim(),
         }
     }
+    /// Whether new requests can still be sent on this handle: a BRP session
+    /// reconnects by itself (until it ends for good), an NBD connection
+    /// that ended never comes back (only a new one does).
+    pub fn usable(&self) -> bool {
+        match self {
+            Single::Brp(_) => true,
+            Single::Nbd(v) => v.connected(),
+        }
+    }
     /// Connections up, and in all.
     pub fn connections(&self) -> (usize, usize) {
         match self {

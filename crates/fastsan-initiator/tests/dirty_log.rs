@@ -167,6 +167,28 @@ async fn generations_survive_a_torn_update() {
     assert_eq!(DirtyLog::open(&p, Duration::ZERO).unwrap().generations(), g2);
 }
 
+/// A torn first update after create leaves create's record whole: until
+/// 2026-11-29 both went to the same slot, the other slot was empty, and the
+/// log (so the mirror) could not be opened any more.
+#[tokio::test]
+async fn a_torn_first_update_leaves_the_record_of_create() {
+    use std::os::unix::fs::FileExt;
+    let (_dir, p) = path("first");
+    let log = DirtyLog::create(&p, 16 * MIB, MIB, &gens(2), false, Duration::ZERO).unwrap();
+    let g2 = Generations { uuid: [9; 16], current: 2, legs: vec![2, 1] };
+    log.set_generations(&g2).await.unwrap();
+    drop(log);
+    // The second record went to the slot at 512 + 512 * (2 % 2); tear it.
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&[0xff; 100], 512 + 20).unwrap();
+    drop(f);
+    assert_eq!(DirtyLog::open(&p, Duration::ZERO).unwrap().generations(), gens(2));
+    // A second create of the same log is refused, the first left as it was.
+    let again = DirtyLog::create(&p, 16 * MIB, MIB, &gens(3), false, Duration::ZERO);
+    assert!(again.is_err(), "a log that exists is never replaced");
+    assert_eq!(DirtyLog::peek(&p).unwrap().2, gens(2));
+}
+
 /// After a crash every region dirty in the log needs a resync: a write that
 /// reaches every leg later does not make it clean (the rest of the region
 /// may still differ between the legs); only a resync's clear does.

@@ -142,6 +142,135 @@ fn a_target_killed_mid_run_costs_no_error_and_a_dirty_only_resync() {
     assert!(legs.identical(s["size"].as_u64().unwrap()), "the legs differ after the resync");
 }
 
+/// Legs on `nbd://` (here fastsan's own NBD front end): a server killed
+/// mid-run and restarted on the same port is taken back and resynced while
+/// the run goes on. Its connection had ended, and every probe reused it:
+/// until 2026-11-29 such a leg stayed "still away" until the mirror was
+/// opened again, and the mirror ran on one leg.
+#[test]
+fn an_nbd_leg_comes_back_when_its_server_does() {
+    let dir = temp_dir("mirror-nbd");
+    let files = [dir.join("a.img"), dir.join("b.img")];
+    let ports: Vec<String> = files
+        .iter()
+        .map(|f| {
+            std::fs::File::create(f).unwrap().set_len(LEG).unwrap();
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        })
+        .collect();
+    let serve_nbd = |i: usize| {
+        let vol = format!("v=file:{}", files[i].display());
+        Served::start(&["--brp", "127.0.0.1:0", "--nbd", &ports[i], "--volume", &vol])
+    };
+    let mut targets = [Some(serve_nbd(0)), Some(serve_nbd(1))];
+    let spec = format!(
+        "mirror:nbd://{}/v,nbd://{}/v,log={},failover=1",
+        ports[0],
+        ports[1],
+        dir.join("m.log").display()
+    );
+    ok(&["mirror", "create", "--assume-clean", &spec]);
+    let run =
+        bench(&spec, &["--rw", "randrw", "--iodepth", "16", "--size", "24M", "--runtime", "12", "--verify"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut t = targets[1].take().unwrap();
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(status(&spec)["legs"][1]["state"], "degraded");
+    targets[1] = Some(serve_nbd(1));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let back = loop {
+        let s = status(&spec);
+        if s["legs"][1]["state"] == "insync" || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(back["legs"][1]["state"], "insync", "the leg never came back: {back:#}");
+    let out = run.wait_with_output().unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench failed:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!((r["errors"].as_u64(), r["verify_mismatches"].as_u64()), (Some(0), Some(0)), "{r:#}");
+    let s = status(&spec);
+    let out =
+        Command::new("cmp").arg("-n").arg(s["size"].as_u64().unwrap().to_string()).args(&files).output();
+    assert!(out.unwrap().status.success(), "the legs differ after the resync");
+}
+
+/// A leg moved to resync by a write given up half-way, then degraded, is
+/// behind in the log. After a crash, with the other leg away, the mirror
+/// must not open on it: until 2026-11-29 the log still counted it as
+/// holding every write, so the reopened mirror served it and read back
+/// data older than a write it had acknowledged.
+#[test]
+fn a_leg_behind_since_a_given_up_write_is_never_taken_for_the_source() {
+    use fastsan_initiator::mirror::{LegState, Mirror};
+    use fastsan_initiator::Options;
+    use fastsan_target::backend::{BackendError, Effect, FaultOps, FaultRule};
+    use fastsan_target::config::{ServerConfig, VolumeSpec};
+    // The targets in this process (their faults steered), on a runtime of
+    // their own; the mirror on another, dropped whole to play its crash.
+    let targets = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let start = || {
+        let config = ServerConfig {
+            brp: "127.0.0.1:0".parse().unwrap(),
+            nbd: None,
+            volumes: vec![VolumeSpec::parse("v=memory:16M,faults=none").unwrap()],
+            ..Default::default()
+        };
+        let server = targets.block_on(fastsan_target::Server::bind(config)).unwrap();
+        let (addr, handle) = (server.local_addr(), server.handle());
+        targets.spawn(server.run());
+        (addr, handle)
+    };
+    let ((a, a_handle), (b, b_handle)) = (start(), start());
+    let dir = temp_dir("mirror-behind");
+    let spec = format!("mirror:brp://{a}/v,brp://{b}/v,log={},failover=1", dir.join("m.log").display());
+    let client = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    client.block_on(async {
+        let m = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
+        m.write_at(&[0x11; 4096], 0, false).await.unwrap();
+        // A write that leg 1 holds up, given up on: leg 1 waits for a resync.
+        let b_faults = b_handle.faults("v").unwrap();
+        b_faults.add(FaultRule::new(FaultOps::WRITE, Effect::Delay(Duration::from_secs(2))));
+        let given_up =
+            tokio::time::timeout(Duration::from_millis(300), m.write_at(&[0x22; 4096], 1 << 20, false));
+        assert!(given_up.await.is_err(), "the write was given up");
+        assert_eq!(m.status().legs[1].state, LegState::Resyncing);
+        // Then leg 1 fails its writes (the resync's copy, the next write):
+        // degraded. The next write is acknowledged by leg 0 alone.
+        b_faults.clear();
+        b_faults.add(FaultRule::new(FaultOps::WRITE, Effect::Fail(BackendError::Io(libc::EIO))));
+        m.write_at(&[0x33; 4096], 0, false).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while m.status().legs[1].state != LegState::Degraded {
+            assert!(Instant::now() < deadline, "leg 1 was not degraded: {:?}", m.status().legs[1].state);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    drop(client); // the crash: no close, every task of the mirror gone
+    a_handle.shutdown(); // leg 0, the only one with the last write, away
+    b_handle.faults("v").unwrap().clear();
+    let client = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    client.block_on(async {
+        match Mirror::open(&spec, Options::default()).await {
+            Err(e) => eprintln!("refused, as it must be: {e}"),
+            Ok(m) => {
+                let got = m.read(0, 4096).await;
+                assert!(
+                    got.as_ref().is_ok_and(|d| d[..] == [0x33; 4096][..]) || got.is_err(),
+                    "the mirror opened on the leg that missed an acknowledged write and read old data"
+                );
+            }
+        }
+    });
+    drop(client);
+    b_handle.shutdown();
+}
+
 /// kill -9 of the initiator in the middle of a write load: the log keeps
 /// the regions that had writes in flight; the next open (here `mirror
 /// resync`) copies exactly those, and the legs end identical.

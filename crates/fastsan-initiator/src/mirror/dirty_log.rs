@@ -218,7 +218,12 @@ impl DirtyLog {
         h[20..28].copy_from_slice(&size.to_le_bytes());
         let crc = crc32c::crc32c(&h[..28]);
         h[28..32].copy_from_slice(&crc.to_le_bytes());
-        h[GEN_SLOT as usize..2 * GEN_SLOT as usize].copy_from_slice(&gens.encode(1));
+        // Sequence 1 in the slot sequence 1 picks (as set_generations
+        // does): the first update, sequence 2, goes to the other one. Until
+        // 2026-11-29 it went to the slot of sequence 2, so a torn first
+        // update left no valid record, and the mirror could not be opened.
+        let first = (2 * GEN_SLOT) as usize; // GEN_SLOT * (1 + seq % 2), seq 1
+        h[first..first + GEN_SLOT as usize].copy_from_slice(&gens.encode(1));
         f.write_all_at(&h, 0).map_err(io)?;
         let mut bits = vec![0u64; pages_for(size, region) * WORDS_PER_PAGE];
         if all_dirty {
@@ -230,7 +235,12 @@ impl DirtyLog {
         f.write_all_at(&raw, HEADER).map_err(io)?;
         f.sync_all().map_err(io)?;
         drop(f);
-        std::fs::rename(&tmp, path).map_err(io)?;
+        // Linked, not renamed: a log another `create` made meanwhile is
+        // refused, never replaced (two clients would each own a log of one
+        // mirror).
+        let linked = std::fs::hard_link(&tmp, path);
+        let _ = std::fs::remove_file(&tmp);
+        linked.map_err(io)?;
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
         Self::open(path, clear_delay)

@@ -849,7 +849,14 @@ impl Inner {
                     leg.url
                 )));
             }
-            (leg.state == LegState::InSync, leg.url.clone())
+            // Whether the log still counts the leg as holding every write:
+            // an in-sync leg, and also one moved to resync without a new
+            // generation (a write given up on half-way). Until 2026-11-29
+            // only the first was asked: the second, degraded, kept the
+            // current generation in the log while writes went on without
+            // it, and after a crash it could be taken as the source.
+            let g = self.log.generations();
+            (g.legs[i] == g.current, leg.url.clone())
         };
         // The log says the leg is behind before any write may skip it: a
         // crash (or this future dropped) before this point leaves the leg
@@ -959,8 +966,11 @@ impl Inner {
             (legs[i].url.clone(), legs[i].remote.clone(), legs[i].fresh)
         };
         let attempt = async {
+            // An NBD leg whose connection ended needs a new one: its old
+            // handle failed every probe with a retryable error (until
+            // 2026-11-29 such a leg never came back before a reopen).
             let leg = match old {
-                Some(r) if !fresh => r,
+                Some(r) if !fresh && r.usable() => r,
                 _ => Single::connect(&url, self.opts.clone()).await?,
             };
             check_leg(&leg, &url, self.size)?;
@@ -1062,7 +1072,7 @@ impl Inner {
                     }
                 };
                 dst.write_bytes(data, off, false).await.map_err(|e| (e, true))?;
-                let (clean, copied) = {
+                let copied = {
                     let mut legs = self.legs.lock();
                     legs[i].unneed(r);
                     let p = &mut legs[i].progress;
@@ -1070,15 +1080,19 @@ impl Inner {
                     p.bytes += len;
                     p.rate = p.bytes as f64 / started.elapsed().as_secs_f64().max(1e-3);
                     let copied = p.bytes;
-                    (!legs.iter().any(|l| l.needs(r)), copied)
+                    let clean = !legs.iter().any(|l| l.needs(r));
+                    if clean {
+                        // Under the region's lock: no write can have missed a
+                        // leg here since. And under the legs' lock, as a
+                        // degrade marks what a leg may lack: one between the
+                        // check and the mark was undone by it (until
+                        // 2026-11-29). Cleared later, by the keeper, after a
+                        // flush of every leg covered the copy (so a resync's
+                        // progress survives the process).
+                        self.log.resynced(&[r]);
+                    }
+                    copied
                 };
-                if clean {
-                    // Under the region's lock: no write can have missed a leg
-                    // here since. Cleared later, by the keeper, after a flush
-                    // of every leg covered the copy (so a resync's progress
-                    // survives the process).
-                    self.log.resynced(&[r]);
-                }
                 copied
             };
             self.counters.resynced_regions.fetch_add(1, Relaxed);

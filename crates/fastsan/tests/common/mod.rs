@@ -23,15 +23,18 @@ pub struct Served {
 
 impl Served {
     /// Starts `fastsan serve ARGS`, with NBD on a free port unless a secret
-    /// turns it off (NBD cannot check one; `--nbd-insecure` keeps it).
+    /// turns it off (NBD cannot check one; `--nbd-insecure` keeps it), or
+    /// ARGS give its address.
     pub fn start(args: &[&str]) -> Served {
         let secret = args.contains(&"--secret-file") || args.contains(&"--secrets-file");
-        let nbd = !args.contains(&"--no-nbd")
-            && (!secret || args.contains(&"--nbd-insecure") || args.contains(&"--tls-ca"));
+        let given = args.contains(&"--nbd");
+        let nbd = given
+            || !args.contains(&"--no-nbd")
+                && (!secret || args.contains(&"--nbd-insecure") || args.contains(&"--tls-ca"));
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(args)
-            .args(if nbd { &["--nbd", "127.0.0.1:0"][..] } else { &[][..] })
+            .args(if nbd && !given { &["--nbd", "127.0.0.1:0"][..] } else { &[][..] })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
