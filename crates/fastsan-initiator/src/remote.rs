@@ -82,6 +82,15 @@ impl Single {
             Single::Nbd(v) => v.connected(),
         }
     }
+    /// Whether writes this handle had acknowledged may be lost (a BRP
+    /// target's host restarted before they were flushed); an NBD server
+    /// cannot tell.
+    pub fn lost_writes(&self) -> bool {
+        match self {
+            Single::Brp(v) => v.lost_unflushed_writes(),
+            Single::Nbd(_) => false,
+        }
+    }
     /// Connections up, and in all.
     pub fn connections(&self) -> (usize, usize) {
         match self {

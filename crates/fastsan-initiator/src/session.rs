@@ -433,6 +433,13 @@ impl Volume {
         }
     }
 
+    /// Whether the target's host restarted while writes it had acknowledged
+    /// were not yet flushed: they may be lost (every FLUSH fails from then
+    /// on, and a read may return what was there before them).
+    pub fn lost_unflushed_writes(&self) -> bool {
+        self.shared.unflushed_lost.load(SeqCst)
+    }
+
     /// Fails when a restarted target was resumed with writes acknowledged
     /// but not flushed: durability of those can no longer be promised.
     fn check_unflushed(&self) -> Result<(), Error> {

@@ -588,3 +588,48 @@ async fn garbage_from_the_address_during_a_restart_does_not_end_the_session() {
     assert!(vol.stats().reconnects >= 1);
     srv.stop().await;
 }
+
+/// A mirror leg whose target's host restarts (a new boot) after it
+/// acknowledged writes it had not flushed, within the mirror's failover
+/// time (the session resumes instead of failing): the leg may answer reads
+/// with what was there before those writes. It is degraded, and the read
+/// served by the other leg; until 2026-11-29 the leg served it, and the
+/// mirror read back data older than a write it had acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_leg_that_lost_unflushed_writes_serves_no_read() {
+    use fastsan_initiator::mirror::Mirror;
+    use fastsan_initiator::Options;
+    let (_da, a_img) = common::temp_file("mirror-reboot-a", 8 << 20);
+    let (_db, b_img) = common::temp_file("mirror-reboot-b", 8 << 20);
+    let (a_spec, b_spec) = (format!("v=file:{}", a_img.display()), format!("v=file:{}", b_img.display()));
+    // Leg 0, the one that reboots, is the one idle reads go to.
+    let a = TestServer::start(&[&a_spec], |c| (c.nbd, c.boot_id) = (None, Some(1))).await;
+    let b = TestServer::start(&[&b_spec], |c| c.nbd = None).await;
+    let a_addr = a.addr;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "mirror:brp://{a_addr}/v,brp://{}/v,log={},failover=30",
+        b.addr,
+        dir.path().join("m.log").display()
+    );
+    let m = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
+    m.write_at(&[0x11; 4096], 0, false).await.unwrap();
+    m.flush().await.unwrap();
+    m.write_at(&[0x22; 4096], 0, false).await.unwrap();
+    // Leg 0's host reboots and its page cache with the unflushed write is
+    // gone: its file holds the flushed bytes again.
+    a.stop().await;
+    {
+        use std::os::unix::fs::FileExt;
+        std::fs::OpenOptions::new().write(true).open(&a_img).unwrap().write_all_at(&[0x11; 4096], 0).unwrap();
+    }
+    let a = TestServer::start(&[&a_spec], |c| (c.brp, c.nbd, c.boot_id) = (a_addr, None, Some(2))).await;
+    for _ in 0..4 {
+        let got = m.read(0, 4096).await.unwrap();
+        assert!(got[..] == [0x22; 4096][..], "read back data older than an acknowledged write");
+    }
+    assert!(m.status().degraded_events >= 1, "the leg that lost writes was taken out");
+    drop(m);
+    a.stop().await;
+    b.stop().await;
+}

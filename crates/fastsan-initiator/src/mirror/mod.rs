@@ -542,6 +542,14 @@ impl Mirror {
             let r = leg.read(offset, len).await;
             inner.in_flight[i].fetch_sub(1, Relaxed);
             match r {
+                // A leg whose host restarted with writes it had not flushed
+                // may answer with what was there before them: degraded (its
+                // FLUSH would fail too, but only at the next one), the read
+                // goes to another. Until 2026-11-29 such a read was served.
+                Ok(_) if leg.lost_writes() => {
+                    let volume = inner.legs.lock()[i].url.clone();
+                    inner.degrade(i, &Error::UnflushedWritesLost { volume }).await?
+                }
                 Ok(b) => {
                     inner.leg_reads[i].fetch_add(1, Relaxed);
                     return Ok(b);
