@@ -74,11 +74,12 @@ impl Single {
         }
     }
     /// Whether new requests can still be sent on this handle: a BRP session
-    /// reconnects by itself (until it ends for good), an NBD connection
-    /// that ended never comes back (only a new one does).
+    /// reconnects by itself (until it ends for good; one that lost
+    /// unflushed writes fails every FLUSH, a new one does not), an NBD
+    /// connection that ended never comes back (only a new one does).
     pub fn usable(&self) -> bool {
         match self {
-            Single::Brp(_) => true,
+            Single::Brp(v) => !v.lost_unflushed_writes(),
             Single::Nbd(v) => v.connected(),
         }
     }

@@ -615,6 +615,14 @@ async fn a_mirror_leg_that_lost_unflushed_writes_serves_no_read() {
     let m = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
     m.write_at(&[0x11; 4096], 0, false).await.unwrap();
     m.flush().await.unwrap();
+    // The mirror's keeper flushes every leg about once a second while a
+    // region is idle: once it has cleared this one, the next flush is a
+    // second away, and the write below stays unflushed until leg 0 stops.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while m.status().dirty > 0 {
+        assert!(std::time::Instant::now() < deadline, "the keeper never cleared the region");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     m.write_at(&[0x22; 4096], 0, false).await.unwrap();
     // Leg 0's host reboots and its page cache with the unflushed write is
     // gone: its file holds the flushed bytes again.

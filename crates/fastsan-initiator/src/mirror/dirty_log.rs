@@ -209,8 +209,11 @@ impl DirtyLog {
         if path.exists() {
             return Err(io(std::io::Error::from(std::io::ErrorKind::AlreadyExists)));
         }
-        let tmp = path.with_extension("creating");
-        let f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io)?;
+        // A name of its own (two creates of one log never share it), put in
+        // place only if the log is still not there.
+        let tmp = path.with_extension(format!("creating-{}-{:x}", std::process::id(), rand::random::<u64>()));
+        let f = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io)?;
+        let tmp = TempPath(tmp);
         let mut h = vec![0u8; HEADER as usize];
         h[..8].copy_from_slice(MAGIC);
         h[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -235,12 +238,9 @@ impl DirtyLog {
         f.write_all_at(&raw, HEADER).map_err(io)?;
         f.sync_all().map_err(io)?;
         drop(f);
-        // Linked, not renamed: a log another `create` made meanwhile is
-        // refused, never replaced (two clients would each own a log of one
-        // mirror).
-        let linked = std::fs::hard_link(&tmp, path);
-        let _ = std::fs::remove_file(&tmp);
-        linked.map_err(io)?;
+        // Never over a log another `create` made meanwhile (two clients
+        // would each own a log of one mirror).
+        rename_noreplace(&tmp.0, path).map_err(io)?;
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
         Self::open(path, clear_delay)
@@ -754,6 +754,39 @@ impl Drop for WriteIntent {
     /// A write abandoned halfway may or may not have reached the legs.
     fn drop(&mut self) {
         self.finish(false);
+    }
+}
+
+/// A file removed when dropped (a log being made; gone once renamed).
+struct TempPath(PathBuf);
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Renames `from` to `to` unless `to` exists (EEXIST): renameat2's
+/// RENAME_NOREPLACE, or, on a file system without it, a check and a plain
+/// rename.
+fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes());
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: two valid NUL-terminated paths, relative to the working directory.
+    let r = unsafe {
+        libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE)
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) if !to.exists() => std::fs::rename(from, to),
+        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => {
+            Err(std::io::Error::from(std::io::ErrorKind::AlreadyExists))
+        }
+        _ => Err(e),
     }
 }
 

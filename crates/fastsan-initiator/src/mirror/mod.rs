@@ -546,9 +546,16 @@ impl Mirror {
                 // may answer with what was there before them: degraded (its
                 // FLUSH would fail too, but only at the next one), the read
                 // goes to another. Until 2026-11-29 such a read was served.
-                Ok(_) if leg.lost_writes() => {
+                Ok(b) if leg.lost_writes() => {
                     let volume = inner.legs.lock()[i].url.clone();
-                    inner.degrade(i, &Error::UnflushedWritesLost { volume }).await?
+                    if let Err(e) = inner.degrade(i, &Error::UnflushedWritesLost { volume }).await {
+                        // No other leg holds every write: nothing better to
+                        // read from (the next FLUSH fails, as it would for a
+                        // plain volume), so this one serves.
+                        warn!(leg = i, error = %chain(&e), "read from a leg that may have lost writes");
+                        inner.leg_reads[i].fetch_add(1, Relaxed);
+                        return Ok(b);
+                    }
                 }
                 Ok(b) => {
                     inner.leg_reads[i].fetch_add(1, Relaxed);
