@@ -24,8 +24,10 @@ use std::time::Instant;
 ///
 /// A local source is a regular file, a block device, or a stream: `-`
 /// (standard input), a named pipe, or a character device. A stream is read
-/// in order and must end within the volume (a character device such as
-/// /dev/zero is read for as many bytes as the volume holds). A local
+/// in order and must end within the volume (/dev/zero, /dev/full,
+/// /dev/random and /dev/urandom are read for as many bytes as the volume
+/// holds); an empty one is an error, and one that ends before the volume
+/// does is pointed out (use `set -o pipefail` in pipelines). A local
 /// destination file is written under a temporary name beside it and
 /// renamed over it once complete and flushed (room for both is needed
 /// until then): a copy that fails or is interrupted leaves it as it was.
@@ -38,6 +40,7 @@ use std::time::Instant;
 /// Examples:
 ///   fastsan cp disk.img brp://127.0.0.1:10810/vol0
 ///   fastsan cp brp://127.0.0.1:10810/vol0 backup.img
+///   set -o pipefail
 ///   fastsan cp brp://127.0.0.1:10810/vol0 - | zstd > backup.img.zst
 ///   zstd -dc backup.img.zst | fastsan cp - brp://127.0.0.1:10810/vol0
 ///   fastsan cp disk.img 'brp+unix:///vol0?socket=/run/fastsan.sock'
