@@ -18,8 +18,8 @@ if ! command -v cargo >/dev/null; then
 fi
 
 # Debian packages the tests use: the real NBD clients for the interop tests
-# (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdfuse, fio) and certtool for their TLS
-# certificates, and what the nbdfuse
+# (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdfuse, fio), the reference nbd-server
+# as a mirror leg, and certtool for their TLS certificates, and what the nbdfuse
 # test stacks on top (loop device, ext4, fusermount3), and kill for signals;
 # qemu-system-x86 and busybox-static boot the throw-away guest whose kernel
 # runs the kernel-client tests (scripts/guest-image.sh fetches the kernel),
@@ -33,7 +33,7 @@ missing_apt() {
   for tool in kill:procps qemu-img:qemu-utils qemu-io:qemu-utils nbdinfo:libnbd-bin nbdcopy:libnbd-bin \
               nbdfuse:libnbd-bin fio:fio fusermount3:fuse3 mkfs.ext4:e2fsprogs fsck.ext4:e2fsprogs mkfs.xfs:xfsprogs \
               losetup:mount mount:mount unshare:util-linux qemu-system-x86_64:qemu-system-x86 \
-              busybox:busybox-static certtool:gnutls-bin tmux:tmux nvme:nvme-cli ss:iproute2; do
+              busybox:busybox-static certtool:gnutls-bin tmux:tmux nvme:nvme-cli ss:iproute2 nbd-server:nbd-server; do
     command -v "${tool%%:*}" >/dev/null || need_apt+=("${tool##*:}")
   done
   mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | grep -v '^$' || true)

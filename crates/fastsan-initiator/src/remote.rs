@@ -174,7 +174,7 @@ impl Remote {
     pub fn can_trim(&self) -> bool {
         match self {
             Remote::One(v) => v.can_trim(),
-            Remote::Mirror(_) => true,
+            Remote::Mirror(m) => m.can_trim(),
         }
     }
     /// Connections (a mirror: legs) up, and in all.

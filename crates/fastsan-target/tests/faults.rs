@@ -641,3 +641,110 @@ async fn a_mirror_leg_that_lost_unflushed_writes_serves_no_read() {
     a.stop().await;
     b.stop().await;
 }
+
+/// nbd-server (the reference NBD server, Debian's package) serving files
+/// `a` and `b` of `len` bytes: exports that do not offer TRIM, as its
+/// default configuration has it. Stopped when dropped.
+struct NbdServer {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl NbdServer {
+    fn start(len: u64) -> NbdServer {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut conf = format!("[generic]\n  listenaddr = 127.0.0.1\n  port = {port}\n");
+        for name in ["a", "b"] {
+            let file = dir.path().join(format!("{name}.img"));
+            std::fs::File::create(&file).unwrap().set_len(len).unwrap();
+            conf += &format!("[{name}]\n  exportname = {}\n", file.display());
+        }
+        let conf_path = dir.path().join("nbd-server.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        // It forks into the background once it listens.
+        let st = std::process::Command::new("nbd-server")
+            .arg("-C")
+            .arg(&conf_path)
+            .arg("-p")
+            .arg(dir.path().join("pid"))
+            .status()
+            .expect("nbd-server (Debian package nbd-server) runs");
+        assert!(st.success(), "nbd-server failed to start");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nbd-server does not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        NbdServer { dir, port }
+    }
+
+    fn url(&self, export: &str) -> String {
+        format!("nbd://127.0.0.1:{}/{export}", self.port)
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(self.dir.path().join("pid")) {
+            if let Ok(pid) = pid.trim().parse::<i32>() {
+                // Its children, one per client, go with their connections.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+        }
+    }
+}
+
+/// A TRIM is advice (NBD, NVMe's deallocate and SCSI's UNMAP leave the
+/// range's contents undefined until written), and a mirror's legs need
+/// not all take it: a leg that cannot (an nbd-server export offers no
+/// TRIM; a BRP volume on a store that cannot answers UNSUPPORTED) skips
+/// it, and stays in sync. It used to be degraded, as for a failed write:
+/// after every fstrim the mirror ran on one leg until a resync. A TRIM no
+/// leg takes is UNSUPPORTED to the caller, and degrades nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_leg_that_cannot_trim_skips_it_and_stays_in_sync() {
+    use fastsan_initiator::mirror::{LegState, Mirror};
+    use fastsan_initiator::{Error, Options};
+    let brp = TestServer::start(
+        &["v=memory:64M", "w=memory:64M,faults=trim:enotsup", "x=memory:64M,faults=trim:enotsup"],
+        |c| c.nbd = None,
+    )
+    .await;
+    let nbd = NbdServer::start(64 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    let log = |n: &str| dir.path().join(n).display().to_string();
+    let spec = format!("mirror:{},{},{},log={}", brp.url("v"), brp.url("w"), nbd.url("a"), log("m.log"));
+    let m = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
+    let data = pattern(3, 0, 1 << 20);
+    m.write_at(&data, 0, false).await.unwrap();
+    m.trim(0, 256 << 10).await.unwrap();
+    // The trimmed range written again, and the rest untouched: every leg
+    // holds the same bytes, whichever one a read comes from.
+    m.write_at(&data[..4096], 0, true).await.unwrap();
+    m.flush().await.unwrap();
+    for _ in 0..8 {
+        assert!(m.read(0, 4096).await.unwrap()[..] == data[..4096]);
+        assert!(m.read(256 << 10, 768 << 10).await.unwrap()[..] == data[256 << 10..]);
+    }
+    let s = m.status();
+    assert_eq!(s.degraded_events, 0, "a leg was degraded for declining a TRIM: {s:?}");
+    assert!(s.legs.iter().all(|l| l.state == LegState::InSync), "{s:?}");
+    m.close().await.unwrap();
+
+    // Legs of which none trims: the caller hears UNSUPPORTED, no leg degraded.
+    let spec = format!("mirror:{},{},log={}", brp.url("x"), nbd.url("b"), log("n.log"));
+    let n = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
+    n.write_at(&data[..65536], 0, false).await.unwrap();
+    match n.trim(0, 65536).await {
+        Err(Error::Status(Status::UNSUPPORTED)) => {}
+        other => panic!("a TRIM no leg takes: {other:?}"),
+    }
+    assert!(n.read(0, 65536).await.unwrap()[..] == data[..65536], "a declined TRIM changed nothing");
+    let s = n.status();
+    assert_eq!(s.degraded_events, 0, "{s:?}");
+    assert!(s.legs.iter().all(|l| l.state == LegState::InSync), "{s:?}");
+    n.close().await.unwrap();
+    drop((m, n));
+    brp.stop().await;
+}

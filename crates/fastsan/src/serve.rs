@@ -31,7 +31,7 @@ pub struct Args {
     /// ,connections=N), with options ,ro (read-only), ,direct (O_DIRECT, files),
     /// ,delay=DURATION (added latency: a slow device) and ,faults=RULE (fault
     /// injection for tests; RULE is OPS:EFFECT[@START-END], e.g. write:eio@1M-2M,
-    /// read+write:delay=20ms, flush:enospc, any:stall; repeatable).
+    /// read+write:delay=20ms, flush:enospc, trim:enotsup, any:stall; repeatable).
     /// Repeat --volume for several volumes.
     #[arg(long = "volume", short = 'v', value_name = "SPEC", value_parser = VolumeSpec::parse)]
     volumes: Vec<VolumeSpec>,

@@ -526,6 +526,11 @@ impl Mirror {
     pub fn status(&self) -> MirrorStatus {
         self.inner().status(true)
     }
+    /// Whether TRIM may be offered: unless every leg here says it cannot
+    /// (a leg away may come back able to).
+    pub fn can_trim(&self) -> bool {
+        self.inner().legs.lock().iter().any(|l| l.remote.as_ref().is_none_or(Single::can_trim))
+    }
 
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
         let inner = self.inner();
@@ -735,11 +740,19 @@ impl Inner {
         let regions = self.regions_of(offset, len);
         let _shared = self.lock_shared(regions.clone()).await;
         // Which legs get it; the others will need these regions.
+        // A TRIM is advice (NBD's TRIM, NVMe's deallocate and SCSI's UNMAP
+        // all leave the range's contents undefined until written): a leg
+        // that cannot trim skips it and misses nothing. (Degrading it, as
+        // any failed write does, left a mirror with such a leg on one leg
+        // after every fstrim.)
+        let trim = matches!(op, Op::Trim);
+        let mut unable = 0;
         let targets: Vec<(usize, Single)> = {
             let mut legs = self.legs.lock();
             let mut t = Vec::new();
             for (i, leg) in legs.iter_mut().enumerate() {
                 match (&leg.remote, leg.state) {
+                    (Some(r), LegState::InSync | LegState::Resyncing) if trim && !r.can_trim() => unable += 1,
                     (Some(r), LegState::InSync | LegState::Resyncing) => t.push((i, r.clone())),
                     _ => regions.clone().for_each(|r| leg.need(r)),
                 }
@@ -764,15 +777,20 @@ impl Inner {
         }))
         .await;
         std::mem::forget(abandoned);
-        let ok = results.iter().filter(|r| r.is_ok()).count();
+        // A leg that answers a TRIM with UNSUPPORTED declined the advice.
+        let declined =
+            |r: &Result<(), Error>| trim && matches!(r, Err(Error::Status(fastsan_brp::Status::UNSUPPORTED)));
+        unable += results.iter().filter(|r| declined(r)).count();
+        let took = results.iter().filter(|r| r.is_ok()).count();
         let mut request_err = None;
         let mut refused = None;
         for ((i, _), r) in targets.iter().zip(results) {
             let e = match r {
                 Ok(()) => continue,
+                Err(Error::Status(fastsan_brp::Status::UNSUPPORTED)) if trim => continue,
                 // The request's own fault, the same on every leg: nothing
                 // differs. If another leg took it, this leg now differs.
-                Err(e) if request_error(&e) && ok == 0 => {
+                Err(e) if request_error(&e) && took == 0 => {
                     request_err.get_or_insert(e);
                     continue;
                 }
@@ -783,14 +801,16 @@ impl Inner {
                 refused.get_or_insert(e);
             }
         }
-        let on_every_leg = ok == self.in_flight.len() && {
+        let on_every_leg = took + unable == self.in_flight.len() && {
             let legs = self.legs.lock();
             !legs.iter().any(|l| regions.clone().any(|r| l.needs(r)))
         };
         intent.done(on_every_leg);
         match (refused, request_err) {
             (Some(e), _) | (None, Some(e)) => Err(e),
-            (None, None) if ok == 0 => Err(mirror_err("no leg took the write")),
+            // No leg would trim: the caller learns that TRIM does nothing here.
+            (None, None) if took == 0 && unable > 0 => Err(Error::Status(fastsan_brp::Status::UNSUPPORTED)),
+            (None, None) if took + unable == 0 => Err(mirror_err("no leg took the write")),
             (None, None) => Ok(()),
         }
     }

@@ -6,7 +6,8 @@
 //! A rule is `OPS:EFFECT[@START-END]`:
 //! - OPS: `read`, `write`, `flush`, `trim`, `zero`, `extents`, `cache` or
 //!   `any`, joined with `+` (`read+write`);
-//! - EFFECT: `eio`, `enospc` (the call fails), `delay=DURATION` (the call
+//! - EFFECT: `eio`, `enospc`, `enotsup` (the call fails; `enotsup` as a
+//!   store that cannot do it answers), `delay=DURATION` (the call
 //!   waits, then runs), `stall` (the call waits until the rules are cleared);
 //! - `@START-END`: only calls that touch this byte range (sizes take K, M, G
 //!   suffixes; END exclusive). FLUSH touches no range: a ranged rule never
@@ -115,6 +116,7 @@ impl FaultRule {
         let effect = match effect_s {
             "eio" => Effect::Fail(BackendError::Io(libc::EIO)),
             "enospc" => Effect::Fail(BackendError::NoSpace),
+            "enotsup" => Effect::Fail(BackendError::Unsupported),
             "stall" => Effect::Stall,
             d if d.starts_with("delay=") => Effect::Delay(
                 crate::config::parse_duration(&d["delay=".len()..])
@@ -122,7 +124,7 @@ impl FaultRule {
             ),
             other => {
                 return Err(format!(
-                    "fault rule {s:?}: unknown effect {other:?} (eio, enospc, delay=DURATION, stall)"
+                    "fault rule {s:?}: unknown effect {other:?} (eio, enospc, enotsup, delay=DURATION, stall)"
                 ))
             }
         };
