@@ -748,3 +748,63 @@ async fn a_mirror_leg_that_cannot_trim_skips_it_and_stays_in_sync() {
     drop((m, n));
     brp.stop().await;
 }
+
+/// A resync never copies from a leg whose target's host restarted with
+/// writes it had acknowledged and not flushed (its session resumed within
+/// failover): the copy would make the returning leg "in sync" with bytes
+/// older than an acknowledged write. Leg 0 reboots that way while leg 2 is
+/// away; leg 1 holds every write, and leg 2's resync must copy from it.
+/// (Until 2026-11-29 reads avoided such a leg, copies did not.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_never_copies_from_a_leg_that_lost_unflushed_writes() {
+    use fastsan_initiator::mirror::{LegState, Mirror};
+    use fastsan_initiator::{Options, Volume};
+    let (_da, a_img) = common::temp_file("mirror-resync-a", 8 << 20);
+    let (_db, b_img) = common::temp_file("mirror-resync-b", 8 << 20);
+    let (a_spec, b_spec) = (format!("v=file:{}", a_img.display()), format!("v=file:{}", b_img.display()));
+    let a = TestServer::start(&[&a_spec], |c| (c.nbd, c.boot_id) = (None, Some(1))).await;
+    let b = TestServer::start(&[&b_spec], |c| c.nbd = None).await;
+    let c = TestServer::start(&["v=memory:8M,faults=none"], |c| c.nbd = None).await;
+    let a_addr = a.addr;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "mirror:brp://{a_addr}/v,brp://{}/v,brp://{}/v,log={},failover=30",
+        b.addr,
+        c.addr,
+        dir.path().join("m.log").display()
+    );
+    let m = Mirror::create(&spec, Options::default(), true, false).await.unwrap();
+    m.write_at(&[0x11; 4096], 0, false).await.unwrap();
+    m.flush().await.unwrap();
+    // Once the keeper has cleared the region, its next flush is a second
+    // away: the write below stays unflushed until leg 0 stops.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while m.status().dirty > 0 {
+        assert!(Instant::now() < deadline, "the keeper never cleared the region");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c_faults = c.handle.faults("v").unwrap();
+    c_faults.add(FaultRule::new(FaultOps::WRITE, Effect::Fail(BackendError::Io(libc::EIO))));
+    m.write_at(&[0x22; 4096], 0, false).await.unwrap();
+    assert_eq!(m.status().legs[2].state, LegState::Degraded, "leg 2 missed the write");
+    // Leg 0's host reboots; its page cache with the unflushed write is gone.
+    a.stop().await;
+    {
+        use std::os::unix::fs::FileExt;
+        std::fs::OpenOptions::new().write(true).open(&a_img).unwrap().write_all_at(&[0x11; 4096], 0).unwrap();
+    }
+    let a = TestServer::start(&[&a_spec], |c| (c.brp, c.nbd, c.boot_id) = (a_addr, None, Some(2))).await;
+    c_faults.clear();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while m.status().legs[2].state != LegState::InSync {
+        assert!(Instant::now() < deadline, "leg 2 never came back: {:?}", m.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let leg2 = Volume::connect(&c.url("v"), Options::default()).await.unwrap();
+    let got = leg2.read(0, 4096).await.unwrap();
+    assert!(got[..] == [0x22; 4096][..], "leg 2 was resynced with bytes older than an acknowledged write");
+    drop((m, leg2));
+    for t in [a, b, c] {
+        t.stop().await;
+    }
+}

@@ -543,9 +543,11 @@ impl Mirror {
             let (i, leg) = inner
                 .least_busy_in_sync(&inner.legs.lock())
                 .ok_or_else(|| mirror_err("no leg holding every write is reachable"))?;
-            inner.in_flight[i].fetch_add(1, Relaxed);
+            // Counted down even when the caller gives up (a count left up
+            // would keep reads off the leg for good).
+            let counted = Counted::up(&inner.in_flight[i]);
             let r = leg.read(offset, len).await;
-            inner.in_flight[i].fetch_sub(1, Relaxed);
+            drop(counted);
             match r {
                 // A leg whose host restarted with writes it had not flushed
                 // may answer with what was there before them: degraded (its
@@ -606,8 +608,26 @@ impl Mirror {
     }
 }
 
-/// A write given up before its legs answered: every leg it went to but
-/// one in sync may now differ in its regions; they wait for a resync.
+/// One request in flight on a leg, for as long as it lives.
+struct Counted<'a>(&'a AtomicU64);
+
+impl<'a> Counted<'a> {
+    fn up(n: &'a AtomicU64) -> Counted<'a> {
+        n.fetch_add(1, Relaxed);
+        Counted(n)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A write dropped before its legs answered (only as its runtime shuts
+/// down: a caller that gives up leaves it running, see `Inner::mutate`):
+/// every leg it went to but one in sync may now differ in its regions;
+/// they wait for a resync.
 struct Abandoned<'a> {
     inner: &'a Inner,
     targets: Vec<usize>,
@@ -715,13 +735,23 @@ impl Inner {
     }
 
     /// The in-sync leg with the fewest requests in flight: where reads,
-    /// and a resync's copies, come from.
+    /// and a resync's copies, come from. A leg whose session found its
+    /// target's host restarted with writes it had not flushed is taken
+    /// only when no other is in sync.
     fn least_busy_in_sync(&self, legs: &[Leg]) -> Option<(usize, Single)> {
         legs.iter()
             .enumerate()
             .filter(|(_, l)| l.state == LegState::InSync)
             .filter_map(|(i, l)| l.remote.clone().map(|r| (i, r)))
-            .min_by_key(|(i, _)| self.in_flight[*i].load(Relaxed))
+            .min_by_key(|(i, r)| (r.lost_writes(), self.in_flight[*i].load(Relaxed)))
+    }
+
+    /// Whether a leg other than `i` is in sync and lost no writes.
+    fn another_sound_in_sync(&self, i: usize) -> bool {
+        let legs = self.legs.lock();
+        legs.iter().enumerate().any(|(j, l)| {
+            j != i && l.state == LegState::InSync && l.remote.as_ref().is_some_and(|r| !r.lost_writes())
+        })
     }
 
     fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
@@ -730,12 +760,28 @@ impl Inner {
             ..offset.saturating_add(len.max(1)).div_ceil(self.region).min(regions)
     }
 
+    /// A write, TRIM or WRITE_ZEROES, run to its end in a task of its own.
+    /// A caller that gives up (its future dropped) leaves it running: its
+    /// requests are on the wire, and until every leg has answered, the
+    /// regions' locks keep a resync from copying them. (Until 2026-11-29
+    /// the locks went with the caller's future: a resync then copied a
+    /// region from a leg the write had not reached yet, the write landed
+    /// there after, and the legs differed in a region the log called
+    /// clean.)
     async fn mutate(self: &Arc<Self>, offset: u64, len: u64, op: Op) -> Result<(), Error> {
         self.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
         self.counters.writes.fetch_add(1, Relaxed);
+        let inner = self.clone();
+        match tokio::spawn(async move { inner.mutate_to_end(offset, len, op).await }).await {
+            Ok(r) => r,
+            Err(e) => Err(mirror_err(format!("the write's task ended: {e}"))),
+        }
+    }
+
+    async fn mutate_to_end(self: &Arc<Self>, offset: u64, len: u64, op: Op) -> Result<(), Error> {
         let intent = self.log.begin(offset, len).await?;
         let regions = self.regions_of(offset, len);
         let _shared = self.lock_shared(regions.clone()).await;
@@ -759,8 +805,8 @@ impl Inner {
             }
             t
         };
-        // Given up halfway (the caller's future dropped), the write may be
-        // on some legs and not others: all but one then wait for a resync.
+        // Dropped halfway (the runtime shutting down), the write may be on
+        // some legs and not others: all but one then wait for a resync.
         let abandoned = Abandoned {
             inner: self,
             targets: targets.iter().map(|t| t.0).collect(),
@@ -1099,6 +1145,20 @@ impl Inner {
                     }
                 }
                 let data = match src.1.read(off, len).await {
+                    // The source's host restarted with writes it had not
+                    // flushed (its session resumed): what it read may be
+                    // older than them. Taken out, and the copy comes from
+                    // another leg; the only one left is copied from, as a
+                    // read is served from it. Until 2026-11-29 the copy
+                    // made the returning leg "in sync" with the old bytes.
+                    Ok(_) if src.1.lost_writes() && self.another_sound_in_sync(src.0) => {
+                        drop(_alone);
+                        let volume = self.legs.lock()[src.0].url.clone();
+                        self.degrade(src.0, &Error::UnflushedWritesLost { volume })
+                            .await
+                            .map_err(|e| (e, false))?;
+                        continue;
+                    }
                     Ok(d) => d,
                     Err(e) => {
                         drop(_alone);
@@ -1158,6 +1218,18 @@ impl Inner {
         g.legs[i] = g.current;
         self.log.set_generations(&g).await.map_err(|e| (e.into(), false))?;
         let mut legs = self.legs.lock();
+        // A write given up while the record and the log were written (it
+        // takes no generation lock) may have left the leg a region to copy:
+        // it stays resyncing, current in the log as it may be (a degrade
+        // handles that), and the keeper copies what it lacks. It was
+        // declared in sync regardless until 2026-11-29, and the region
+        // never copied.
+        if legs[i].needed != 0 {
+            return Err((
+                mirror_err("a write given up during the leg's resync left it regions to copy"),
+                false,
+            ));
+        }
         legs[i].state = LegState::InSync;
         let p = legs[i].progress;
         info!(leg = i, url = %legs[i].url, regions = p.copied, bytes = p.bytes, "mirror leg in sync");
