@@ -185,6 +185,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                 }
             }
         };
+        ticket.settle();
         // A session's reconnect is answered once its lost connections are done (the fence).
         if let Some(fence) = conn.fence() {
             fence.await;
@@ -212,6 +213,10 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
         _ = env.shutdown.cancelled() => {
             info!(%peer, "{name} connection closed in its handshake: the target is shutting down");
             return;
+        }
+        _ = ticket.evicted().cancelled() => {
+            info!(%peer, "{name} connection closed in its handshake: every place was taken, and this one was the oldest");
+            return Stats::add(&env.stats.refused, 1);
         }
     };
     let (conn, _slot, stream) = match hs {
@@ -887,7 +892,7 @@ mod tests {
         });
         let (client, server) = tokio::io::duplex(1 << 16);
         let nbd = Arc::new(Nbd { catalog: Arc::new(catalog), access: env.access.clone() });
-        let ticket = Arc::new(crate::server::HandshakeGate::new(4)).enter(None).unwrap();
+        let ticket = Arc::new(crate::server::HandshakeGate::new(4)).enter(None).await.unwrap();
         let who = Who { local: true, ..Default::default() };
         let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), who, env.clone(), ticket));
         let (mut rd, mut wr) = tokio::io::split(client);

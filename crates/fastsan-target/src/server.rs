@@ -572,10 +572,10 @@ impl Acceptor<'_> {
                 },
             };
             Stats::add(&self.env.stats.connections, 1);
-            let ticket = self.gate.enter(ip);
-            let (frontend, env) = (frontend.clone(), self.env.clone());
+            let (frontend, env, gate) = (frontend.clone(), self.env.clone(), self.gate.clone());
             self.tracker.spawn(async move {
-                let Some(ticket) = ticket else {
+                let Some(ticket) = gate.enter(ip).await else {
+                    Stats::add(&env.stats.refused, 1);
                     return refuse_busy(&*frontend, stream, &peer, "too many connections in their handshake")
                         .await;
                 };
@@ -603,17 +603,35 @@ impl Acceptor<'_> {
 
 /// Admits connections to their handshake: at most `total` at once, and a
 /// quarter of that from one address, so that silent or slow clients hold
-/// no connection slot and cannot crowd out the others.
+/// no connection slot and cannot crowd out the others. When every place is
+/// taken, a newcomer closes the oldest handshake still in its exchange
+/// after [`EVICTABLE_AFTER`] and takes its place: four addresses holding
+/// silent connections used to fill the gate for everyone, reconnects of
+/// live sessions included, with one connection each per handshake timeout.
 pub struct HandshakeGate {
     total: Arc<Semaphore>,
     per_addr: parking_lot::Mutex<HashMap<IpAddr, usize>>,
     per_addr_max: usize,
+    /// Handshakes still in their exchange, oldest first (by admission):
+    /// those a full gate may close. One that settled (its OPEN or GO
+    /// accepted, perhaps waiting for its session's fence) is not here.
+    open: parking_lot::Mutex<std::collections::BTreeMap<u64, (std::time::Instant, CancellationToken)>>,
+    next: std::sync::atomic::AtomicU64,
 }
+
+/// How long a handshake runs before a full gate may close it for a
+/// newcomer: a client's takes milliseconds (a few round trips).
+pub const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
+/// How long a newcomer waits for the place of the handshake it closed.
+const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 /// A connection's place in its handshake; given back when dropped.
 pub struct HandshakeTicket {
     _permit: OwnedSemaphorePermit,
-    addr: Option<(Arc<HandshakeGate>, IpAddr)>,
+    gate: Arc<HandshakeGate>,
+    addr: Option<IpAddr>,
+    seq: u64,
+    evicted: CancellationToken,
 }
 
 impl HandshakeGate {
@@ -622,41 +640,88 @@ impl HandshakeGate {
             total: Arc::new(Semaphore::new(total)),
             per_addr: Default::default(),
             per_addr_max: (total / 4).max(1),
+            open: Default::default(),
+            next: Default::default(),
         }
     }
 
-    /// A ticket, or `None` when the gate or this address is full.
-    pub fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
-        let permit = self.total.clone().try_acquire_owned().ok()?;
-        let addr = match ip {
-            Some(ip) => {
-                // Counted as failed authentications are: an IPv6 host by its /64.
-                let ip = crate::access::AuthLimiter::key(ip);
-                let mut m = self.per_addr.lock();
-                let n = m.entry(ip).or_default();
-                if *n >= self.per_addr_max {
-                    return None;
-                }
-                *n += 1;
-                Some((self.clone(), ip))
+    /// A ticket, or `None` when this address has its share, or when every
+    /// place is taken by handshakes younger than [`EVICTABLE_AFTER`].
+    pub async fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
+        // Counted as failed authentications are: an IPv6 host by its /64.
+        let addr = ip.map(crate::access::AuthLimiter::key);
+        if let Some(ip) = addr {
+            let mut m = self.per_addr.lock();
+            let n = m.entry(ip).or_default();
+            if *n >= self.per_addr_max {
+                return None;
             }
-            None => None,
+            *n += 1;
+        }
+        let permit = match self.total.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) if self.evict_oldest() => {
+                tokio::time::timeout(ROOM_WAIT, self.total.clone().acquire_owned())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+            Err(_) => None,
         };
-        Some(HandshakeTicket { _permit: permit, addr })
+        let Some(permit) = permit else {
+            self.leave_addr(addr);
+            return None;
+        };
+        let seq = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let evicted = CancellationToken::new();
+        self.open.lock().insert(seq, (std::time::Instant::now(), evicted.clone()));
+        Some(HandshakeTicket { _permit: permit, gate: self.clone(), addr, seq, evicted })
+    }
+
+    /// Closes the oldest handshake still in its exchange, if it is older
+    /// than [`EVICTABLE_AFTER`].
+    fn evict_oldest(&self) -> bool {
+        let mut open = self.open.lock();
+        match open.first_entry() {
+            Some(e) if e.get().0.elapsed() >= EVICTABLE_AFTER => {
+                e.remove().1.cancel();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn leave_addr(&self, addr: Option<IpAddr>) {
+        if let Some(ip) = addr {
+            let mut m = self.per_addr.lock();
+            if let Some(n) = m.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+impl HandshakeTicket {
+    /// The protocol's exchange is over (an OPEN or GO accepted): a full
+    /// gate no longer closes this handshake (a reconnect may wait here
+    /// for its session's fence).
+    pub fn settle(&self) {
+        self.gate.open.lock().remove(&self.seq);
+    }
+
+    /// Cancelled when a full gate closes this handshake for a newcomer.
+    pub fn evicted(&self) -> &CancellationToken {
+        &self.evicted
     }
 }
 
 impl Drop for HandshakeTicket {
     fn drop(&mut self) {
-        if let Some((gate, ip)) = &self.addr {
-            let mut m = gate.per_addr.lock();
-            if let Some(n) = m.get_mut(ip) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(ip);
-                }
-            }
-        }
+        self.gate.open.lock().remove(&self.seq);
+        self.gate.leave_addr(self.addr);
     }
 }
 

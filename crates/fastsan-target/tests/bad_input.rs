@@ -230,6 +230,43 @@ async fn silent_clients_time_out_and_floods_are_capped() {
     srv.stop().await;
 }
 
+/// Silent clients from four addresses take every handshake place. For a
+/// second the gate answers newcomers BUSY; after it, a newcomer closes the
+/// oldest silent handshake and takes its place. (Until 2026-11-29 such
+/// clients, one connection per address and handshake timeout, kept every
+/// other client out, reconnects of live sessions included.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_handshake_gate_makes_room_by_closing_its_oldest_silent_client() {
+    let srv = TestServer::start(VOLS, |c| {
+        c.max_handshakes = 8; // two at once from one address
+        c.handshake_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut silent = Vec::new();
+    for from in ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"] {
+        for _ in 0..2 {
+            silent.push(Raw::connect_from(srv.addr, from).await);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut early = Raw::connect_from(srv.addr, "127.0.0.6").await;
+    match early.message().await {
+        Some(Message::Error { status, .. }) => assert_eq!(status, Status::BUSY),
+        other => panic!("expected BUSY while every handshake is younger than a second, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut late = Raw::connect_from(srv.addr, "127.0.0.6").await;
+    assert!(matches!(late.hello_open("v").await, Message::OpenReply(_)), "the newcomer got in");
+    let mut closed = 0;
+    for s in &mut silent {
+        closed += s.closed_within(Duration::from_millis(100)).await as usize;
+    }
+    assert_eq!(closed, 1, "exactly one silent handshake made room");
+    drop(late);
+    bystander_works(&srv).await;
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_digest_mismatch_is_refused_and_the_connection_goes_on() {
     let srv = TestServer::start(VOLS, |_| {}).await;
