@@ -185,7 +185,12 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
                 }
             }
         };
-        ticket.settle();
+        if !ticket.settle() {
+            // Closed for a newcomer as the OPEN came in: nothing fenced, nothing answered.
+            return Err(HandshakeEnd::Refused(
+                "every handshake place was taken, and this one was the oldest".into(),
+            ));
+        }
         // A session's reconnect is answered once its lost connections are done (the fence).
         if let Some(fence) = conn.fence() {
             fence.await;

@@ -574,7 +574,11 @@ impl Acceptor<'_> {
             Stats::add(&self.env.stats.connections, 1);
             let (frontend, env, gate) = (frontend.clone(), self.env.clone(), self.gate.clone());
             self.tracker.spawn(async move {
-                let Some(ticket) = gate.enter(ip).await else {
+                let ticket = tokio::select! {
+                    t = gate.enter(ip) => t,
+                    _ = env.shutdown.cancelled() => return,
+                };
+                let Some(ticket) = ticket else {
                     Stats::add(&env.stats.refused, 1);
                     return refuse_busy(&*frontend, stream, &peer, "too many connections in their handshake")
                         .await;
@@ -593,8 +597,10 @@ impl Acceptor<'_> {
         loop {
             tokio::select! {
                 _ = self.drained.cancelled() => return,
-                r = l.accept() => if let Ok((_, peer, _)) = r {
-                    debug!(%peer, "connection closed: shutting down");
+                r = l.accept() => match r {
+                    Ok((_, peer, _)) => debug!(%peer, "connection closed: shutting down"),
+                    // EMFILE: breathe, as while serving (this task also runs the drain).
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
                 },
             }
         }
@@ -628,10 +634,28 @@ const ROOM_WAIT: Duration = Duration::from_secs(1);
 /// A connection's place in its handshake; given back when dropped.
 pub struct HandshakeTicket {
     _permit: OwnedSemaphorePermit,
+    _addr: AddrPlace,
     gate: Arc<HandshakeGate>,
-    addr: Option<IpAddr>,
     seq: u64,
     evicted: CancellationToken,
+}
+
+/// A place among an address's handshakes; given back when dropped (also
+/// when an `enter` waiting for room is dropped).
+struct AddrPlace(Option<(Arc<HandshakeGate>, IpAddr)>);
+
+impl Drop for AddrPlace {
+    fn drop(&mut self) {
+        if let Some((gate, ip)) = &self.0 {
+            let mut m = gate.per_addr.lock();
+            if let Some(n) = m.get_mut(ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(ip);
+                }
+            }
+        }
+    }
 }
 
 impl HandshakeGate {
@@ -649,15 +673,18 @@ impl HandshakeGate {
     /// place is taken by handshakes younger than [`EVICTABLE_AFTER`].
     pub async fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
         // Counted as failed authentications are: an IPv6 host by its /64.
-        let addr = ip.map(crate::access::AuthLimiter::key);
-        if let Some(ip) = addr {
-            let mut m = self.per_addr.lock();
-            let n = m.entry(ip).or_default();
-            if *n >= self.per_addr_max {
-                return None;
+        let addr = match ip.map(crate::access::AuthLimiter::key) {
+            Some(ip) => {
+                let mut m = self.per_addr.lock();
+                let n = m.entry(ip).or_default();
+                if *n >= self.per_addr_max {
+                    return None;
+                }
+                *n += 1;
+                AddrPlace(Some((self.clone(), ip)))
             }
-            *n += 1;
-        }
+            None => AddrPlace(None),
+        };
         let permit = match self.total.clone().try_acquire_owned() {
             Ok(p) => Some(p),
             Err(_) if self.evict_oldest() => {
@@ -668,14 +695,11 @@ impl HandshakeGate {
             }
             Err(_) => None,
         };
-        let Some(permit) = permit else {
-            self.leave_addr(addr);
-            return None;
-        };
+        let permit = permit?;
         let seq = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let evicted = CancellationToken::new();
         self.open.lock().insert(seq, (std::time::Instant::now(), evicted.clone()));
-        Some(HandshakeTicket { _permit: permit, gate: self.clone(), addr, seq, evicted })
+        Some(HandshakeTicket { _permit: permit, _addr: addr, gate: self.clone(), seq, evicted })
     }
 
     /// Closes the oldest handshake still in its exchange, if it is older
@@ -690,26 +714,15 @@ impl HandshakeGate {
             _ => false,
         }
     }
-
-    fn leave_addr(&self, addr: Option<IpAddr>) {
-        if let Some(ip) = addr {
-            let mut m = self.per_addr.lock();
-            if let Some(n) = m.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(&ip);
-                }
-            }
-        }
-    }
 }
 
 impl HandshakeTicket {
     /// The protocol's exchange is over (an OPEN or GO accepted): a full
     /// gate no longer closes this handshake (a reconnect may wait here
-    /// for its session's fence).
-    pub fn settle(&self) {
-        self.gate.open.lock().remove(&self.seq);
+    /// for its session's fence). False if it was closed for a newcomer
+    /// just before: the handshake must end there.
+    pub fn settle(&self) -> bool {
+        self.gate.open.lock().remove(&self.seq).is_some()
     }
 
     /// Cancelled when a full gate closes this handshake for a newcomer.
@@ -721,7 +734,6 @@ impl HandshakeTicket {
 impl Drop for HandshakeTicket {
     fn drop(&mut self) {
         self.gate.open.lock().remove(&self.seq);
-        self.gate.leave_addr(self.addr);
     }
 }
 

@@ -145,6 +145,8 @@ struct Inner {
     /// Held while the generations change (a degrade, a resync's end).
     gen_change: tokio::sync::Mutex<()>,
     stripes: Vec<RwLock<()>>,
+    /// The writes running, each in a task of its own (see `Inner::mutate`).
+    writes: tokio_util::task::TaskTracker,
     counters: Counters,
     stop: CancellationToken,
 }
@@ -491,6 +493,7 @@ impl Mirror {
             leg_reads: (0..n).map(|_| AtomicU64::new(0)).collect(),
             gen_change: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            writes: tokio_util::task::TaskTracker::new(),
             counters: Counters::default(),
             stop: CancellationToken::new(),
         });
@@ -599,6 +602,11 @@ impl Mirror {
     /// seconds stay dirty and the next open copies them: safe, only slower.)
     pub async fn close(&self) -> Result<(), Error> {
         let inner = self.inner();
+        // Writes their callers gave up on run to their end first: the
+        // flush below covers them, and the log is cleared of their regions.
+        inner.writes.close();
+        inner.writes.wait().await;
+        inner.writes.reopen();
         let t = Instant::now();
         if inner.flush_all().await? {
             inner.log.clear_all_idle(t).await?;
@@ -775,7 +783,7 @@ impl Inner {
         }
         self.counters.writes.fetch_add(1, Relaxed);
         let inner = self.clone();
-        match tokio::spawn(async move { inner.mutate_to_end(offset, len, op).await }).await {
+        match self.writes.spawn(async move { inner.mutate_to_end(offset, len, op).await }).await {
             Ok(r) => r,
             Err(e) => Err(mirror_err(format!("the write's task ended: {e}"))),
         }
@@ -815,25 +823,28 @@ impl Inner {
         let results = futures::future::join_all(targets.iter().map(|(i, leg)| {
             let op = op.clone();
             async move {
-                self.in_flight[*i].fetch_add(1, Relaxed);
-                let r = op.run(leg, offset, len).await;
-                self.in_flight[*i].fetch_sub(1, Relaxed);
-                r
+                let _counted = Counted::up(&self.in_flight[*i]);
+                op.run(leg, offset, len).await
             }
         }))
         .await;
         std::mem::forget(abandoned);
-        // A leg that answers a TRIM with UNSUPPORTED declined the advice.
-        let declined =
-            |r: &Result<(), Error>| trim && matches!(r, Err(Error::Status(fastsan_brp::Status::UNSUPPORTED)));
-        unable += results.iter().filter(|r| declined(r)).count();
         let took = results.iter().filter(|r| r.is_ok()).count();
         let mut request_err = None;
         let mut refused = None;
         for ((i, _), r) in targets.iter().zip(results) {
             let e = match r {
                 Ok(()) => continue,
-                Err(Error::Status(fastsan_brp::Status::UNSUPPORTED)) if trim => continue,
+                // A leg that refuses a TRIM (UNSUPPORTED; an NBD server's
+                // EINVAL, as nbdkit and fastsan answer for a store that
+                // cannot) declined the advice: it misses nothing.
+                Err(e) if trim && request_error(&e) => {
+                    unable += 1;
+                    if took == 0 {
+                        request_err.get_or_insert(e);
+                    }
+                    continue;
+                }
                 // The request's own fault, the same on every leg: nothing
                 // differs. If another leg took it, this leg now differs.
                 Err(e) if request_error(&e) && took == 0 => {

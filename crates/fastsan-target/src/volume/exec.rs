@@ -157,7 +157,14 @@ impl Volume {
                 }
                 OpKind::Flush => return flushed(done),
                 OpKind::Trim { offset, len, fua } => {
-                    b.trim(offset, len)?;
+                    // A store that cannot (a file system that punches no
+                    // holes) answers as a volume without TRIM does: the
+                    // client may go on without it (a mirror's leg is not
+                    // degraded for it); it is no I/O error.
+                    b.trim(offset, len).map_err(|e| match e {
+                        crate::backend::BackendError::Unsupported => Refusal::Unsupported("TRIM"),
+                        e => e.into(),
+                    })?;
                     return Ok((done, fua));
                 }
                 OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {

@@ -235,11 +235,7 @@ fn decode(h: &RequestHeader, payload: Bytes, payload_ok: bool) -> Result<IoReque
 pub fn status(r: &Refusal) -> Status {
     match r {
         Refusal::Invalid(_) => Status::INVALID,
-        // A store that cannot do it (a TRIM where the file system punches
-        // no holes) is not an I/O error: the client may go on without it.
-        Refusal::UnknownCommand(_) | Refusal::Unsupported(_) | Refusal::Device(BackendError::Unsupported) => {
-            Status::UNSUPPORTED
-        }
+        Refusal::UnknownCommand(_) | Refusal::Unsupported(_) => Status::UNSUPPORTED,
         Refusal::OutOfRange { .. } => Status::OUT_OF_RANGE,
         Refusal::Misaligned { .. } => Status::MISALIGNED,
         Refusal::TooLarge { .. } => Status::TOO_LARGE,
