@@ -210,6 +210,11 @@ pub fn render(collector: &TargetCollector) -> String {
 
 /// Metrics requests served at once; more are closed at once.
 const MAX_SCRAPES: usize = 32;
+/// Of them, from one address: silent connections from one host cannot
+/// take every place from the scraper.
+const MAX_SCRAPES_PER_ADDR: usize = 4;
+/// How long a client has to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What `/metrics` answers: the text of the moment.
 pub type Render = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
@@ -220,6 +225,7 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
     // A bounded number of scrapes at once: silent connections cannot eat
     // the process's file descriptors (the volumes' listeners need them).
     let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
+    let per_addr = std::sync::Arc::new(parking_lot::Mutex::new(std::collections::HashMap::new()));
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
     loop {
         let (stream, peer) = tokio::select! {
@@ -237,12 +243,16 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
             debug!(%peer, "metrics: {MAX_SCRAPES} requests open already; closed");
             continue;
         };
+        let Some(place) = PerAddr::enter(&per_addr, peer.ip()) else {
+            debug!(%peer, "metrics: {MAX_SCRAPES_PER_ADDR} requests open from this address already; closed");
+            continue;
+        };
         let render = render.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let _held = (permit, place);
             if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render))
                 .await
-                .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 5 s")))
+                .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no answer within 5 s")))
             {
                 debug!(%peer, "metrics request: {e}");
             }
@@ -250,25 +260,76 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
     }
 }
 
-/// Reads one request head and answers it.
+/// A scrape's place among its address's.
+struct PerAddr {
+    map: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl PerAddr {
+    fn enter(
+        map: &std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+        ip: std::net::IpAddr,
+    ) -> Option<PerAddr> {
+        let mut m = map.lock();
+        let n = m.entry(ip).or_default();
+        if *n >= MAX_SCRAPES_PER_ADDR {
+            return None;
+        }
+        *n += 1;
+        Some(PerAddr { map: map.clone(), ip })
+    }
+}
+
+impl Drop for PerAddr {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Reads one request head (within [`HEAD_TIMEOUT`]) and answers it.
 async fn answer(mut s: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) -> io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
-        if head.len() >= 8192 {
-            return respond(
-                &mut s,
-                "431 Request Header Fields Too Large",
-                "text/plain",
-                "request head too large\n",
-            )
-            .await;
+    let read_head = async {
+        // Only the bytes that could finish the head are searched again.
+        let ended = |h: &[u8], from: usize| {
+            let tail = &h[from.saturating_sub(3)..];
+            tail.windows(4).any(|w| w == b"\r\n\r\n") || tail.windows(2).any(|w| w == b"\n\n")
+        };
+        let mut from = 0;
+        while !ended(&head, from) {
+            if head.len() >= 8192 {
+                return Ok(false);
+            }
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed before its request"));
+            }
+            from = head.len();
+            head.extend_from_slice(&chunk[..n]);
         }
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&chunk[..n]);
+        Ok(true)
+    };
+    let whole = match tokio::time::timeout(HEAD_TIMEOUT, read_head).await {
+        Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 2 s")),
+        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+        Ok(r) => r?,
+    };
+    if !whole {
+        return respond(
+            &mut s,
+            "431 Request Header Fields Too Large",
+            "text/plain",
+            "request head too large\n",
+        )
+        .await;
     }
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);

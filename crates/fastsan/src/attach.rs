@@ -69,6 +69,10 @@ pub struct Args {
     /// reconnects, retries) as Prometheus text at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// Allow --metrics on a non-loopback address: the metrics have no
+    /// authentication and name the volume and its target.
+    #[arg(long, requires = "metrics")]
+    metrics_allow_remote: bool,
     #[command(flatten)]
     client: ClientArgs,
 }
@@ -127,6 +131,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     // attached, never the default death with a device or mount half made.
     let waits = Waits::new()?;
     let opts = a.client.options()?;
+    if let Some(m) = a.metrics {
+        // As `serve --metrics`: never on the network unless asked.
+        anyhow::ensure!(
+            m.ip().is_loopback() || a.metrics_allow_remote,
+            "metrics on {m} (not loopback) would show the volume and its target to anyone who reaches it, \
+             unauthenticated: pass --metrics-allow-remote to serve them anyway"
+        );
+    }
     if let Some(dir) = &a.fuse {
         anyhow::ensure!((1..=64).contains(&a.threads), "--threads must be 1..=64");
         check_fuse()?;

@@ -168,6 +168,58 @@ pub struct Args {
 /// A duration given in seconds: more than 0, at most an hour.
 /// Where a virtual machine's cpuidle-haltpoll says how long an idle vCPU
 /// polls before it halts.
+/// Descriptors the target needs besides its connections' and handshakes':
+/// listeners, metrics scrapes (32 at most), the log, and per volume its
+/// file, io_uring and a gateway's connections to its remote.
+fn reserved_files(volumes: usize) -> u64 {
+    96 + 8 * volumes as u64
+}
+
+/// The connections that fit in `limit` open files, if fewer than
+/// `max_connections`: past the limit, accept fails (EMFILE) and a client
+/// waits unanswered in the backlog, where past `max_connections` it is
+/// told BUSY. `None`: they all fit.
+fn connections_within(c: &ServerConfig, limit: u64) -> anyhow::Result<Option<usize>> {
+    let other = reserved_files(c.volumes.len()) + c.max_handshakes as u64;
+    if other + c.max_connections as u64 <= limit {
+        return Ok(None);
+    }
+    let fit = limit.saturating_sub(other);
+    anyhow::ensure!(
+        fit >= 16,
+        "the open-file limit ({limit}) leaves room for {fit} connections: raise it (ulimit -n) or lower \
+         --max-handshakes ({})",
+        c.max_handshakes
+    );
+    Ok(Some(fit as usize))
+}
+
+/// Raises the soft limit on open files to the hard one (as most servers
+/// do: the soft default, 1024, is below what the default caps need), then
+/// lowers `--max-connections` to what fits, saying so.
+fn fit_open_files(c: &mut ServerConfig) -> anyhow::Result<()> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain system calls on a struct of ours.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Ok(());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim = raised;
+        }
+    }
+    if let Some(fit) = connections_within(c, lim.rlim_cur)? {
+        warn!(
+            "the open-file limit ({}) is below what --max-connections {} and --max-handshakes {} need: \
+             serving at most {fit} connections (raise `ulimit -n` for more)",
+            lim.rlim_cur, c.max_connections, c.max_handshakes
+        );
+        c.max_connections = fit;
+    }
+    Ok(())
+}
+
 const HALT_POLL: &str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns";
 
 /// What to tell the operator of a virtual machine whose idle vCPUs halt at
@@ -285,6 +337,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         c.memory_budget = parse_size(m)?;
     }
     c.serial = a.serial || file.serial;
+    fit_open_files(&mut c)?;
 
     let brp_unix = c.brp_unix.clone();
     let server = Server::bind(c).await?;
@@ -342,6 +395,22 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connections_are_capped_by_the_open_file_limit() {
+        let mut c = ServerConfig { max_connections: 1024, max_handshakes: 64, ..Default::default() };
+        c.volumes = vec![VolumeSpec::parse("v=memory:1M").unwrap()];
+        let other = reserved_files(1) + 64;
+        assert_eq!(connections_within(&c, 1 << 20).unwrap(), None, "a high limit");
+        assert_eq!(connections_within(&c, other + 1024).unwrap(), None, "just enough");
+        assert_eq!(
+            connections_within(&c, 1024).unwrap(),
+            Some((1024 - other) as usize),
+            "the usual soft limit"
+        );
+        let e = connections_within(&c, other + 10).unwrap_err().to_string();
+        assert!(e.contains("ulimit -n") && e.contains("--max-handshakes"), "{e}");
+    }
 
     #[test]
     fn only_a_machine_whose_idle_vcpus_halt_at_once_gets_the_note() {

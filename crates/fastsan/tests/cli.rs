@@ -816,6 +816,7 @@ fn bad_command_lines_get_clear_errors() {
         (&["bench", "brp://127.0.0.1:1/v", "--rw", "randwrite", "--rwmixread", "70"], "--rw randrw"),
         (&["attach", "--list", "brp://127.0.0.1:1/v"], "cannot be used with"),
         (&["attach", "nbd://127.0.0.1:1/v", "--device-timeout", "3"], "only a brp:// session orders"),
+        (&["attach", "brp://127.0.0.1:1/v", "--metrics", "0.0.0.0:9100"], "--metrics-allow-remote"),
         (&["ls", "brp://127.0.0.1:1", "--connections", "4"], "unexpected argument '--connections'"),
     ];
     let dir = temp_dir("badconf");
@@ -1114,4 +1115,59 @@ fn a_request_timeout_is_reported_once_and_the_copy_fails_in_time() {
         err.contains("connection lost: no reply within the request timeout (300ms); no connection came back"),
         "{err}"
     );
+}
+
+/// Under a low limit on open files (`prlimit`), `serve` lowers its
+/// connection cap to what fits, and says so: every client past it is
+/// answered (NBD: a close before the greeting, or after EXPORT_NAME), none
+/// waits unanswered. Before, past the limit accept failed (EMFILE) and
+/// clients sat in the backlog with no answer, a warning twenty times a
+/// second in the log.
+#[test]
+fn past_the_open_file_limit_clients_are_refused_not_left_waiting() {
+    use std::io::{Read, Write};
+    let s = Served::start_under(
+        &["prlimit", "--nofile=256:256", "--"],
+        &["--brp", "127.0.0.1:0", "--max-handshakes", "8", "--volume", "v=memory:16M"],
+    );
+    let mut open = Vec::new();
+    let mut refused = 0;
+    for i in 0..300 {
+        let mut c = std::net::TcpStream::connect(&s.nbd).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut greeting = [0u8; 18];
+        let answered = match c.read_exact(&mut greeting) {
+            Ok(()) => {
+                // Fixed newstyle, no zeroes; EXPORT_NAME "v": size and flags, or a close.
+                let mut m = 3u32.to_be_bytes().to_vec();
+                m.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
+                m.extend_from_slice(&1u32.to_be_bytes());
+                m.extend_from_slice(&1u32.to_be_bytes());
+                m.push(b'v');
+                c.write_all(&m).unwrap();
+                let mut info = [0u8; 10];
+                match c.read_exact(&mut info) {
+                    Ok(()) => Some(true),
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Some(false),
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Some(false),
+                    Err(_) => None,
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Some(false),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Some(false),
+            Err(_) => None,
+        };
+        match answered {
+            Some(true) => open.push(c),
+            Some(false) => refused += 1,
+            None => {
+                panic!("connection {i} got no answer within 5 s ({} open, {refused} refused)", open.len())
+            }
+        }
+    }
+    assert!(refused > 0 && !open.is_empty(), "{} open, {refused} refused", open.len());
+    let n = open.len();
+    drop(open);
+    let (_, err) = s.signal("TERM");
+    assert!(err.contains(&format!("serving at most {n} connections")), "{n} open; stderr:\n{err}");
 }

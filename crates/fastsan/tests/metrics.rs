@@ -120,3 +120,50 @@ fn metrics_agree_with_the_bench_within_one_percent() {
     // A quote in a volume's name is escaped (the text stays parseable).
     assert!(text.contains("fastsan_volume_size_bytes{volume=\"q\\\"x\"} 1048576"), "{text}");
 }
+
+/// Silent connections from one address hold at most four of the endpoint's
+/// places, and only for the two seconds a request head may take: a scrape
+/// from elsewhere is answered meanwhile. (Before, 32 silent connections
+/// from one host held every place, 5 s at a time, and each scrape was
+/// closed unanswered.)
+#[test]
+fn silent_connections_from_one_address_leave_the_scraper_its_place() {
+    use socket2::{Domain, Socket, Type};
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--volume", "v=memory:1M"]);
+    let target: std::net::SocketAddr = s.metrics.parse().unwrap();
+    let from = |ip: &str| -> TcpStream {
+        let sock = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        sock.bind(&format!("{ip}:0").parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+        sock.connect(&target.into()).unwrap();
+        sock.into()
+    };
+    // Closed (EOF or reset) within `t`; a read timeout is not a close.
+    let closed_within = |c: &mut TcpStream, t: Duration| {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        c.set_read_timeout(Some(t)).unwrap();
+        match c.read(&mut [0u8; 64]) {
+            Ok(n) => n == 0,
+            Err(e) => !matches!(e.kind(), WouldBlock | TimedOut),
+        }
+    };
+    let mut silent: Vec<TcpStream> = (0..40).map(|_| from("127.0.0.2")).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    let scraped = scrape(&s.metrics);
+    assert!(scraped.contains("fastsan_volume_size_bytes"), "{scraped}");
+    assert!(t.elapsed() < Duration::from_secs(1), "the scrape waited {:?}", t.elapsed());
+    let mut held = Vec::new();
+    for (i, c) in silent.iter_mut().enumerate() {
+        if !closed_within(c, Duration::from_millis(100)) {
+            held.push(i);
+        }
+    }
+    assert_eq!(held.len(), 4, "silent connections held open: {held:?}");
+    for i in held {
+        assert!(
+            closed_within(&mut silent[i], Duration::from_secs(4)),
+            "a silent connection outlived the head timeout"
+        );
+    }
+    assert!(t.elapsed() >= Duration::from_millis(1500), "closed before its 2 s: {:?}", t.elapsed());
+}

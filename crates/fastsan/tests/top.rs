@@ -76,3 +76,58 @@ fn top_without_a_terminal_prints_tables_and_a_bad_url_is_a_plain_error() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("VOLUME\tIOPS") && text.contains("\nv\t0\t"), "{text}");
 }
+
+/// An endpoint that trickles its answer, a byte a second, is cut off at
+/// 5 s in all (before, each byte restarted a 5 s read timeout, and top,
+/// whose Ctrl-C is a key in raw mode, could not be left); one that answers
+/// more than 16 MiB is refused, not held in memory.
+#[test]
+fn top_cuts_off_an_endpoint_that_trickles_or_floods() {
+    use std::io::Write;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        // First client: a byte a second, for 30 s at most.
+        let (mut c, _) = l.accept().unwrap();
+        for _ in 0..30 {
+            if c.write_all(b"H").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        drop(c);
+        // Second client: a 200 with 17 MiB of samples.
+        let (mut c, _) = l.accept().unwrap();
+        let _ = c.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
+        let line = b"fastsan_requests_total{protocol=\"brp\"} 1\n";
+        for _ in 0..(17 << 20) / line.len() {
+            if c.write_all(line).is_err() {
+                break;
+            }
+        }
+    });
+    let run = |what: &str| {
+        let t = std::time::Instant::now();
+        let mut top = Command::new(BIN)
+            .args(["top", &format!("http://{addr}/metrics")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        while top.try_wait().unwrap().is_none() {
+            if t.elapsed() > Duration::from_secs(15) {
+                let _ = top.kill();
+                panic!("top still waiting on an endpoint that {what} after 15 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = top.wait_with_output().unwrap();
+        assert!(!out.status.success());
+        (String::from_utf8_lossy(&out.stderr).into_owned(), t.elapsed())
+    };
+    let (err, took) = run("trickles");
+    assert!(err.contains("within 5 s") && took < Duration::from_secs(8), "{took:?}: {err}");
+    let (err, _) = run("floods");
+    assert!(err.contains("over 16 MiB"), "{err}");
+    server.join().unwrap();
+}

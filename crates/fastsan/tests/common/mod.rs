@@ -26,12 +26,25 @@ impl Served {
     /// turns it off (NBD cannot check one; `--nbd-insecure` keeps it), or
     /// ARGS give its address.
     pub fn start(args: &[&str]) -> Served {
+        Served::start_under(&[], args)
+    }
+
+    /// [`Served::start`] under a command that runs it (`prlimit ... --`).
+    pub fn start_under(under: &[&str], args: &[&str]) -> Served {
         let secret = args.contains(&"--secret-file") || args.contains(&"--secrets-file");
         let given = args.contains(&"--nbd");
         let nbd = given
             || !args.contains(&"--no-nbd")
                 && (!secret || args.contains(&"--nbd-insecure") || args.contains(&"--tls-ca"));
-        let mut child = Command::new(BIN)
+        let mut cmd = match under.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = cmd
             .arg("serve")
             .args(args)
             .args(if nbd && !given { &["--nbd", "127.0.0.1:0"][..] } else { &[][..] })
