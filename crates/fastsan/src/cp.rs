@@ -510,8 +510,10 @@ impl End {
         }
     }
 
-    /// Makes the copy durable and, for a file, puts it in place.
-    async fn finish(&mut self, len: u64) -> anyhow::Result<()> {
+    /// Makes the copy durable: what may take long (a volume's flush waits
+    /// for its target's return), and may be interrupted. [`End::commit`]
+    /// then puts a file's copy in place.
+    async fn flush(&mut self, len: u64) -> anyhow::Result<()> {
         let sync = |f: &Arc<File>, len: Option<u64>, dir: Option<PathBuf>| {
             let f = f.clone();
             tokio::task::spawn_blocking(move || {
@@ -544,19 +546,24 @@ impl End {
                 let dir = created.then(|| dir_of(p).to_owned());
                 Ok(sync(f, Some(len), dir).await??)
             }
-            End::Local(f, _, Local::Replace { tmp, target, .. }) => {
-                let from = tmp.0.clone().expect("not renamed yet");
-                sync(f, Some(len), None).await??;
-                let to = target.clone();
-                tokio::task::spawn_blocking(move || {
-                    std::fs::rename(&from, &to)?;
-                    File::open(dir_of(&to))?.sync_all()
-                })
-                .await??;
-                tmp.0 = None;
-                Ok(())
-            }
+            End::Local(f, _, Local::Replace { .. }) => Ok(sync(f, Some(len), None).await??),
         }
+    }
+
+    /// Puts a flushed copy in place: a file's copy renamed over it, at
+    /// once (not interrupted, so that what is said of it is what is).
+    async fn commit(&mut self) -> anyhow::Result<()> {
+        if let End::Local(_, _, Local::Replace { tmp, target, .. }) = self {
+            let from = tmp.0.clone().expect("not renamed yet");
+            let to = target.clone();
+            tokio::task::spawn_blocking(move || {
+                std::fs::rename(&from, &to)?;
+                File::open(dir_of(&to))?.sync_all()
+            })
+            .await??;
+            tmp.0 = None;
+        }
+        Ok(())
     }
 
     fn name(&self) -> String {
@@ -748,7 +755,22 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             pb.finish_and_clear();
             bail!("{} was empty: nothing was copied", src.name())
         }
-        Ok(len) => dst.finish(len).await.with_context(|| format!("flushing {}", dst.name())).map(|()| len),
+        Ok(len) => {
+            // Interruptible too: a volume's flush may wait minutes for its
+            // target (retried), and Ctrl-C did nothing meanwhile.
+            let name = dst.name();
+            let flushed = tokio::select! {
+                r = dst.flush(len) => r.with_context(|| format!("flushing {name}")),
+                _ = int.recv() => Err(anyhow::anyhow!("interrupted (SIGINT) while flushing {name}")),
+                _ = term.recv() => Err(anyhow::anyhow!("interrupted (SIGTERM) while flushing {name}")),
+            };
+            match flushed {
+                Ok(()) => {
+                    dst.commit().await.with_context(|| format!("putting {name} in place")).map(|()| len)
+                }
+                Err(e) => Err(e),
+            }
+        }
         Err(e) => Err(e),
     };
     pb.finish_and_clear();

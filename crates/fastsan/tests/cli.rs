@@ -1171,3 +1171,36 @@ fn past_the_open_file_limit_clients_are_refused_not_left_waiting() {
     let (_, err) = s.signal("TERM");
     assert!(err.contains(&format!("serving at most {n} connections")), "{n} open; stderr:\n{err}");
 }
+
+/// Ctrl-C ends a copy at once, also while the destination's flush waits
+/// (here its target stalls every flush): the copy says it was interrupted
+/// and did not finish, and exits 1. Before, the flush (retried, each try
+/// up to the reconnect timeout) held Ctrl-C for minutes.
+#[test]
+fn cp_is_interrupted_by_ctrl_c_even_while_flushing() {
+    let dir = temp_dir("cp-interrupted");
+    let src = dir.join("src.bin");
+    random_file(&src, 1 << 20);
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M,faults=flush:stall"]);
+    let mut cp = Command::new(BIN)
+        .args(["cp", src.to_str().unwrap(), &s.url("v")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let pid = cp.id().to_string();
+    assert!(Command::new("kill").args(["-s", "INT", &pid]).status().unwrap().success());
+    let t = Instant::now();
+    while cp.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(5) {
+            let _ = cp.kill();
+            panic!("cp still running 5 s after Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = cp.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("interrupted (SIGINT) while flushing") && err.contains("did not finish"), "{err}");
+}
