@@ -350,10 +350,10 @@ impl ServerConfig {
             })
             .collect();
         let memory = sizes.iter().fold(0u64, |a, &s| a.saturating_add(s));
-        if let Some(ram) = crate::backend::ram() {
+        if let Some((ram, what)) = crate::backend::memory_limit() {
             if memory > ram && sizes.len() > 1 {
                 return Err(ConfigError::Invalid(format!(
-                    "the memory volumes hold {} together, more than this machine's RAM ({}): once clients \
+                    "the memory volumes hold {} together, more than {what} ({}): once clients \
                      fill them, the kernel's out-of-memory killer would end the target and every memory \
                      volume with it",
                     crate::backend::gib(memory),
@@ -744,7 +744,7 @@ mod tests {
     /// Memory volumes must fit in RAM together, not only each alone.
     #[test]
     fn memory_volumes_must_fit_together() {
-        let ram = crate::backend::ram().expect("/proc/meminfo");
+        let (ram, _) = crate::backend::memory_limit().expect("/proc/meminfo");
         let vol =
             |name: &str, size: u64| VolumeSpec::parse(&format!("{name}=memory:{}K", size >> 10)).unwrap();
         let mut c = ServerConfig {
@@ -752,7 +752,7 @@ mod tests {
             ..Default::default()
         };
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("more than this machine's RAM") && e.contains("GiB"), "{e}");
+        assert!(e.contains("more than this") && e.contains("GiB"), "{e}");
         c.volumes[1] = vol("b", ram / 5);
         c.validate().expect("4/5 of the RAM together");
     }

@@ -243,7 +243,7 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
             debug!(%peer, "metrics: {MAX_SCRAPES} requests open already; closed");
             continue;
         };
-        let Some(place) = PerAddr::enter(&per_addr, peer.ip()) else {
+        let Some(place) = PerAddr::enter(&per_addr, crate::access::AuthLimiter::key(peer.ip())) else {
             debug!(%peer, "metrics: {MAX_SCRAPES_PER_ADDR} requests open from this address already; closed");
             continue;
         };

@@ -556,12 +556,11 @@ impl End {
         if let End::Local(_, _, Local::Replace { tmp, target, .. }) = self {
             let from = tmp.0.clone().expect("not renamed yet");
             let to = target.clone();
-            tokio::task::spawn_blocking(move || {
-                std::fs::rename(&from, &to)?;
-                File::open(dir_of(&to))?.sync_all()
-            })
-            .await??;
+            tokio::task::spawn_blocking(move || std::fs::rename(&from, &to)).await??;
             tmp.0 = None;
+            // A new name is durable once its directory is.
+            let dir = dir_of(target).to_owned();
+            tokio::task::spawn_blocking(move || File::open(dir)?.sync_all()).await??;
         }
         Ok(())
     }
@@ -576,7 +575,12 @@ impl End {
     /// What an unfinished copy left here, in words.
     fn left(&self) -> String {
         match self {
-            End::Local(_, p, Local::Replace { .. }) => format!("{} is as it was", p.display()),
+            End::Local(_, p, Local::Replace { tmp, .. }) if tmp.0.is_some() => {
+                format!("{} is as it was", p.display())
+            }
+            End::Local(_, p, Local::Replace { .. }) => {
+                format!("{} holds the whole copy, but a crash could still undo its new name", p.display())
+            }
             End::Stream(_, name, _) => format!("{name} got part of the copy"),
             e => format!("{} holds part of the copy", e.name()),
         }

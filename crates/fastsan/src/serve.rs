@@ -165,30 +165,34 @@ pub struct Args {
     serial: bool,
 }
 
-/// A duration given in seconds: more than 0, at most an hour.
-/// Where a virtual machine's cpuidle-haltpoll says how long an idle vCPU
-/// polls before it halts.
 /// Descriptors the target needs besides its connections' and handshakes':
-/// listeners, metrics scrapes (32 at most), the log, and per volume its
-/// file, io_uring and a gateway's connections to its remote.
-fn reserved_files(volumes: usize) -> u64 {
-    96 + 8 * volumes as u64
+/// listeners, metrics scrapes (32 at most), the log and spares, and per
+/// volume its file, an io_uring and its threads' timers, and a gateway's
+/// connections to its remote (with its runtime's).
+fn reserved_files(c: &ServerConfig) -> u64 {
+    let volumes = c.volumes.iter().map(|v| match v.backend {
+        fastsan_target::config::BackendSpec::Remote { connections, .. } => 8 + connections as u64 + 4,
+        _ => 8,
+    });
+    volumes.fold(96u64, u64::saturating_add)
 }
 
 /// The connections that fit in `limit` open files, if fewer than
 /// `max_connections`: past the limit, accept fails (EMFILE) and a client
 /// waits unanswered in the backlog, where past `max_connections` it is
-/// told BUSY. `None`: they all fit.
+/// told BUSY. A connection may hold two (its socket, and the timer of
+/// its reply coalescing). `None`: they all fit.
 fn connections_within(c: &ServerConfig, limit: u64) -> anyhow::Result<Option<usize>> {
-    let other = reserved_files(c.volumes.len()) + c.max_handshakes as u64;
-    if other + c.max_connections as u64 <= limit {
+    let other = reserved_files(c).saturating_add(c.max_handshakes as u64);
+    if other.saturating_add(2u64.saturating_mul(c.max_connections as u64)) <= limit {
         return Ok(None);
     }
-    let fit = limit.saturating_sub(other);
+    let fit = limit.saturating_sub(other) / 2;
     anyhow::ensure!(
         fit >= 16,
-        "the open-file limit ({limit}) leaves room for {fit} connections: raise it (ulimit -n) or lower \
-         --max-handshakes ({})",
+        "the open-file limit ({limit}) leaves room for {fit} connections beside {} volumes and \
+         --max-handshakes {}: raise it (ulimit -n), or serve fewer",
+        c.volumes.len(),
         c.max_handshakes
     );
     Ok(Some(fit as usize))
@@ -220,6 +224,8 @@ fn fit_open_files(c: &mut ServerConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where a virtual machine's cpuidle-haltpoll says how long an idle vCPU
+/// polls before it halts.
 const HALT_POLL: &str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns";
 
 /// What to tell the operator of a virtual machine whose idle vCPUs halt at
@@ -400,15 +406,19 @@ mod tests {
     fn connections_are_capped_by_the_open_file_limit() {
         let mut c = ServerConfig { max_connections: 1024, max_handshakes: 64, ..Default::default() };
         c.volumes = vec![VolumeSpec::parse("v=memory:1M").unwrap()];
-        let other = reserved_files(1) + 64;
+        let other = reserved_files(&c) + 64;
         assert_eq!(connections_within(&c, 1 << 20).unwrap(), None, "a high limit");
-        assert_eq!(connections_within(&c, other + 1024).unwrap(), None, "just enough");
-        assert_eq!(
-            connections_within(&c, 1024).unwrap(),
-            Some((1024 - other) as usize),
-            "the usual soft limit"
-        );
-        let e = connections_within(&c, other + 10).unwrap_err().to_string();
+        assert_eq!(connections_within(&c, other + 2048).unwrap(), None, "just enough");
+        let usual = connections_within(&c, 1024).unwrap();
+        assert_eq!(usual, Some(((1024 - other) / 2) as usize), "the usual soft limit");
+        let e = connections_within(&c, other + 20).unwrap_err().to_string();
+        assert!(e.contains("ulimit -n") && e.contains("--max-handshakes"), "{e}");
+        // A gateway's connections to its remote count.
+        let one = reserved_files(&c);
+        c.volumes.push(VolumeSpec::parse("g=brp://127.0.0.1:1/v,connections=64").unwrap());
+        assert_eq!(reserved_files(&c), one + 76);
+        c.max_connections = usize::MAX;
+        assert!(connections_within(&c, u64::MAX).unwrap().is_none(), "no overflow");
         assert!(e.contains("ulimit -n") && e.contains("--max-handshakes"), "{e}");
     }
 

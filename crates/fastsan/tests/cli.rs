@@ -1181,14 +1181,38 @@ fn cp_is_interrupted_by_ctrl_c_even_while_flushing() {
     let dir = temp_dir("cp-interrupted");
     let src = dir.join("src.bin");
     random_file(&src, 1 << 20);
-    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", "v=memory:16M,faults=flush:stall"]);
+    let s = Served::start(&[
+        "--brp",
+        "127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+        "--volume",
+        "v=memory:16M,faults=flush:stall",
+    ]);
+    // How many flushes the volume's device has begun (the stalled one counts).
+    let flushes = || {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&s.metrics).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        let series = "fastsan_volume_ops_total{volume=\"v\",op=\"flush\"} ";
+        let line =
+            text.lines().find_map(|l| l.strip_prefix(series)).unwrap_or_else(|| panic!("{text}")).to_owned();
+        line.trim().parse::<f64>().unwrap()
+    };
+    let before = flushes();
     let mut cp = Command::new(BIN)
         .args(["cp", src.to_str().unwrap(), &s.url("v")])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    while flushes() <= before {
+        assert!(t.elapsed() < Duration::from_secs(20), "cp never reached its flush");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let pid = cp.id().to_string();
     assert!(Command::new("kill").args(["-s", "INT", &pid]).status().unwrap().success());
     let t = Instant::now();
@@ -1203,4 +1227,58 @@ fn cp_is_interrupted_by_ctrl_c_even_while_flushing() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("interrupted (SIGINT) while flushing") && err.contains("did not finish"), "{err}");
+}
+
+/// In a control group with a memory limit (a container's), a memory volume
+/// larger than the limit is refused at start, as one larger than the RAM
+/// is: filled, it would have the out-of-memory killer end the target. (The
+/// check read only the machine's RAM before.) The group is made here, under
+/// this process's own, with a 256 MiB limit (cgroup v1 or v2).
+#[test]
+fn a_memory_volume_over_the_control_groups_limit_is_refused() {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    let path_of = |want: &dyn Fn(&str) -> bool| {
+        groups.lines().find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, c, p) = (f.next()?, f.next()?, f.next()?);
+            want(c).then(|| p.trim_end_matches('/').to_owned())
+        })
+    };
+    let name = format!("fastsan-test-{}", std::process::id());
+    let v1 = path_of(&|c| c.split(',').any(|c| c == "memory"))
+        .map(|p| (format!("/sys/fs/cgroup/memory{p}/{name}"), "memory.limit_in_bytes"));
+    let v2 = path_of(&|c| c.is_empty()).map(|p| (format!("/sys/fs/cgroup{p}/{name}"), "memory.max"));
+    let Some((dir, _)) = [v1, v2].into_iter().flatten().find(|(dir, file)| {
+        std::fs::create_dir(dir).is_ok()
+            && (std::fs::write(format!("{dir}/{file}"), "268435456").is_ok() || {
+                let _ = std::fs::remove_dir(dir);
+                false
+            })
+    }) else {
+        eprintln!("no control group with a memory limit can be made here: nothing to check");
+        return;
+    };
+    let mut serve = Command::new("sh")
+        .args(["-c", &format!("echo $$ > {dir}/cgroup.procs && exec \"$0\" \"$@\""), BIN])
+        .args(["serve", "--brp", "127.0.0.1:0", "--no-nbd", "--volume", "v=memory:1G"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let served = loop {
+        if serve.try_wait().unwrap().is_some() {
+            break false;
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            let _ = serve.kill();
+            break true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = serve.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir(&dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!served && !out.status.success(), "a 1 GiB memory volume in a 256 MiB group was served: {err}");
+    assert!(err.contains("exceeds this process's control-group memory limit (0.25 GiB"), "{err}");
 }

@@ -87,24 +87,40 @@ fn top_cuts_off_an_endpoint_that_trickles_or_floods() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let server = std::thread::spawn(move || {
-        // First client: a byte a second, for 30 s at most.
+        // First client: a byte a second, for 30 s at most, until it leaves.
         let (mut c, _) = l.accept().unwrap();
+        l.set_nonblocking(true).unwrap();
+        let mut next = None;
         for _ in 0..30 {
             if c.write_all(b"H").is_err() {
                 break;
             }
             std::thread::sleep(Duration::from_secs(1));
-        }
-        drop(c);
-        // Second client: a 200 with 17 MiB of samples.
-        let (mut c, _) = l.accept().unwrap();
-        let _ = c.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
-        let line = b"fastsan_requests_total{protocol=\"brp\"} 1\n";
-        for _ in 0..(17 << 20) / line.len() {
-            if c.write_all(line).is_err() {
+            // The second client (top run again) may be here already.
+            if let Ok((n, _)) = l.accept() {
+                next = Some(n);
                 break;
             }
         }
+        drop(c);
+        l.set_nonblocking(false).unwrap();
+        // Second client: a 200 with 17 MiB of samples.
+        let mut c = next.unwrap_or_else(|| l.accept().unwrap().0);
+        c.set_nonblocking(false).unwrap();
+        // Its request read first: a close with unread bytes would reset the
+        // connection, and the answer with it, before top counts 16 MiB.
+        use std::io::Read;
+        let _ = c.read(&mut [0u8; 4096]);
+        let _ = c.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
+        let line = b"fastsan_requests_total{protocol=\"brp\"} 1\n";
+        let mib: Vec<u8> = line.iter().copied().cycle().take(line.len() * ((1 << 20) / line.len())).collect();
+        for _ in 0..17 {
+            if c.write_all(&mib).is_err() {
+                break;
+            }
+        }
+        // Open until top leaves.
+        let _ = c.read(&mut [0u8; 16]);
     });
     let run = |what: &str| {
         let t = std::time::Instant::now();

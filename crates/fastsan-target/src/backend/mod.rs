@@ -553,12 +553,13 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
     Ok(Stack { top, stats, faults, lock: lock_file })
 }
 
-/// Refuses a memory volume larger than the machine's RAM: it could never be filled.
+/// Refuses a memory volume larger than the memory this process may use:
+/// it could never be filled.
 fn check_memory(size: u64) -> io::Result<()> {
-    match ram() {
-        Some(ram) if size > ram => Err(io::Error::new(
+    match memory_limit() {
+        Some((ram, what)) if size > ram => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("a memory volume of {} exceeds this machine's RAM ({})", gib(size), gib(ram)),
+            format!("a memory volume of {} exceeds {what} ({})", gib(size), gib(ram)),
         )),
         _ => Ok(()),
     }
@@ -569,6 +570,50 @@ pub fn ram() -> Option<u64> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
     line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+}
+
+/// The memory this process may use, and what sets it: the machine's RAM,
+/// or its control group's limit where lower (a container's; the kernel's
+/// out-of-memory killer acts at that limit, not at the RAM's).
+pub fn memory_limit() -> Option<(u64, &'static str)> {
+    let ram = ram()?;
+    let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    match cgroup_memory_limit(&groups, |p| std::fs::read_to_string(p).ok()) {
+        Some(limit) if limit < ram => Some((limit, "this process's control-group memory limit")),
+        _ => Some((ram, "this machine's RAM")),
+    }
+}
+
+/// The lowest memory limit on the way from this process's control group
+/// (`/proc/self/cgroup`'s text) to the root, in cgroup v2 (`memory.max`)
+/// or v1 (`memory.limit_in_bytes`) under /sys/fs/cgroup; `read` reads a
+/// file. None: no limit.
+fn cgroup_memory_limit(groups: &str, read: impl Fn(&str) -> Option<String>) -> Option<u64> {
+    let mut lowest: Option<u64> = None;
+    for line in groups.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let (dir, file) = match controllers {
+            "" => ("/sys/fs/cgroup", "memory.max"),
+            c if c.split(',').any(|c| c == "memory") => ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+            _ => continue,
+        };
+        let mut at = std::path::Path::new(path.trim());
+        loop {
+            let rel = at.to_string_lossy();
+            let rel = rel.trim_start_matches('/');
+            let file = if rel.is_empty() { format!("{dir}/{file}") } else { format!("{dir}/{rel}/{file}") };
+            // "max", or v1's "no limit" (a page-rounded i64::MAX): none.
+            if let Some(n) = read(&file).and_then(|t| t.trim().parse::<u64>().ok()).filter(|n| *n < 1 << 62) {
+                lowest = Some(lowest.map_or(n, |l| l.min(n)));
+            }
+            match at.parent() {
+                Some(p) => at = p,
+                None => break,
+            }
+        }
+    }
+    lowest
 }
 
 /// `bytes` for a person: GiB with two decimals, and the exact count.
@@ -648,6 +693,30 @@ fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<std::fs::Fi
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_lowest_control_group_memory_limit_on_the_way_to_the_root_counts() {
+        use super::cgroup_memory_limit;
+        let files = |pairs: &'static [(&'static str, &'static str)]| {
+            move |p: &str| pairs.iter().find(|(f, _)| *f == p).map(|(_, t)| t.to_string())
+        };
+        // v2: the group's own "max", its parent's 2 GiB.
+        let v2 = files(&[
+            ("/sys/fs/cgroup/a/b/memory.max", "max\n"),
+            ("/sys/fs/cgroup/a/memory.max", "2147483648\n"),
+        ]);
+        assert_eq!(cgroup_memory_limit("0::/a/b\n", v2), Some(2 << 30));
+        // v1, memory among other controllers, unlimited at the root.
+        let v1 = files(&[
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n"),
+            ("/sys/fs/cgroup/memory/pod/memory.limit_in_bytes", "1073741824\n"),
+        ]);
+        assert_eq!(cgroup_memory_limit("4:memory,hugetlb:/pod\n1:cpu:/\n0::/\n", v1), Some(1 << 30));
+        // No limit anywhere, or nothing to read.
+        let none = files(&[("/sys/fs/cgroup/memory.max", "max\n")]);
+        assert_eq!(cgroup_memory_limit("0::/\n", none), None);
+        assert_eq!(cgroup_memory_limit("", files(&[])), None);
+    }
+
     use super::*;
 
     /// A layer that overrides nothing.

@@ -4,7 +4,7 @@
 //! [`LATENCY_SAMPLE`] of each kind: reading the clock twice per call cost
 //! 3.5% of the target's CPU on 4K reads from memory (perf, BRP randread).
 
-use super::{Backend, DeviceDone, DeviceIo, Layer, Result, ZeroFlags};
+use super::{Backend, BackendError, DeviceDone, DeviceIo, Layer, Result, ZeroFlags};
 use crate::request::{Extent, ReadData};
 use crate::stats::{shard_index, SHARDS};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -265,7 +265,12 @@ impl Layer for StatsLayer {
         self.count(|s| &s.flushes, None, || self.next.flush())
     }
     fn trim(&self, offset: u64, len: u64) -> Result<()> {
-        self.count(|s| &s.trims, None, || self.next.trim(offset, len))
+        // A store that cannot trim declines the advice: no device error.
+        let start = self.stats.begin(|s| &s.trims);
+        let r = self.next.trim(offset, len);
+        let declined = r == Err(BackendError::Unsupported);
+        self.stats.end(start, None, if declined { &Ok(()) } else { &r });
+        r
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.count(|s| &s.zeroes, None, || self.next.write_zeroes(offset, len, flags))

@@ -169,15 +169,15 @@ impl Volume {
                 }
                 OpKind::WriteZeroes { offset, len, mut flags } if flags.fua && self.caps.flush => {
                     flags.fua = false;
-                    b.write_zeroes(offset, len, flags)?;
+                    zero(b, offset, len, flags)?;
                     return flushed(done);
                 }
                 OpKind::WriteZeroes { offset, len, flags } if flags.fua => {
-                    self.durable(|| b.write_zeroes(offset, len, flags))?;
+                    self.durable(|| zero(b, offset, len, flags))?;
                     done
                 }
                 OpKind::WriteZeroes { offset, len, flags } => {
-                    b.write_zeroes(offset, len, flags)?;
+                    zero(b, offset, len, flags)?;
                     done
                 }
                 OpKind::Cache { offset, len } => {
@@ -198,5 +198,30 @@ impl Volume {
             },
             false,
         ))
+    }
+}
+
+/// WRITE_ZEROES: the store's own, or, where it cannot (EOPNOTSUPP: a file
+/// system without zero ranges), zeros written in pieces of at most 1 MiB,
+/// as nbdkit falls back. A fast zero never falls back: it fails.
+fn zero(
+    b: &dyn crate::backend::Backend,
+    offset: u64,
+    len: u64,
+    flags: crate::backend::ZeroFlags,
+) -> Result<(), BackendError> {
+    match b.write_zeroes(offset, len, flags) {
+        Err(BackendError::Unsupported) if !flags.fast_only => {
+            let zeros = vec![0u8; len.min(1 << 20) as usize];
+            let end = offset + len;
+            let mut at = offset;
+            while at < end {
+                let n = (end - at).min(zeros.len() as u64) as usize;
+                b.write_at(&zeros[..n], at, flags.fua)?;
+                at += n as u64;
+            }
+            Ok(())
+        }
+        r => r,
     }
 }

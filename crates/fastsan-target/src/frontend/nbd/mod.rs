@@ -221,7 +221,6 @@ pub fn errno(r: &Refusal, command: u16, flags: u16) -> u32 {
         Refusal::ReadOnly | Refusal::Device(BackendError::ReadOnly) => EPERM,
         Refusal::NotFast | Refusal::Device(BackendError::Unsupported) if fast_zero => ENOTSUP,
         Refusal::Device(BackendError::NoSpace) => ENOSPC,
-        Refusal::Device(BackendError::Unsupported) => EINVAL,
         Refusal::Device(_) | Refusal::DigestMismatch => EIO,
         Refusal::ShuttingDown => ESHUTDOWN,
         Refusal::NotFast
@@ -309,8 +308,11 @@ mod tests {
         let unsup = Refusal::Device(BackendError::Unsupported);
         assert_eq!(errno(&unsup, CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO), ENOTSUP);
         assert_eq!(errno(&Refusal::NotFast, CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO), ENOTSUP);
-        assert_eq!(errno(&unsup, CMD_WRITE_ZEROES, 0), EINVAL);
-        assert_eq!(errno(&unsup, CMD_READ, 0), EINVAL, "never ENOTSUP for a READ");
+        // Otherwise a store's EOPNOTSUPP is its failure (a client's mirror
+        // fails over), and a TRIM it cannot do is refused as nbdkit does.
+        assert_eq!(errno(&unsup, CMD_WRITE_ZEROES, 0), EIO);
+        assert_eq!(errno(&unsup, CMD_READ, 0), EIO, "never ENOTSUP for a READ");
+        assert_eq!(errno(&Refusal::Unsupported("TRIM"), CMD_TRIM, 0), EINVAL);
         assert_eq!(errno(&Refusal::Device(BackendError::Io(5)), CMD_READ, 0), EIO);
         assert_eq!(errno(&Refusal::Device(BackendError::NoSpace), CMD_WRITE, 0), ENOSPC);
         let past = Refusal::OutOfRange { offset: 10, length: 1, size: 10 };

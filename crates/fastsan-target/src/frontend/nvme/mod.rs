@@ -1275,9 +1275,9 @@ pub fn status_for(r: &Refusal, write: bool) -> Status {
         Refusal::OutOfRange { .. } => (status::LBA_OUT_OF_RANGE, true),
         Refusal::ReadOnly | Refusal::Device(BackendError::ReadOnly) => (status::ACCESS_DENIED, true),
         Refusal::Device(BackendError::NoSpace) => ((status::GENERIC, 0x81), true),
-        Refusal::Device(BackendError::Unsupported) | Refusal::Unsupported(_) | Refusal::NotFast => {
-            (status::INVALID_OPCODE, true)
-        }
+        // (A store's EOPNOTSUPP on what the namespace offers is a device
+        // failure, below: a TRIM a store cannot do comes as Unsupported.)
+        Refusal::Unsupported(_) | Refusal::NotFast => (status::INVALID_OPCODE, true),
         Refusal::Device(_) if write => (status::WRITE_FAULT, true),
         Refusal::Device(_) => (status::UNRECOVERED_READ_ERROR, true),
         Refusal::DigestMismatch => (status::TRANSIENT_TRANSPORT_ERROR, false),
