@@ -114,7 +114,13 @@ async fn greet(addr: &str) -> Result<TcpStream, Error> {
     if greet[..8] != NBDMAGIC.to_be_bytes() || greet[8..16] != IHAVEOPT.to_be_bytes() {
         return Err(bad(format!("{addr} is not a newstyle NBD server")));
     }
-    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).await?;
+    let server = u16::from_be_bytes([greet[16], greet[17]]);
+    if server & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(bad(format!("{addr} does not speak fixed newstyle NBD (a server older than 2012)")));
+    }
+    // NO_ZEROES only if offered: a server that does not know it must close.
+    let ours = FLAG_C_FIXED_NEWSTYLE | if server & FLAG_NO_ZEROES != 0 { FLAG_C_NO_ZEROES } else { 0 };
+    s.write_all(&ours.to_be_bytes()).await?;
     Ok(s)
 }
 
@@ -138,7 +144,9 @@ async fn option_reply(s: &mut TcpStream, addr: &str, option: u32) -> Result<(u32
 
 /// What an option's error reply means.
 fn option_error(addr: &str, export: &str, kind: u32, d: &[u8]) -> Error {
-    let why = String::from_utf8_lossy(d).into_owned();
+    // The server's words, as text a terminal shows as it is: control
+    // characters escaped, at most 4096 bytes (the spec's longest string).
+    let why: String = String::from_utf8_lossy(&d[..d.len().min(4096)]).escape_default().collect();
     match kind {
         REP_ERR_UNKNOWN => {
             Error::Refused { status: Status::NO_SUCH_VOLUME, message: format!("export {export:?}: {why}") }
@@ -185,6 +193,8 @@ async fn info(
 
 /// Most exports [`list`] takes from one server.
 const MAX_LISTED: usize = 4096;
+/// The smallest maximum block size an export may have here.
+const MIN_MAX_BLOCK: u32 = 4096;
 
 /// Lists the exports of the NBD server at `url`, with their sizes
 /// (OPT_LIST, then OPT_INFO for each), or the one export the URL names
@@ -209,8 +219,10 @@ pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
                     }
                     (REP_SERVER, d) if d.len() >= 4 => {
                         let n = u32::from_be_bytes(d[..4].try_into().expect("4 bytes")) as usize;
+                        // The spec's strings are at most 4096 bytes.
                         let name = d
                             .get(4..4 + n)
+                            .filter(|_| n <= 4096)
                             .ok_or_else(|| bad(format!("{addr} sent a malformed export name")))?;
                         names.push(String::from_utf8_lossy(name).into_owned());
                     }
@@ -262,6 +274,16 @@ impl NbdVolume {
         let (block, _, max) = sizes.unwrap_or((1, 1, DEFAULT_MAX));
         if !block.is_power_of_two() || block > MAX_MIN_BLOCK || max < block {
             return Err(bad(format!("impossible block sizes: minimum {block}, maximum {max}")));
+        }
+        if size > i64::MAX as u64 {
+            return Err(bad(format!("an export of {size} bytes (more than a file or a device can hold)")));
+        }
+        if max < MIN_MAX_BLOCK {
+            // Every large read or write would be split into thousands of
+            // requests, all in flight at once.
+            return Err(bad(format!(
+                "a maximum block size of {max} bytes (less than {MIN_MAX_BLOCK}): not served through this client"
+            )));
         }
         let max = max.min(fastsan_nbd::MAX_PAYLOAD) / block * block;
         let (rd, wr) = s.into_split();
@@ -357,6 +379,10 @@ impl NbdVolume {
 
     /// Reads `len` bytes at `offset`.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, Error> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
         if len <= self.max as u64 {
             return self.call(CMD_READ, 0, offset, len as u32, &[]).await;
         }
@@ -382,6 +408,7 @@ impl NbdVolume {
         fua: bool,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send + '_ {
         async move {
+            self.check(offset, data.len() as u64)?;
             let native = fua && self.flags & TFLAG_SEND_FUA != 0;
             let flags = if native { CMD_FLAG_FUA } else { 0 };
             if data.is_empty() {
@@ -444,6 +471,15 @@ impl NbdVolume {
     }
 
     /// TRIM or WRITE_ZEROES, in pieces no larger than the server's maximum.
+    /// A range within the export (nothing sent for one beyond it, nor an
+    /// offset that would wrap).
+    fn check(&self, offset: u64, len: u64) -> Result<(), Error> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(Error::Status(Status::OUT_OF_RANGE)),
+        }
+    }
+
     async fn ranged(&self, command: u16, flags: u16, offset: u64, len: u64) -> Result<(), Error> {
         let end = offset.checked_add(len).ok_or(Error::Status(Status::OUT_OF_RANGE))?;
         let mut at = offset;
@@ -566,6 +602,14 @@ async fn read_replies(mut rd: OwnedReadHalf, r: Reader, frames: mpsc::WeakUnboun
         // Whether it landed is unknown: the connection is cut, and every
         // request on it fails.
         tracing::warn!(%url, ?timeout, "an NBD request got no reply in time; cutting the connection");
+    }
+    if r.is_err() && !ours {
+        // Cut on any end this side did not choose (a bad reply, an unknown
+        // cookie, a timeout): the requests fail below, and no write still
+        // queued may go out after them on this connection (a mirror's
+        // resync may meanwhile write newer data on a new one). Until
+        // 2026-11-29 only a timeout cut it; after a bad reply the writer
+        // went on sending.
         crate::writer::cut(&rd, &frames);
     }
     up.store(false, Release);

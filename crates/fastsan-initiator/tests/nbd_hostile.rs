@@ -1,0 +1,143 @@
+//! NBD servers that break the protocol, or bend it: fastsan's NBD client
+//! cuts a connection whose replies it cannot trust (and sends nothing more
+//! on it), refuses block sizes that would multiply requests without end,
+//! speaks only the handshake flags the server offers, and shows a server's
+//! error text without its control characters.
+
+use fastsan_initiator::nbd::NbdVolume;
+use fastsan_initiator::{Error, Options};
+use fastsan_nbd::consts::*;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+/// What a fake server answers to OPT_GO.
+enum Go {
+    /// The export (1 MiB), with these block sizes if any.
+    Export(Option<(u32, u32, u32)>),
+    /// An error reply of this kind and text.
+    Error(u32, &'static [u8]),
+}
+
+/// A server for one client: greets with `flags`, answers OPT_GO as `go`
+/// says, hands back the client's flags, then runs `then` on the socket.
+async fn fake<F, Fut>(flags: u16, go: Go, then: F) -> (std::net::SocketAddr, oneshot::Receiver<u32>)
+where
+    F: FnOnce(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut greet = NBDMAGIC.to_be_bytes().to_vec();
+        greet.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greet.extend_from_slice(&flags.to_be_bytes());
+        s.write_all(&greet).await.unwrap();
+        let mut client = [0u8; 4];
+        if s.read_exact(&mut client).await.is_err() {
+            return;
+        }
+        let _ = tx.send(u32::from_be_bytes(client));
+        let mut head = [0u8; 16];
+        if s.read_exact(&mut head).await.is_err() {
+            return;
+        }
+        let mut data = vec![0u8; u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize];
+        s.read_exact(&mut data).await.unwrap();
+        let reply = |kind: u32, payload: &[u8]| {
+            let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
+            r.extend_from_slice(&OPT_GO.to_be_bytes());
+            r.extend_from_slice(&kind.to_be_bytes());
+            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            r.extend_from_slice(payload);
+            r
+        };
+        match go {
+            Go::Export(sizes) => {
+                let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+                info.extend_from_slice(&(1u64 << 20).to_be_bytes());
+                info.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH).to_be_bytes());
+                s.write_all(&reply(REP_INFO, &info)).await.unwrap();
+                if let Some((a, b, c)) = sizes {
+                    let mut bs = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                    for v in [a, b, c] {
+                        bs.extend_from_slice(&v.to_be_bytes());
+                    }
+                    s.write_all(&reply(REP_INFO, &bs)).await.unwrap();
+                }
+                s.write_all(&reply(REP_ACK, &[])).await.unwrap();
+                then(s).await;
+            }
+            Go::Error(kind, text) => {
+                let _ = s.write_all(&reply(kind, text)).await;
+            }
+        }
+    });
+    (addr, rx)
+}
+
+fn opts() -> Options {
+    Options { request_timeout: Duration::from_secs(10), ..Default::default() }
+}
+
+/// A reply with a bad magic: the requests fail, and the connection is cut
+/// at once (the server sees its end while the volume is still held), so
+/// that no write still queued goes out after the failure. Until
+/// 2026-11-29 only a timeout cut it, and the writer went on.
+#[tokio::test]
+async fn a_bad_reply_cuts_the_connection() {
+    let (ended_tx, ended) = oneshot::channel();
+    let (addr, _) = fake(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, Go::Export(None), |mut s| async move {
+        let mut req = [0u8; 28 + 4096];
+        s.read_exact(&mut req).await.unwrap();
+        s.write_all(&[0xde; 16]).await.unwrap();
+        let mut sink = [0u8; 4096];
+        let end = tokio::time::timeout(Duration::from_secs(5), async {
+            while s.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+        })
+        .await;
+        let _ = ended_tx.send(end.is_ok());
+    })
+    .await;
+    let vol = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(2), vol.write_at(&[1; 4096], 0, false)).await.unwrap();
+    assert!(matches!(r, Err(Error::Lost(_))), "{r:?}");
+    assert!(ended.await.unwrap(), "the connection was still open 5 s after a bad reply");
+    drop(vol);
+}
+
+/// A server that does not offer NO_ZEROES is not sent it (the spec: it
+/// must close then), and one without FIXED_NEWSTYLE is refused clearly.
+#[tokio::test]
+async fn only_offered_handshake_flags_are_used() {
+    let (addr, flags) = fake(FLAG_FIXED_NEWSTYLE, Go::Export(None), |_| async {}).await;
+    let vol = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.unwrap();
+    assert_eq!(flags.await.unwrap(), FLAG_C_FIXED_NEWSTYLE);
+    drop(vol);
+    let (addr, _) = fake(0, Go::Export(None), |_| async {}).await;
+    let e = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.err().expect("refused");
+    assert!(e.to_string().contains("fixed newstyle"), "{e}");
+}
+
+/// A maximum block size of one byte would make a 1 MiB read a million
+/// requests in flight: refused at open.
+#[tokio::test]
+async fn a_tiny_maximum_block_size_is_refused() {
+    let (addr, _) =
+        fake(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, Go::Export(Some((1, 1, 1))), |_| async {}).await;
+    let e = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.err().expect("refused");
+    assert!(e.to_string().contains("maximum block size of 1 bytes"), "{e}");
+}
+
+/// A server's error text reaches the user without its control characters
+/// (a terminal would obey an escape sequence in it).
+#[tokio::test]
+async fn a_servers_error_text_is_shown_escaped() {
+    let go = Go::Error(REP_ERR_UNKNOWN, b"no such export\x1b]0;owned\x07");
+    let (addr, _) = fake(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, go, |_| async {}).await;
+    let e = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.err().expect("refused").to_string();
+    assert!(e.contains("no such export") && !e.chars().any(|c| c.is_control()), "{e:?}");
+}
