@@ -73,6 +73,19 @@ pub struct NbdVolume {
     zeros: Bytes,
 }
 
+impl Drop for NbdVolume {
+    /// A polite end: NBD_CMD_DISC after whatever is queued (the server
+    /// answers what it has and closes, instead of finding a client gone
+    /// mid-stream); then the writer, its channel closed, shuts the socket.
+    fn drop(&mut self) {
+        if self.up.load(Acquire) {
+            let cookie = self.next.fetch_add(1, Relaxed);
+            let disc = Request { flags: 0, command: CMD_DISC, cookie, offset: 0, length: 0 }.encode();
+            let _ = self.frames.send(Some(Bytes::copy_from_slice(&disc)));
+        }
+    }
+}
+
 fn bad(msg: String) -> Error {
     Error::Nbd(msg)
 }

@@ -141,3 +141,23 @@ async fn a_servers_error_text_is_shown_escaped() {
     let e = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.err().expect("refused").to_string();
     assert!(e.contains("no such export") && !e.chars().any(|c| c.is_control()), "{e:?}");
 }
+
+/// A volume dropped says goodbye: NBD_CMD_DISC, then the close (a server
+/// then finishes what it has, instead of finding its client gone).
+#[tokio::test]
+async fn a_dropped_volume_sends_disc_before_it_closes() {
+    let (said_tx, said) = oneshot::channel();
+    let (addr, _) = fake(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, Go::Export(None), |mut s| async move {
+        let mut req = [0u8; 28];
+        let got = tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut req)).await;
+        let command = got.ok().and_then(Result::ok).map(|_| u16::from_be_bytes([req[6], req[7]]));
+        let mut rest = [0u8; 1];
+        let closed =
+            matches!(tokio::time::timeout(Duration::from_secs(5), s.read(&mut rest)).await, Ok(Ok(0)));
+        let _ = said_tx.send((command, closed));
+    })
+    .await;
+    let vol = NbdVolume::connect(&format!("nbd://{addr}/x"), &opts()).await.unwrap();
+    drop(vol);
+    assert_eq!(said.await.unwrap(), (Some(CMD_DISC), true));
+}
