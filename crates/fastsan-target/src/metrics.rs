@@ -225,7 +225,7 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
     // A bounded number of scrapes at once: silent connections cannot eat
     // the process's file descriptors (the volumes' listeners need them).
     let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    let per_addr = std::sync::Arc::new(parking_lot::Mutex::new(std::collections::HashMap::new()));
+    let per_addr = std::sync::Arc::new(crate::access::PerAddress::default());
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
     loop {
         let (stream, peer) = tokio::select! {
@@ -243,7 +243,7 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
             debug!(%peer, "metrics: {MAX_SCRAPES} requests open already; closed");
             continue;
         };
-        let Some(place) = PerAddr::enter(&per_addr, crate::access::AuthLimiter::key(peer.ip())) else {
+        let Some(place) = per_addr.enter(peer.ip(), MAX_SCRAPES_PER_ADDR) else {
             debug!(%peer, "metrics: {MAX_SCRAPES_PER_ADDR} requests open from this address already; closed");
             continue;
         };
@@ -257,39 +257,6 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
                 debug!(%peer, "metrics request: {e}");
             }
         });
-    }
-}
-
-/// A scrape's place among its address's.
-struct PerAddr {
-    map: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-    ip: std::net::IpAddr,
-}
-
-impl PerAddr {
-    fn enter(
-        map: &std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-        ip: std::net::IpAddr,
-    ) -> Option<PerAddr> {
-        let mut m = map.lock();
-        let n = m.entry(ip).or_default();
-        if *n >= MAX_SCRAPES_PER_ADDR {
-            return None;
-        }
-        *n += 1;
-        Some(PerAddr { map: map.clone(), ip })
-    }
-}
-
-impl Drop for PerAddr {
-    fn drop(&mut self) {
-        let mut m = self.map.lock();
-        if let Some(n) = m.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.ip);
-            }
-        }
     }
 }
 

@@ -3,7 +3,7 @@
 //! [`crate::driver::serve_connection`] with its front end; shuts down
 //! gracefully (stop accepting, finish what is in flight, flush every volume).
 
-use crate::access::{Access, Who, DEFAULT_IDENTITY};
+use crate::access::{Access, AddressPlace, PerAddress, Who, DEFAULT_IDENTITY};
 use crate::backend::{Faults, VolumeStatsSnapshot};
 use crate::catalog::Catalog;
 use crate::config::{BackendSpec, ConfigError, ServerConfig};
@@ -17,7 +17,6 @@ use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tls::ServerTls;
 use crate::volume::Volume;
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -616,7 +615,7 @@ impl Acceptor<'_> {
 /// live sessions included, with one connection each per handshake timeout.
 pub struct HandshakeGate {
     total: Arc<Semaphore>,
-    per_addr: parking_lot::Mutex<HashMap<IpAddr, usize>>,
+    per_addr: Arc<PerAddress>,
     per_addr_max: usize,
     /// Handshakes still in their exchange, oldest first (by admission):
     /// those a full gate may close. One that settled (its OPEN or GO
@@ -634,28 +633,11 @@ const ROOM_WAIT: Duration = Duration::from_secs(1);
 /// A connection's place in its handshake; given back when dropped.
 pub struct HandshakeTicket {
     _permit: OwnedSemaphorePermit,
-    _addr: AddrPlace,
+    /// `None`: a unix socket's connection (this host).
+    _addr: Option<AddressPlace>,
     gate: Arc<HandshakeGate>,
     seq: u64,
     evicted: CancellationToken,
-}
-
-/// A place among an address's handshakes; given back when dropped (also
-/// when an `enter` waiting for room is dropped).
-struct AddrPlace(Option<(Arc<HandshakeGate>, IpAddr)>);
-
-impl Drop for AddrPlace {
-    fn drop(&mut self) {
-        if let Some((gate, ip)) = &self.0 {
-            let mut m = gate.per_addr.lock();
-            if let Some(n) = m.get_mut(ip) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(ip);
-                }
-            }
-        }
-    }
 }
 
 impl HandshakeGate {
@@ -672,18 +654,10 @@ impl HandshakeGate {
     /// A ticket, or `None` when this address has its share, or when every
     /// place is taken by handshakes younger than [`EVICTABLE_AFTER`].
     pub async fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
-        // Counted as failed authentications are: an IPv6 host by its /64.
-        let addr = match ip.map(crate::access::AuthLimiter::key) {
-            Some(ip) => {
-                let mut m = self.per_addr.lock();
-                let n = m.entry(ip).or_default();
-                if *n >= self.per_addr_max {
-                    return None;
-                }
-                *n += 1;
-                AddrPlace(Some((self.clone(), ip)))
-            }
-            None => AddrPlace(None),
+        // Given back if this waits for room and is dropped.
+        let addr = match ip {
+            Some(ip) => Some(self.per_addr.enter(ip, self.per_addr_max)?),
+            None => None,
         };
         let permit = match self.total.clone().try_acquire_owned() {
             Ok(p) => Some(p),

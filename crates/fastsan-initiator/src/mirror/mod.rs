@@ -145,7 +145,7 @@ struct Inner {
     /// Held while the generations change (a degrade, a resync's end).
     gen_change: tokio::sync::Mutex<()>,
     stripes: Vec<RwLock<()>>,
-    /// The writes running, each in a task of its own (see `Inner::mutate`).
+    /// The writes running (see `Inner::mutate`): what `close` waits for.
     writes: tokio_util::task::TaskTracker,
     counters: Counters,
     stop: CancellationToken,
