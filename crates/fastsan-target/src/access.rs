@@ -274,45 +274,6 @@ impl AuthLimiter {
     }
 }
 
-/// How many of something each client address holds at once (an IPv6 host
-/// counted by its /64, as [`AuthLimiter::key`] does), each place given
-/// back when its [`AddressPlace`] is dropped: a handshake's at the
-/// target's gate, a scrape's at the metrics endpoint.
-#[derive(Default)]
-pub struct PerAddress(Mutex<HashMap<IpAddr, usize>>);
-
-/// A place among an address's; given back when dropped.
-pub struct AddressPlace {
-    of: Arc<PerAddress>,
-    key: IpAddr,
-}
-
-impl PerAddress {
-    /// A place for `ip`, or `None` when its address holds `max` already.
-    pub fn enter(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<AddressPlace> {
-        let key = AuthLimiter::key(ip);
-        let mut m = self.0.lock();
-        let n = m.entry(key).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(AddressPlace { of: self.clone(), key })
-    }
-}
-
-impl Drop for AddressPlace {
-    fn drop(&mut self) {
-        let mut m = self.of.0.lock();
-        if let Some(n) = m.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.key);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,8 +17,8 @@ use crate::access::Who;
 use crate::coalesce::{Coalesce, Timer};
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
+use crate::gate::Ticket;
 use crate::pipeline::{ConnEnv, Dispatcher, READ_CHUNK, READ_GROWTH};
-use crate::server::HandshakeTicket;
 use crate::stats::Stats;
 use crate::tls::{cert_identity, MaybeTls, Prefixed};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -101,7 +101,7 @@ enum End {
 }
 
 /// Serves one connection of front end `F` from its first byte to its close.
-/// The handshake runs on `ticket` (a place at the [`crate::server::HandshakeGate`]); the
+/// The handshake runs on `ticket` (a place at the listeners' [`crate::gate::Gate`]); the
 /// transmission phase needs one of the server's connection slots.
 pub async fn serve_connection<F: Frontend, S: Transport>(
     frontend: Arc<F>,
@@ -109,7 +109,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     peer: Arc<str>,
     who: Who,
     env: Arc<ConnEnv>,
-    ticket: HandshakeTicket,
+    ticket: Ticket,
 ) {
     let name = F::NAME;
     let socket = stream.socket();
@@ -219,7 +219,7 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             info!(%peer, "{name} connection closed in its handshake: the target is shutting down");
             return;
         }
-        _ = ticket.evicted().cancelled() => {
+        _ = ticket.closed().cancelled() => {
             info!(%peer, "{name} connection closed in its handshake: every place was taken, and this one was the oldest");
             return Stats::add(&env.stats.refused, 1);
         }
@@ -897,7 +897,8 @@ mod tests {
         });
         let (client, server) = tokio::io::duplex(1 << 16);
         let nbd = Arc::new(Nbd { catalog: Arc::new(catalog), access: env.access.clone() });
-        let ticket = Arc::new(crate::server::HandshakeGate::new(4)).enter(None).await.unwrap();
+        let gate = Arc::new(crate::gate::Gate::new(4, 1, std::time::Duration::from_secs(1)));
+        let ticket = gate.enter(None).unwrap();
         let who = Who { local: true, ..Default::default() };
         let task = tokio::spawn(serve_connection(nbd, server, "memory".into(), who, env.clone(), ticket));
         let (mut rd, mut wr) = tokio::io::split(client);

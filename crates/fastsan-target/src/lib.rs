@@ -23,8 +23,9 @@
 //!    (every ready reply in one `writev`). Refusals are logged there, once.
 //!
 //! Around it:
-//! - [`server`] - [`Server`]: binds, admits handshakes within caps (per
-//!   address too), shuts down gracefully.
+//! - [`server`] - [`Server`]: binds, admits handshakes through a [`gate`]
+//!   (caps in total and per address; the oldest silent one closed for a
+//!   newcomer), shuts down gracefully.
 //! - [`config`] - volume specs, sizes, durations, the TOML file, [`config::ServerConfig`].
 //! - [`catalog`] - the volumes by name; [`sessions`] - BRP sessions, their
 //!   slots and the fence; [`fence`] - what a connection has started on the
@@ -50,6 +51,7 @@ pub mod fence;
 pub mod frontend;
 #[doc(hidden)]
 pub mod fuzz_checks;
+pub mod gate;
 pub mod metrics;
 pub mod pipeline;
 pub mod pool;

@@ -11,6 +11,7 @@
 //! the endpoint has.
 
 use crate::backend::LATENCY_SAMPLE;
+use crate::gate::{Gate, Ticket};
 use crate::request::Refusal;
 use crate::server::ServerHandle;
 use crate::stats::StatsSnapshot;
@@ -208,13 +209,18 @@ pub fn render(collector: &TargetCollector) -> String {
     fastsan_initiator::metrics::render(collector)
 }
 
-/// Metrics requests served at once; more are closed at once.
+/// Metrics requests served at once.
 const MAX_SCRAPES: usize = 32;
 /// Of them, from one address: silent connections from one host cannot
 /// take every place from the scraper.
 const MAX_SCRAPES_PER_ADDR: usize = 4;
 /// How long a client has to send its request head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a connection waits for its request head before a newcomer
+/// without a place may close it (a scraper's head comes within a round
+/// trip): a local process renewing silent connections cannot keep the
+/// scraper on its own address out.
+const EVICTABLE_AFTER: Duration = Duration::from_millis(250);
 
 /// What `/metrics` answers: the text of the moment.
 pub type Render = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
@@ -224,8 +230,7 @@ pub type Render = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
 pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::sync::CancellationToken) {
     // A bounded number of scrapes at once: silent connections cannot eat
     // the process's file descriptors (the volumes' listeners need them).
-    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    let per_addr = std::sync::Arc::new(crate::access::PerAddress::default());
+    let gate = std::sync::Arc::new(Gate::new(MAX_SCRAPES, MAX_SCRAPES_PER_ADDR, EVICTABLE_AFTER));
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics at /metrics");
     loop {
         let (stream, peer) = tokio::select! {
@@ -239,18 +244,13 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
                 }
             },
         };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            debug!(%peer, "metrics: {MAX_SCRAPES} requests open already; closed");
-            continue;
-        };
-        let Some(place) = per_addr.enter(peer.ip(), MAX_SCRAPES_PER_ADDR) else {
-            debug!(%peer, "metrics: {MAX_SCRAPES_PER_ADDR} requests open from this address already; closed");
+        let Some(ticket) = gate.enter(Some(peer.ip())) else {
+            debug!(%peer, "metrics: every place taken ({MAX_SCRAPES}, {MAX_SCRAPES_PER_ADDR} per address), none silent for long; closed");
             continue;
         };
         let render = render.clone();
         tokio::spawn(async move {
-            let _held = (permit, place);
-            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render))
+            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &ticket, &*render))
                 .await
                 .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no answer within 5 s")))
             {
@@ -260,8 +260,13 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: tokio_util::
     }
 }
 
-/// Reads one request head (within [`HEAD_TIMEOUT`]) and answers it.
-async fn answer(mut s: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) -> io::Result<()> {
+/// Reads one request head (within [`HEAD_TIMEOUT`], unless the gate closes
+/// the connection for a newcomer first) and answers it.
+async fn answer(
+    mut s: TcpStream,
+    ticket: &Ticket,
+    render: &(dyn Fn() -> String + Send + Sync),
+) -> io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let read_head = async {
@@ -284,11 +289,20 @@ async fn answer(mut s: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) -
         }
         Ok(true)
     };
-    let whole = match tokio::time::timeout(HEAD_TIMEOUT, read_head).await {
+    let head_read = tokio::select! {
+        r = tokio::time::timeout(HEAD_TIMEOUT, read_head) => r,
+        _ = ticket.closed().cancelled() => {
+            return Err(io::Error::other("closed for a newcomer: no request head yet"));
+        }
+    };
+    let whole = match head_read {
         Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "no request within 2 s")),
         Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
         Ok(r) => r?,
     };
+    if !ticket.settle() {
+        return Err(io::Error::other("closed for a newcomer as its request head came in"));
+    }
     if !whole {
         return respond(
             &mut s,

@@ -3,7 +3,7 @@
 //! [`crate::driver::serve_connection`] with its front end; shuts down
 //! gracefully (stop accepting, finish what is in flight, flush every volume).
 
-use crate::access::{Access, AddressPlace, PerAddress, Who, DEFAULT_IDENTITY};
+use crate::access::{Access, Who, DEFAULT_IDENTITY};
 use crate::backend::{Faults, VolumeStatsSnapshot};
 use crate::catalog::Catalog;
 use crate::config::{BackendSpec, ConfigError, ServerConfig};
@@ -12,6 +12,7 @@ use crate::frontend::brp::Brp;
 use crate::frontend::nbd::Nbd;
 use crate::frontend::nvme::{Nvme, Subsystem};
 use crate::frontend::Frontend;
+use crate::gate::Gate;
 use crate::pipeline::{Budget, ConnEnv};
 use crate::sessions::Sessions;
 use crate::stats::{Stats, StatsSnapshot};
@@ -24,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -63,7 +64,7 @@ pub struct Server {
     brp_unix: Option<Unix>,
     nbd_tcp: Option<TcpListener>,
     nbd_unix: Option<Unix>,
-    gate: Arc<HandshakeGate>,
+    gate: Arc<Gate>,
     drain_timeout: Duration,
     metrics: Option<TcpListener>,
 }
@@ -218,7 +219,7 @@ impl Server {
             brp_unix,
             nbd_tcp,
             nbd_unix,
-            gate: Arc::new(HandshakeGate::new(config.max_handshakes)),
+            gate: Arc::new(handshake_gate(config.max_handshakes)),
             drain_timeout: config.drain_timeout,
             metrics,
         })
@@ -538,13 +539,13 @@ impl Listener for Unix {
 }
 
 /// Accepts connections until shutdown; each runs as a tracked task. Its
-/// handshake needs a ticket from the [`HandshakeGate`]; its transmission
+/// handshake needs a ticket from the handshake [`Gate`]; its transmission
 /// phase one of the `max_connections` slots (taken by the driver).
 #[derive(Clone, Copy)]
 struct Acceptor<'a> {
     env: &'a Arc<ConnEnv>,
     tracker: &'a TaskTracker,
-    gate: &'a Arc<HandshakeGate>,
+    gate: &'a Arc<Gate>,
     /// Shutdown is complete: the listeners may close.
     drained: &'a CancellationToken,
 }
@@ -573,11 +574,7 @@ impl Acceptor<'_> {
             Stats::add(&self.env.stats.connections, 1);
             let (frontend, env, gate) = (frontend.clone(), self.env.clone(), self.gate.clone());
             self.tracker.spawn(async move {
-                let ticket = tokio::select! {
-                    t = gate.enter(ip) => t,
-                    _ = env.shutdown.cancelled() => return,
-                };
-                let Some(ticket) = ticket else {
+                let Some(ticket) = gate.enter(ip) else {
                     Stats::add(&env.stats.refused, 1);
                     return refuse_busy(&*frontend, stream, &peer, "too many connections in their handshake")
                         .await;
@@ -606,109 +603,14 @@ impl Acceptor<'_> {
     }
 }
 
-/// Admits connections to their handshake: at most `total` at once, and a
-/// quarter of that from one address, so that silent or slow clients hold
-/// no connection slot and cannot crowd out the others. When every place is
-/// taken, a newcomer closes the oldest handshake still in its exchange
-/// after [`EVICTABLE_AFTER`] and takes its place: four addresses holding
-/// silent connections used to fill the gate for everyone, reconnects of
-/// live sessions included, with one connection each per handshake timeout.
-pub struct HandshakeGate {
-    total: Arc<Semaphore>,
-    per_addr: Arc<PerAddress>,
-    per_addr_max: usize,
-    /// Handshakes still in their exchange, oldest first (by admission):
-    /// those a full gate may close. One that settled (its OPEN or GO
-    /// accepted, perhaps waiting for its session's fence) is not here.
-    open: parking_lot::Mutex<std::collections::BTreeMap<u64, (std::time::Instant, CancellationToken)>>,
-    next: std::sync::atomic::AtomicU64,
-}
+/// How long a handshake runs before the gate may close it for a newcomer:
+/// a client's takes milliseconds (a few round trips).
+const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
 
-/// How long a handshake runs before a full gate may close it for a
-/// newcomer: a client's takes milliseconds (a few round trips).
-pub const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
-/// How long a newcomer waits for the place of the handshake it closed.
-const ROOM_WAIT: Duration = Duration::from_secs(1);
-
-/// A connection's place in its handshake; given back when dropped.
-pub struct HandshakeTicket {
-    _permit: OwnedSemaphorePermit,
-    /// `None`: a unix socket's connection (this host).
-    _addr: Option<AddressPlace>,
-    gate: Arc<HandshakeGate>,
-    seq: u64,
-    evicted: CancellationToken,
-}
-
-impl HandshakeGate {
-    pub fn new(total: usize) -> HandshakeGate {
-        HandshakeGate {
-            total: Arc::new(Semaphore::new(total)),
-            per_addr: Default::default(),
-            per_addr_max: (total / 4).max(1),
-            open: Default::default(),
-            next: Default::default(),
-        }
-    }
-
-    /// A ticket, or `None` when this address has its share, or when every
-    /// place is taken by handshakes younger than [`EVICTABLE_AFTER`].
-    pub async fn enter(self: &Arc<Self>, ip: Option<IpAddr>) -> Option<HandshakeTicket> {
-        // Given back if this waits for room and is dropped.
-        let addr = match ip {
-            Some(ip) => Some(self.per_addr.enter(ip, self.per_addr_max)?),
-            None => None,
-        };
-        let permit = match self.total.clone().try_acquire_owned() {
-            Ok(p) => Some(p),
-            Err(_) if self.evict_oldest() => {
-                tokio::time::timeout(ROOM_WAIT, self.total.clone().acquire_owned())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-            }
-            Err(_) => None,
-        };
-        let permit = permit?;
-        let seq = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let evicted = CancellationToken::new();
-        self.open.lock().insert(seq, (std::time::Instant::now(), evicted.clone()));
-        Some(HandshakeTicket { _permit: permit, _addr: addr, gate: self.clone(), seq, evicted })
-    }
-
-    /// Closes the oldest handshake still in its exchange, if it is older
-    /// than [`EVICTABLE_AFTER`].
-    fn evict_oldest(&self) -> bool {
-        let mut open = self.open.lock();
-        match open.first_entry() {
-            Some(e) if e.get().0.elapsed() >= EVICTABLE_AFTER => {
-                e.remove().1.cancel();
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-impl HandshakeTicket {
-    /// The protocol's exchange is over (an OPEN or GO accepted): a full
-    /// gate no longer closes this handshake (a reconnect may wait here
-    /// for its session's fence). False if it was closed for a newcomer
-    /// just before: the handshake must end there.
-    pub fn settle(&self) -> bool {
-        self.gate.open.lock().remove(&self.seq).is_some()
-    }
-
-    /// Cancelled when a full gate closes this handshake for a newcomer.
-    pub fn evicted(&self) -> &CancellationToken {
-        &self.evicted
-    }
-}
-
-impl Drop for HandshakeTicket {
-    fn drop(&mut self) {
-        self.gate.open.lock().remove(&self.seq);
-    }
+/// The listeners' gate: `total` handshakes at once, a quarter of them from
+/// one address (see [`crate::gate`]).
+fn handshake_gate(total: usize) -> Gate {
+    Gate::new(total, total / 4, EVICTABLE_AFTER)
 }
 
 /// The host's boot, as a number: Linux draws a new boot_id at every boot

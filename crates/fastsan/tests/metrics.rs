@@ -121,6 +121,16 @@ fn metrics_agree_with_the_bench_within_one_percent() {
     assert!(text.contains("fastsan_volume_size_bytes{volume=\"q\\\"x\"} 1048576"), "{text}");
 }
 
+/// Closed (EOF or reset) within `t`; a read timeout is not a close.
+fn closed_within(c: &mut TcpStream, t: Duration) -> bool {
+    use std::io::ErrorKind::{TimedOut, WouldBlock};
+    c.set_read_timeout(Some(t)).unwrap();
+    match c.read(&mut [0u8; 64]) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(e.kind(), WouldBlock | TimedOut),
+    }
+}
+
 /// Silent connections from one address hold at most four of the endpoint's
 /// places, and only for the two seconds a request head may take: a scrape
 /// from elsewhere is answered meanwhile. (Before, 32 silent connections
@@ -136,15 +146,6 @@ fn silent_connections_from_one_address_leave_the_scraper_its_place() {
         sock.bind(&format!("{ip}:0").parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
         sock.connect(&target.into()).unwrap();
         sock.into()
-    };
-    // Closed (EOF or reset) within `t`; a read timeout is not a close.
-    let closed_within = |c: &mut TcpStream, t: Duration| {
-        use std::io::ErrorKind::{TimedOut, WouldBlock};
-        c.set_read_timeout(Some(t)).unwrap();
-        match c.read(&mut [0u8; 64]) {
-            Ok(n) => n == 0,
-            Err(e) => !matches!(e.kind(), WouldBlock | TimedOut),
-        }
     };
     let mut silent: Vec<TcpStream> = (0..40).map(|_| from("127.0.0.2")).collect();
     std::thread::sleep(Duration::from_millis(200));
@@ -166,4 +167,23 @@ fn silent_connections_from_one_address_leave_the_scraper_its_place() {
         );
     }
     assert!(t.elapsed() >= Duration::from_millis(1500), "closed before its 2 s: {:?}", t.elapsed());
+}
+
+/// A process holding every place of the scraper's own address with silent
+/// connections (renewing them as each times out) does not keep the
+/// scraper out: a newcomer from that address closes the oldest connection
+/// still without a request head after 250 ms and takes its place. (Before,
+/// a local process could hold 127.0.0.1's four places and every local
+/// scrape was closed unanswered.)
+#[test]
+fn a_scraper_closes_the_oldest_silent_connection_of_its_own_address() {
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--volume", "v=memory:1M"]);
+    let mut silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&s.metrics).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(400));
+    let t = std::time::Instant::now();
+    let scraped = scrape(&s.metrics);
+    assert!(scraped.contains("fastsan_volume_size_bytes"), "{scraped}");
+    assert!(t.elapsed() < Duration::from_secs(1), "the scrape waited {:?}", t.elapsed());
+    let closed: Vec<bool> = silent.iter_mut().map(|c| closed_within(c, Duration::from_millis(100))).collect();
+    assert_eq!(closed, [true, false, false, false], "the oldest silent connection made room, and only it");
 }
