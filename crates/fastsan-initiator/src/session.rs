@@ -367,12 +367,26 @@ impl Volume {
                 // Given up while its connection was not fenced: its write may
                 // still land, so overlapping writes stay behind it until its slot
                 // is fenced (checked under the lock: the reconnect that fences it
-                // may have run already). Without reconnection nothing ever fences it.
+                // may have run already).
                 (Err(_), Some((slot, epoch)), Some(t)) if !sh.opts.reconnect_timeout.is_zero() => {
                     let mut parked = sh.unfenced.lock();
                     if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
                         parked.push((slot, epoch, t));
                     }
+                }
+                // Without reconnection nothing ever fences it, and the other
+                // connections go on: a later write to the same bytes could
+                // land before it and be overwritten. The session ends (before
+                // the overlapping writes behind this one are let go), so
+                // nothing more is sent. Until 2026-12-07 they were sent.
+                (Err(_), Some(_), Some(t)) => {
+                    let _ = sh.ended.set(Ended::Refused(
+                        "a write's connection was lost with reconnection off (--reconnect-timeout 0): \
+                         the write may still land, so the session sends nothing more; open the volume again"
+                            .into(),
+                    ));
+                    sh.changed.notify_waiters();
+                    drop(t);
                 }
                 _ => {}
             }

@@ -812,3 +812,44 @@ async fn a_resync_never_copies_from_a_leg_that_lost_unflushed_writes() {
         t.stop().await;
     }
 }
+
+/// Without reconnection (`--reconnect-timeout 0`) a write whose connection
+/// was cut (its device stalled past the request timeout) fails at once,
+/// yet may still land on the target. The session's other connection went
+/// on, so a later write to the same bytes was acknowledged and then
+/// overwritten by the failed one. Now the lost write ends the session: the
+/// later write fails and the acknowledged data is never overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_reconnection_a_lost_write_ends_its_session_so_nothing_overtakes_it() {
+    use fastsan_initiator::{Error, Options, Volume};
+    let srv = TestServer::start(&["v=memory:16M,faults=none"], |_| {}).await;
+    let faults = srv.handle.faults("v").unwrap();
+    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall).times(1));
+    let opts = Options {
+        connections: 2,
+        reconnect_timeout: Duration::ZERO,
+        request_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
+    let lost = vol.write_at(&[1; 4096], 0, false).await;
+    assert!(lost.is_err(), "the stalled write failed: {lost:?}");
+    let later = vol.write_at(&[2; 4096], 0, false).await;
+    assert!(matches!(later, Err(Error::SessionEnded(_))), "the later write was not sent: {later:?}");
+    // The device comes back: the lost write lands (it was never known not
+    // to), and nothing acknowledged is under it.
+    faults.clear();
+    let fresh = Volume::connect(&srv.url("v"), Options::default()).await.unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut data = [9u8; 4096];
+        fresh.read_at(&mut data, 0).await.unwrap();
+        if data == [1; 4096] {
+            break;
+        }
+        assert_eq!(data, [0; 4096], "only the lost write's bytes or the old ones");
+        assert!(Instant::now() < until, "the stalled write never landed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    srv.stop().await;
+}
