@@ -615,7 +615,7 @@ fn handshake_gate(total: usize) -> Gate {
 
 /// The host's boot, as a number: Linux draws a new boot_id at every boot
 /// (0 where it cannot be read). FNV-1a, so every build gives the same number.
-fn boot_id() -> u64 {
+pub(crate) fn boot_id() -> u64 {
     let Ok(id) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else { return 0 };
     id.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }

@@ -137,3 +137,22 @@ async fn fills_up(path: &Path) {
     drop((vol, other));
     srv.stop().await;
 }
+
+/// A block device another program holds (mounted, or opened exclusively)
+/// is not served writable: two writers would corrupt it. Read-only, it is.
+#[test]
+fn a_block_device_in_use_is_refused_writable() {
+    use fastsan_target::backend::FileBackend;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = disk_dir("held");
+    let img = dir.path().join("dev.img");
+    sparse(&img, 4 * MIB);
+    let dev = Loop::over(&img, false);
+    let held = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(&dev.0).unwrap();
+    let e = FileBackend::open(Path::new(&dev.0), false, false).err().expect("refused while held");
+    assert_eq!(e.kind(), std::io::ErrorKind::ResourceBusy, "{e}");
+    assert!(e.to_string().contains("in use"), "{e}");
+    FileBackend::open(Path::new(&dev.0), true, false).expect("read-only is fine");
+    drop(held);
+    FileBackend::open(Path::new(&dev.0), false, false).expect("served once let go");
+}

@@ -853,3 +853,41 @@ async fn without_reconnection_a_lost_write_ends_its_session_so_nothing_overtakes
     }
     srv.stop().await;
 }
+
+/// A failed flush is remembered on the file. Linux reports a writeback
+/// error to one flush only, so a target restarted on the file answered the
+/// next flush OK over the writes the failed one lost, and a session that
+/// wrote before the failure resumed as if nothing had happened (until
+/// 2026-12-07). Now the restarted target gives the volume another
+/// generation: that session is told its volume was replaced. A new session
+/// works, and resumes across a later restart without a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
+    use fastsan_initiator::{Error, Options, Volume};
+    let (_dir, path) = temp_file("remembered", 1 << 20);
+    let spec = format!("v=file:{},faults=none", path.display());
+    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let addr = srv.addr;
+    let opts = Options { connections: 1, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
+    let wrote = Volume::connect(&srv.url("v"), opts.clone()).await.unwrap();
+    let flushed = Volume::connect(&srv.url("v"), opts.clone()).await.unwrap();
+    wrote.write_at(&[1; 4096], 0, false).await.unwrap();
+    srv.handle
+        .faults("v")
+        .unwrap()
+        .add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::Io(libc::EIO))));
+    assert!(flushed.flush().await.is_err(), "the injected flush failure");
+    assert!(srv.stop_result().await.is_err(), "its shutdown flush fails too (latched)");
+    let srv = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    let e = wrote.flush().await.expect_err("its write may be lost");
+    assert!(matches!(e, Error::VolumeReplaced { .. }), "{e:?}");
+    let fresh = Volume::connect(&srv.url("v"), opts).await.unwrap();
+    fresh.write_at(&[2; 4096], 0, false).await.unwrap();
+    fresh.flush().await.unwrap();
+    srv.stop().await;
+    let srv = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    fresh.write_at(&[3; 4096], 4096, false).await.expect("a restart without a failure resumes");
+    fresh.flush().await.unwrap();
+    drop((wrote, flushed, fresh));
+    srv.stop().await;
+}

@@ -37,17 +37,100 @@ const BLKZEROOUT: libc::c_ulong = 0x127f;
 /// tried.
 #[cfg(target_os = "linux")]
 fn ring_trusts(file: &File) -> bool {
-    const TRUSTED: [i64; 5] = [0xEF53, 0x5846_5342, 0x9123_683E, 0xF2F5_2010, 0x0102_1994];
+    const TRUSTED: [i64; 5] = [0xEF53, 0x5846_5342, 0x9123_683E, 0xF2F5_2010, TMPFS];
+    fs_type(file).is_some_and(|kind| TRUSTED.contains(&kind))
+}
+
+/// Filesystem magic numbers of <linux/magic.h>: those whose files go with the host's memory.
+const TMPFS: i64 = 0x0102_1994;
+const RAMFS: i64 = 0x8584_58f6;
+
+/// The magic number of the filesystem `file` is on.
+fn fs_type(file: &File) -> Option<i64> {
     let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
     // SAFETY: fstatfs writes a statfs into the pointer on success; the fd is ours and open.
     if unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-        return false;
+        return None;
     }
     // (f_type is an i64 here, an i32 on 32-bit targets.)
     #[allow(clippy::unnecessary_cast)]
     // SAFETY: fstatfs succeeded, so it filled the struct.
-    let kind = unsafe { st.assume_init() }.f_type as i64;
-    TRUSTED.contains(&kind)
+    Some(unsafe { st.assume_init() }.f_type as i64)
+}
+
+/// Whether the store's data goes when the host reboots: a file on tmpfs
+/// or ramfs, a RAM disk (brd's `ram*`), zram, or a loop device over a file
+/// on one of those.
+fn on_volatile_storage(file: &File, meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let in_memory = |f: &File| fs_type(f).is_some_and(|t| t == TMPFS || t == RAMFS);
+    if !meta.file_type().is_block_device() {
+        return in_memory(file);
+    }
+    let (major, minor) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
+    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let Some(name) =
+        std::fs::read_link(&sys).ok().and_then(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+    else {
+        return false;
+    };
+    if name.starts_with("ram") || name.starts_with("zram") {
+        return true;
+    }
+    let backing = std::fs::read_to_string(sys.join("loop/backing_file")).unwrap_or_default();
+    name.starts_with("loop") && File::open(backing.trim()).is_ok_and(|f| in_memory(&f))
+}
+
+/// Where a file remembers how many of its flushes failed (see
+/// [`Backend::record_failed_flush`]): a user attribute on regular files, a
+/// trusted one (root only) on block devices' nodes, which take no user
+/// attributes.
+const FAILED_FLUSHES: [&std::ffi::CStr; 2] =
+    [c"user.fastsan.failed-flushes", c"trusted.fastsan.failed-flushes"];
+
+/// How many flushes of `file` failed under any target (0 when never, or
+/// where nothing can say).
+fn failed_flushes(file: &File) -> u64 {
+    FAILED_FLUSHES
+        .iter()
+        .find_map(|name| {
+            let mut v = [0u8; 20];
+            // SAFETY: fgetxattr writes at most v.len() bytes into v; the fd is open.
+            let n =
+                unsafe { libc::fgetxattr(file.as_raw_fd(), name.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+            let n = usize::try_from(n).ok()?;
+            std::str::from_utf8(&v[..n]).ok()?.trim().parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// The identity of a file's data (see [`Backend::generation`]), a fixed mix
+/// (not a hasher whose keys may change between builds: the same file must
+/// give the same number to every fastsan) of:
+/// - its device and inode: another file at the path is another generation;
+/// - a regular file's birth time, where the filesystem keeps one: a file
+///   deleted and made again can get its old inode number back (not a block
+///   device's: its node is made anew at every boot, its data is not);
+/// - `boot`, the host's boot, for a store whose data a reboot takes
+///   ([`on_volatile_storage`]): made again after a reboot, a tmpfs file or a
+///   RAM disk gets the same numbers, and is empty;
+/// - how many flushes of it failed ([`failed_flushes`]): a session that wrote
+///   before one must not resume (until 2026-12-07 a restarted target's
+///   first flush succeeded over the writes the failed one lost).
+fn generation(meta: &std::fs::Metadata, boot: Option<u64>, failed_flushes: u64) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let born = match meta.file_type().is_block_device() {
+        true => 0,
+        false => meta
+            .created()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos() as u64),
+    };
+    let base = meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev();
+    [born, boot.unwrap_or(0), failed_flushes]
+        .into_iter()
+        .fold(base, |h, x| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(23))
 }
 
 pub struct FileBackend {
@@ -63,7 +146,7 @@ pub struct FileBackend {
     direct: bool,
     block_device: bool,
     read_only: bool,
-    /// From the file's device and inode: another file at the same path is another generation.
+    /// See [`generation`].
     generation: u64,
     /// Whether reads may be tried without waiting ([`Backend::read_now`]):
     /// buffered (O_DIRECT reads always go to the device), opened without
@@ -98,13 +181,32 @@ impl FileBackend {
         if !block_device && !meta.is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file or a block device"));
         }
+        // A writable block device, exclusively: the kernel refuses it while
+        // it is mounted or held (md, LVM, another O_EXCL opener), where two
+        // writers would corrupt it; the lock taken later stops only another fastsan.
+        if block_device && !read_only {
+            let noatime_flag = if noatime { libc::O_NOATIME } else { 0 };
+            file = open(noatime_flag | libc::O_EXCL).map_err(|e| match e.raw_os_error() {
+                Some(libc::EBUSY) => io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    "the block device is in use (mounted, or held by another program): \
+                     serving it writable would make two writers",
+                ),
+                _ => e,
+            })?;
+        }
         let size = file.seek(SeekFrom::End(0))?;
-        // A fixed mix (not a hasher whose keys may change between builds):
-        // the same file must give the same number to every fastsan.
-        let generation = {
-            use std::os::unix::fs::MetadataExt;
-            meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev()
-        };
+        let boot = on_volatile_storage(&file, &meta).then(crate::server::boot_id);
+        let failed_flushes = failed_flushes(&file);
+        if failed_flushes > 0 {
+            tracing::warn!(
+                path = %path.display(),
+                failed_flushes,
+                "a flush of this file failed under an earlier target: writes acknowledged before it may \
+                 be lost, so the sessions of that time cannot resume here (their clients are told)"
+            );
+        }
+        let generation = generation(&meta, boot, failed_flushes);
         #[cfg(target_os = "linux")]
         let ring = if !direct {
             None
@@ -464,6 +566,21 @@ impl Backend for FileBackend {
     fn generation(&self) -> u64 {
         self.generation
     }
+    fn record_failed_flush(&self) -> io::Result<()> {
+        let count = (failed_flushes(&self.file) + 1).to_string();
+        let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
+        for name in FAILED_FLUSHES {
+            // SAFETY: the value is count's bytes, alive for the call; the fd is open.
+            let r = unsafe {
+                libc::fsetxattr(self.file.as_raw_fd(), name.as_ptr(), count.as_ptr().cast(), count.len(), 0)
+            };
+            if r == 0 {
+                return Ok(());
+            }
+            last = io::Error::last_os_error();
+        }
+        Err(last)
+    }
     fn describe(&self) -> String {
         format!(
             "{} {}, {} bytes{}",
@@ -539,6 +656,47 @@ mod tests {
         let f = File::create(&p).unwrap();
         f.set_len(len).unwrap();
         p
+    }
+
+    /// What a generation is made of: another file at the same path, a
+    /// reboot of the host under a file on tmpfs, a failed flush recorded on
+    /// the file each give another one; reopening the same file gives the same.
+    #[test]
+    fn a_generation_changes_with_the_file_a_reboot_of_tmpfs_and_a_failed_flush() {
+        let p = temp_file(1 << 16);
+        let g = |p: &Path| FileBackend::open(p, false, false).unwrap().generation();
+        let first = g(&p);
+        assert_eq!(g(&p), first, "the same file, the same generation");
+        let b = FileBackend::open(&p, false, false).unwrap();
+        match b.record_failed_flush() {
+            Ok(()) => {
+                assert_eq!(failed_flushes(&b.file), 1);
+                assert_ne!(g(&p), first, "a failed flush recorded");
+                b.record_failed_flush().unwrap();
+                assert_eq!(failed_flushes(&b.file), 2, "counted");
+            }
+            Err(e) => eprintln!("no attributes on {} ({e}): the record is not checked", p.display()),
+        }
+        let before = g(&p);
+        std::fs::remove_file(&p).unwrap();
+        let p = temp_file(1 << 16);
+        assert_ne!(g(&p), before, "a file made again at the same path");
+        std::fs::remove_file(p).unwrap();
+
+        let shm = Path::new("/dev/shm").join(format!("fastsan-gen-{}", std::process::id()));
+        let Ok(f) = File::create(&shm) else {
+            return eprintln!("no /dev/shm: the tmpfs case is not checked");
+        };
+        let meta = f.metadata().unwrap();
+        if fs_type(&f) == Some(TMPFS) {
+            assert!(on_volatile_storage(&f, &meta), "a file on tmpfs goes with the host's memory");
+            assert_ne!(generation(&meta, Some(1), 0), generation(&meta, Some(2), 0), "a reboot");
+            assert_eq!(
+                FileBackend::open(&shm, false, false).unwrap().generation(),
+                generation(&meta, Some(crate::server::boot_id()), 0)
+            );
+        }
+        std::fs::remove_file(shm).unwrap();
     }
 
     #[test]

@@ -150,6 +150,17 @@ pub trait Backend: Send + Sync + 'static {
     /// it, so that a restarted target's empty volume is never taken for the
     /// one it wrote to.
     fn generation(&self) -> u64;
+    /// Remembers, for every later target on this store, that a flush of it
+    /// failed: writes acknowledged before it may be lost, yet Linux reports
+    /// a writeback error to one flush only, so a restarted target's flush
+    /// would succeed over them. A store that remembers it opens with another
+    /// [`Backend::generation`] from then on, so that no session that wrote
+    /// before resumes. Nothing to do for a store whose generation is new at
+    /// every start (memory) or whose data another target keeps (a gateway's
+    /// remote, which latches its own failures).
+    fn record_failed_flush(&self) -> std::io::Result<()> {
+        Ok(())
+    }
     /// The boot of the host whose memory holds the volume's unflushed
     /// writes, when that is not this one: a remote volume's target, as it
     /// was when the volume opened. OPEN_REPLY reports it instead of this
@@ -301,6 +312,9 @@ pub trait Layer: Send + Sync + 'static {
     fn generation(&self) -> u64 {
         self.next().generation()
     }
+    fn record_failed_flush(&self) -> std::io::Result<()> {
+        self.next().record_failed_flush()
+    }
     fn boot(&self) -> Option<u64> {
         self.next().boot()
     }
@@ -412,6 +426,9 @@ impl<L: Layer> Backend for L {
     }
     fn generation(&self) -> u64 {
         Layer::generation(self)
+    }
+    fn record_failed_flush(&self) -> std::io::Result<()> {
+        Layer::record_failed_flush(self)
     }
     fn boot(&self) -> Option<u64> {
         Layer::boot(self)

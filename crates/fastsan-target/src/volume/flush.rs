@@ -17,7 +17,9 @@
 //! a later flush may succeed although the writes it covered are lost: the
 //! first failure (whatever its errno) is latched before anyone waiting is
 //! told, and every later FLUSH and FUA fails too, for every client, until
-//! the volume is reopened. A flush that panicked (a bug in a backend) is a
+//! the volume is reopened. The store records it (a file: an attribute), so
+//! that a target reopening it later gives it another generation and no
+//! session of now resumes over the lost writes. A flush that panicked (a bug in a backend) is a
 //! failure too: whether it reached the device is unknown.
 
 use crate::backend::{Backend, BackendError};
@@ -143,6 +145,9 @@ impl Flusher {
         r
     }
 
+    /// Latches the first failure, and records it on the store (before anyone
+    /// waiting is told): a target started on it later must not let the
+    /// sessions of now resume over writes this flush lost.
     fn latch(&self, e: &BackendError) {
         if !self.writeback_lost.swap(true, SeqCst) {
             tracing::error!(
@@ -150,6 +155,14 @@ impl Flusher {
                 "flush failed ({e}): writes since the last good flush may be lost; \
                  the volume now fails every FLUSH and FUA write until it is reopened"
             );
+            if let Err(why) = self.backend.record_failed_flush() {
+                tracing::error!(
+                    volume = self.name,
+                    "the failed flush could not be recorded on the store ({why}): a target restarted \
+                     on it would let the sessions of now resume, and their next flush succeed over \
+                     the writes this one lost; restart their clients too"
+                );
+            }
         }
     }
 }
