@@ -254,11 +254,15 @@ impl ClientHandshake {
     }
 }
 
-/// Whether every request could meet the limits OPEN_REPLY announces.
+/// Whether every request could meet the limits OPEN_REPLY announces, and
+/// its reply the protocol's: a transfer limit over the largest payload a
+/// reply may carry made every large read's reply a protocol error (its
+/// connection cut and the read sent again, until the reconnect timeout).
 fn limits_make_sense(info: &OpenInfo) -> bool {
     let bs = info.block_size;
     bs.is_power_of_two()
         && info.max_transfer >= bs
+        && info.max_transfer <= fastsan_brp::limits::MAX_PAYLOAD
         && info.max_transfer.is_multiple_of(bs)
         && info.size.is_multiple_of(bs as u64)
         && info.queue_depth >= 1
@@ -543,6 +547,7 @@ mod tests {
             OpenInfo { block_size: 0, ..info() },
             OpenInfo { max_transfer: 256, ..info() },
             OpenInfo { max_transfer: 4096 + 512 + 1, ..info() },
+            OpenInfo { max_transfer: 32 << 20, ..info() },
             OpenInfo { size: (1 << 20) + 1, ..info() },
             OpenInfo { queue_depth: 0, ..info() },
             OpenInfo { max_batch: 0, ..info() },

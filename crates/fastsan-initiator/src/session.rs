@@ -695,6 +695,23 @@ async fn open_conn(sh: &Arc<Shared>, slot: usize, epoch: u64) -> Result<Conn, Er
             new_block_size: info.block_size,
         });
     }
+    // A target that put the connection in another session fenced nothing
+    // of this one's (a fastsan takes a session it does not know as given);
+    // one that lowered its transfer limit would refuse the requests this
+    // session cuts by the old one.
+    if info.session != old.session {
+        return Err(Error::SessionEnded(format!(
+            "the target answered the reconnect in session {:016x}, not this one's {:016x}: \
+             nothing it fenced covers this session's lost writes",
+            info.session, old.session
+        )));
+    }
+    if info.max_transfer < old.max_transfer {
+        return Err(Error::SessionEnded(format!(
+            "the target's transfer limit fell from {} to {} bytes across the reconnect",
+            old.max_transfer, info.max_transfer
+        )));
+    }
     let mut target = sh.target.lock();
     if *target != (info.instance, info.boot) {
         let rebooted = host_rebooted(target.1, info.boot);

@@ -17,42 +17,58 @@ async fn silent_target(answer_open: bool) -> std::net::SocketAddr {
 }
 
 async fn target(answer_open: bool, hang_up: bool) -> std::net::SocketAddr {
+    target_with(move |_| answer_open.then(info), hang_up).await
+}
+
+/// What the fake target's OPEN_REPLY says (unless a test changes it).
+fn info() -> OpenInfo {
+    OpenInfo {
+        session: 9,
+        size: 1 << 20,
+        block_size: 512,
+        max_transfer: 1 << 16,
+        queue_depth: 8,
+        max_batch: 8,
+        flags: 0,
+        instance: 1,
+        generation: 1,
+        boot: 1,
+    }
+}
+
+/// [`target`] answering the OPEN of its `n`-th connection (from 0) with
+/// `open(n)`, or not at all.
+async fn target_with(
+    open: impl Fn(usize) -> Option<OpenInfo> + Send + Sync + 'static,
+    hang_up: bool,
+) -> std::net::SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
+        let mut n = 0;
         while let Ok((s, _)) = l.accept().await {
-            tokio::spawn(serve(s, answer_open, hang_up));
+            tokio::spawn(serve(s, open(n), hang_up));
+            n += 1;
         }
     });
     addr
 }
 
-async fn serve(mut s: TcpStream, answer_open: bool, hang_up: bool) {
+async fn serve(mut s: TcpStream, open: Option<OpenInfo>, hang_up: bool) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let mut answered = 0;
     loop {
         while let Ok(Some((m, n))) = parse_message(&buf) {
             buf.drain(..n);
-            let reply = match m {
-                Message::Hello { .. } => Message::HelloReply {
+            let reply = match (m, open) {
+                (Message::Hello { .. }, _) => Message::HelloReply {
                     version: fastsan_brp::VERSION,
                     auth: AUTH_NONE,
                     features: 0,
                     challenge: [0; 32],
                 },
-                Message::Open { .. } if answer_open => Message::OpenReply(OpenInfo {
-                    session: 9,
-                    size: 1 << 20,
-                    block_size: 512,
-                    max_transfer: 1 << 16,
-                    queue_depth: 8,
-                    max_batch: 8,
-                    flags: 0,
-                    instance: 1,
-                    generation: 1,
-                    boot: 1,
-                }),
+                (Message::Open { .. }, Some(info)) => Message::OpenReply(info),
                 _ => continue, // silent
             };
             s.write_all(&reply.to_vec()).await.unwrap();
@@ -135,4 +151,32 @@ async fn a_target_silent_in_the_handshake_is_a_timeout() {
     assert!(t.elapsed() < Duration::from_secs(3));
     let e = Volume::connect(&format!("brp://{addr}/v"), opts).await.err().expect("OPEN is never answered");
     assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+}
+
+/// A connection lost, the reconnect is answered in another session (a
+/// target that keeps none), or with a lower transfer limit: such a target
+/// fenced nothing of the session's lost writes, or would refuse its
+/// requests. The session ends with an error that says which, instead of
+/// sending its writes again into another session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_into_another_session_or_smaller_limits_ends_the_session() {
+    for (changed, says) in [
+        (OpenInfo { session: 10, ..info() }, "in session"),
+        (OpenInfo { max_transfer: 1 << 12, ..info() }, "transfer limit fell"),
+    ] {
+        let addr = target_with(move |n| Some(if n == 0 { info() } else { changed }), true).await;
+        let opts = Options {
+            connections: 1,
+            reconnect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            ..Default::default()
+        };
+        let vol = Volume::connect(&format!("brp://{addr}/v"), opts).await.unwrap();
+        let t = Instant::now();
+        match vol.write_at(&[1; 512], 0, false).await {
+            Err(Error::SessionEnded(why)) => assert!(why.contains(says), "{why}"),
+            other => panic!("expected the session to end ({says}), got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(4), "ended at once, not at the reconnect timeout");
+    }
 }
