@@ -103,8 +103,10 @@ impl PoolHandle {
 }
 
 impl IoPool {
-    /// `threads` threads named after `name` (the volume).
-    pub fn new(threads: usize, name: &str) -> Self {
+    /// `threads` threads named after `name` (the volume); an error when the
+    /// system will not start them (a thread or memory limit): those started
+    /// end with it.
+    pub fn new(threads: usize, name: &str) -> std::io::Result<Self> {
         let queues = Arc::new(Mutex::new(Queues::default()));
         let (tx, rx) = crossbeam_channel::unbounded::<()>();
         for i in 0..threads.max(1) {
@@ -135,9 +137,11 @@ impl IoPool {
                         }
                     }
                 })
-                .expect("spawn an I/O thread");
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("cannot start I/O thread {i} of {name}: {e}"))
+                })?;
         }
-        IoPool { handle: Some(PoolHandle { queues, tokens: tx }) }
+        Ok(IoPool { handle: Some(PoolHandle { queues, tokens: tx }) })
     }
 
     /// Queues `job` as client `client`'s (a connection).
@@ -238,7 +242,7 @@ mod tests {
 
     #[test]
     fn clients_take_turns_and_continuations_queue_behind_others() {
-        let pool = IoPool::new(1, "t");
+        let pool = IoPool::new(1, "t").unwrap();
         let (gate_tx, gate_rx) = mpsc::channel::<()>();
         let (started_tx, started_rx) = mpsc::channel::<()>();
         let (tx, rx) = mpsc::channel();

@@ -353,7 +353,21 @@ impl Shared {
     /// ([`WriteFlags::nowait`]): written on a thread that may wait, then
     /// finished as the ring's own are.
     fn wait_for(self: &Arc<Self>, op: Box<Op>) {
-        let pool = self.waiters.get_or_init(|| crate::pool::IoPool::new(WAITING_THREADS, "ring-wait"));
+        if self.waiters.get().is_none() {
+            // Started at the first such write; if the system will not start
+            // them (a thread or memory limit), the write fails, answered.
+            match crate::pool::IoPool::new(WAITING_THREADS, "ring-wait") {
+                Ok(pool) => {
+                    let _ = self.waiters.set(pool); // one started meanwhile: this one ends
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "a write that must wait fails: the ring's threads for such writes cannot start");
+                    let Op { buf, done, .. } = *op;
+                    return done(buf, Err(e));
+                }
+            }
+        }
+        let pool = self.waiters.get().expect("set just above");
         self.waited.fetch_add(1, Relaxed);
         // Counted before it is queued: a closing ring waits for it.
         self.queue.lock().blocking += 1;

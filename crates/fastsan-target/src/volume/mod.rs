@@ -139,7 +139,7 @@ impl Volume {
             stack.faults,
             max_transfer,
             io_threads,
-        );
+        )?;
         *v.lock.lock() = stack.lock;
         Ok(v)
     }
@@ -152,11 +152,12 @@ impl Volume {
         self.lock.lock().take();
     }
 
-    /// A volume over a ready backend (tests and embedders), with a stats layer on top.
+    /// A volume over a ready backend (tests and embedders), with a stats
+    /// layer on top. Panics if its I/O threads cannot be started.
     pub fn with_backend(name: String, b: Arc<dyn Backend>, max_transfer: u32) -> Volume {
         let stats = Arc::new(VolumeStats::default());
         let top = Arc::new(backend::StatsLayer::new(b, stats.clone()));
-        Volume::from_stack(name, top, stats, None, max_transfer, 4)
+        Volume::from_stack(name, top, stats, None, max_transfer, 4).expect("start the volume's I/O threads")
     }
 
     fn from_stack(
@@ -166,7 +167,7 @@ impl Volume {
         faults: Option<Faults>,
         max_transfer: u32,
         io_threads: usize,
-    ) -> Volume {
+    ) -> io::Result<Volume> {
         let blocks = b.block_sizes();
         // The unit every front end can address: BRP's 512-byte sectors, or
         // more when the store needs more (O_DIRECT).
@@ -195,10 +196,10 @@ impl Volume {
             submit: b.can_submit(),
             submit_writes: b.can_submit() && b.can_submit_writes(),
         };
-        let pool = b.may_block().then(|| IoPool::new(io_threads, &name));
+        let pool = b.may_block().then(|| IoPool::new(io_threads, &name)).transpose()?;
         let flusher =
             Arc::new(flush::Flusher::new(name.clone(), b.clone(), pool.as_ref().and_then(IoPool::handle)));
-        Volume {
+        Ok(Volume {
             lock: parking_lot::Mutex::new(None),
             pool,
             flusher,
@@ -216,7 +217,7 @@ impl Volume {
             caps,
             stats,
             faults,
-        }
+        })
     }
 
     pub fn name(&self) -> &str {
