@@ -58,6 +58,7 @@ mod overdue;
 pub mod read_plan;
 mod recycle;
 pub mod remote;
+mod runs_to_end;
 pub mod session;
 pub mod stats;
 pub mod tls;

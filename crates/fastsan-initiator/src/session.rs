@@ -13,6 +13,7 @@
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
 use crate::order::{Ticket, WriteOrder};
+use crate::runs_to_end::RunsToEnd;
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
@@ -247,10 +248,25 @@ impl Volume {
         data: Bytes,
         offset: u64,
         fua: bool,
-    ) -> impl Future<Output = Result<(), Error>> + Send + '_ {
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'static {
         let flags = if fua { FLAG_FUA } else { 0 };
         let h = RequestHeader::new(Command::Write, flags, 0, offset, data.len() as u32);
-        self.call(h, data).map(|r| r.map(drop))
+        self.changing(h, data)
+    }
+
+    /// [`Volume::call`] for a request that changes the volume, run to its
+    /// end even if its caller drops it (a timeout, Ctrl-C): its place in
+    /// the order of overlapping writes is kept until its reply, or until
+    /// the fence of the connection it was lost with. (Until 2026-12-07 a
+    /// write dropped in flight let the next overlapping write go at once,
+    /// on any connection, and the dropped one could land after it.)
+    fn changing(
+        &self,
+        h: RequestHeader,
+        payload: Bytes,
+    ) -> RunsToEnd<impl Future<Output = Result<(), Error>> + Send + 'static> {
+        let me = self.clone();
+        RunsToEnd::new(async move { me.call(h, payload).await.map(drop) })
     }
 
     /// Makes every write completed before this call durable.
@@ -273,10 +289,8 @@ impl Volume {
     async fn ranged(&self, cmd: Command, flags: u8, offset: u64, len: u64) -> Result<(), Error> {
         // The largest u32 that is a multiple of the block size.
         let max = (u32::MAX / self.block_size() * self.block_size()) as u64;
-        all(chunks(offset, len, max).map(|(o, n)| async move {
-            let h = RequestHeader::new(cmd, flags, 0, o, n as u32);
-            self.call(h, Bytes::new()).await
-        }))
+        all(chunks(offset, len, max)
+            .map(|(o, n)| self.changing(RequestHeader::new(cmd, flags, 0, o, n as u32), Bytes::new())))
         .await
         .map(drop)
     }

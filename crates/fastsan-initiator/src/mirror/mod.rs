@@ -38,6 +38,7 @@ pub use spec::MirrorSpec;
 
 use crate::error::chain;
 use crate::remote::Single;
+use crate::runs_to_end::RunsToEnd;
 use crate::{Error, Options};
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -616,44 +617,6 @@ impl Mirror {
     }
 }
 
-/// A future polled in place (no task of its own: a spawn per write cost
-/// 15% of a mirror's 4K writes), and, if dropped before its end, run to
-/// its end in a task of its own.
-struct RunsToEnd<F: std::future::Future + Send + 'static>(Option<std::pin::Pin<Box<F>>>)
-where
-    F::Output: Send;
-
-impl<F: std::future::Future + Send + 'static> std::future::Future for RunsToEnd<F>
-where
-    F::Output: Send,
-{
-    type Output = F::Output;
-    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
-        let this = self.get_mut();
-        let f = this.0.as_mut().expect("polled after its end");
-        let r = f.as_mut().poll(cx);
-        if r.is_ready() {
-            this.0 = None;
-        }
-        r
-    }
-}
-
-impl<F: std::future::Future + Send + 'static> Drop for RunsToEnd<F>
-where
-    F::Output: Send,
-{
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            // Without a runtime (it is shutting down) the future is dropped:
-            // its own guard marks what its legs may now lack.
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(f);
-            }
-        }
-    }
-}
-
 /// One request in flight on a leg, for as long as it lives.
 struct Counted<'a>(&'a AtomicU64);
 
@@ -821,10 +784,8 @@ impl Inner {
         }
         self.counters.writes.fetch_add(1, Relaxed);
         let inner = self.clone();
-        RunsToEnd(Some(Box::pin(
-            self.writes.track_future(async move { inner.mutate_to_end(offset, len, op).await }),
-        )))
-        .await
+        RunsToEnd::new(self.writes.track_future(async move { inner.mutate_to_end(offset, len, op).await }))
+            .await
     }
 
     async fn mutate_to_end(self: &Arc<Self>, offset: u64, len: u64, op: Op) -> Result<(), Error> {
