@@ -38,7 +38,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tracing::{info, warn};
 
 /// The well-known NQN of discovery controllers.
@@ -111,10 +111,6 @@ pub struct Subsystem {
     /// work running (see [`NvmeConn::fence`]).
     departed: Mutex<Vec<(String, Arc<Activity>)>>,
     next_cntlid: Mutex<u16>,
-    epoch: Instant,
-    /// Milliseconds since `epoch`, as of the reaper's last tick: what a
-    /// command stamps on its controller (no clock read per command).
-    tick: AtomicU64,
 }
 
 /// Why a Connect is refused: its status, the field at fault (the
@@ -244,8 +240,6 @@ impl Subsystem {
             controllers: Mutex::new(HashMap::new()),
             departed: Mutex::new(Vec::new()),
             next_cntlid: Mutex::new(1),
-            epoch: Instant::now(),
-            tick: AtomicU64::new(0),
         }
     }
 
@@ -255,8 +249,13 @@ impl Subsystem {
         format!("nqn.2026-11.io.fastsan:{}", if host.is_empty() { "target" } else { &host })
     }
 
+    /// Milliseconds on the coarse monotonic clock (the kernel's tick, a
+    /// few ms: a vDSO read, no system call): what a command stamps on its
+    /// controller. Until 2026-12-07 commands stamped the reaper's last
+    /// tick, so a reaper held up more than about a second could tear down
+    /// a controller whose host had sent its keep-alive in time.
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        coarse_ms()
     }
 
     /// Checks a Connect and makes (queue 0) or joins (queue N) a controller.
@@ -431,7 +430,6 @@ impl Subsystem {
     /// keep-alive timeout; run every half second by [`Subsystem::reaper`].
     pub fn reap(&self) {
         let now = self.now_ms();
-        self.tick.store(now, Relaxed);
         let expired: Vec<Arc<Controller>> = self
             .controllers
             .lock()
@@ -495,13 +493,21 @@ impl Controller {
         *self.access.get(i)?
     }
 
-    /// Stamps the controller as heard from at `now` (the reaper's tick):
-    /// a plain load for every command but the first after each tick.
+    /// Stamps the controller as heard from at `now` (a coarse clock's ms):
+    /// a plain load for every command but the first of each millisecond.
     fn touch(&self, now: u64) {
         if self.last_seen.load(Relaxed) < now {
             self.last_seen.fetch_max(now, Relaxed);
         }
     }
+}
+
+/// [`Subsystem::now_ms`]'s clock: CLOCK_MONOTONIC_COARSE in milliseconds.
+fn coarse_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes a timespec into the pointer; the clock id is valid on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
 /// A C2HTermReq: the target closes the connection, for this reason.
@@ -1216,7 +1222,7 @@ impl Transmission for NvmeConn {
                 }
                 Err(e) => return Err(self.refuse(e)),
             };
-            self.ctrl.touch(self.sub.tick.load(Relaxed));
+            self.ctrl.touch(self.sub.now_ms());
             // The hot path: a command, its entry read in place (no Header
             // built). One without data (a read, a flush) is consumed where it
             // lies: no frame split off the buffer and shared (two atomic
@@ -1344,5 +1350,50 @@ impl Encoder for NvmeEncoder {
             return Encoded { head: start..end, data: None, tail: end..end };
         }
         Encoded { head: start..head_end, data, tail: head_end..end }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// A host that keeps sending is never torn down, however late the
+    /// reaper runs: a command stamps the clock of its arrival. (Until
+    /// 2026-12-07 it stamped the reaper's last tick: a reaper held up 3 s
+    /// while the host sent every 100 ms found the stamp 3 s old.)
+    #[test]
+    fn a_late_reaper_spares_a_host_that_kept_sending() {
+        let sub =
+            Arc::new(Subsystem::new("nqn.test".into(), &Catalog::default(), Arc::new(Access::default())));
+        let args = ConnectArgs {
+            qid: 0,
+            sqsize: 31,
+            cattr: 0,
+            kato_ms: 1000,
+            cntlid: 0xffff,
+            subnqn: DISCOVERY_NQN.into(),
+            hostnqn: "nqn.host".into(),
+            hostid: [1; 16],
+            digests: Digests::default(),
+        };
+        let mut conn = sub.connect(args, &Who { local: true, ..Default::default() }).unwrap();
+        let keep_alive = Sqe { opcode: 0x18, cid: 1, ..Default::default() };
+        let mut out = Vec::new();
+        pdu::encode(&Header::CapsuleCmd(keep_alive), 0, &[], Digests::default(), 0, &mut out);
+        sub.reap();
+        // The reaper is held up for 3 s; the host sends every 100 ms.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(3) {
+            let mut buf = BytesMut::from(&out[..]);
+            assert!(matches!(conn.decode(&mut buf), Ok(Decoded::Local { .. })), "a Keep Alive, answered");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        sub.reap();
+        assert_eq!(sub.controllers(), 1, "torn down though its host kept sending");
+        // It stops: torn down past its timeout (whole seconds and one more).
+        std::thread::sleep(Duration::from_millis(2100));
+        sub.reap();
+        assert_eq!(sub.controllers(), 0, "kept though its host went silent");
     }
 }
