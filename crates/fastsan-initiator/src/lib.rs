@@ -69,6 +69,10 @@ mod writer;
 pub use blocking::BlockingVolume;
 pub use error::Error;
 pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
+/// A listed volume's flag set by this client, never on the wire: the
+/// server named the volume but would not describe it (an NBD export whose
+/// OPT_INFO was refused); its size and block size are 0.
+pub const VOLUME_UNREADABLE: u32 = 1 << 31;
 pub use fastsan_brp::{OpenInfo, Status, VolumeInfo};
 pub use mirror::Mirror;
 pub use options::{MergeMode, Options};

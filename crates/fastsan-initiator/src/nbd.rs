@@ -170,15 +170,20 @@ fn option_error(addr: &str, export: &str, kind: u32, d: &[u8]) -> Error {
     }
 }
 
+/// What [`info`] learns of an export: its size, transmission flags and, if
+/// the server gives them, its minimum, preferred and maximum block sizes.
+type ExportInfo = (u64, u16, Option<(u32, u32, u32)>);
+
 /// Asks for `export`'s information with `option` (OPT_INFO, or OPT_GO to
-/// start using it): its size, transmission flags and, if the server gives
-/// them, its minimum, preferred and maximum block sizes.
+/// start using it). The inner error is the server's refusal of this
+/// export (an error reply: its kind and text), after which the connection
+/// may go on with other options; the outer one ends the connection.
 async fn info(
     s: &mut TcpStream,
     addr: &str,
     option: u32,
     export: &str,
-) -> Result<(u64, u16, Option<(u32, u32, u32)>), Error> {
+) -> Result<Result<ExportInfo, (u32, Vec<u8>)>, Error> {
     let mut opt = Vec::new();
     let go = InfoRequest { name: export.to_owned(), infos: vec![INFO_BLOCK_SIZE] };
     encode_option(option, &go.encode(), &mut opt);
@@ -197,11 +202,12 @@ async fn info(
             }
             REP_INFO => {}
             REP_ACK => break,
+            e if e & REP_FLAG_ERROR != 0 => return Ok(Err((e, d.to_vec()))),
             e => return Err(option_error(addr, export, e, &d)),
         }
     }
     let (size, flags) = export_info.ok_or_else(|| bad("no NBD_INFO_EXPORT in the reply to OPT_GO".into()))?;
-    Ok((size, flags, sizes))
+    Ok(Ok((size, flags, sizes)))
 }
 
 /// Most exports [`list`] takes from one server.
@@ -218,7 +224,8 @@ pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
         let (addr, export) = parse_url(url)?;
         let mut s = greet(&addr).await?;
         // nbd://HOST:PORT lists them all; nbd://HOST:PORT/ names the default export.
-        let names = if url.strip_prefix("nbd://").is_some_and(|r| r.contains('/')) {
+        let named = url.strip_prefix("nbd://").is_some_and(|r| r.contains('/'));
+        let names = if named {
             vec![export]
         } else {
             let mut opt = Vec::new();
@@ -252,7 +259,21 @@ pub async fn list(url: &str, opts: &Options) -> Result<Vec<VolumeInfo>, Error> {
         };
         let mut all = Vec::with_capacity(names.len());
         for name in names {
-            let (size, flags, sizes) = info(&mut s, &addr, OPT_INFO, &name).await?;
+            // One export the server will not describe (a TLS-only export of
+            // a server that offers TLS to some, one this client may not
+            // see) is listed as such, and the others shown; until
+            // 2026-12-07 it failed the whole listing.
+            let (size, flags, sizes) = match info(&mut s, &addr, OPT_INFO, &name).await? {
+                Ok(i) => i,
+                // The one export the URL names: its refusal is the answer.
+                Err((kind, d)) if named => return Err(option_error(&addr, &name, kind, &d)),
+                Err((kind, d)) => {
+                    let e = option_error(&addr, &name, kind, &d);
+                    tracing::warn!(export = name, "{e}");
+                    all.push(VolumeInfo { name, size: 0, block_size: 0, flags: crate::VOLUME_UNREADABLE });
+                    continue;
+                }
+            };
             let mut volume_flags = 0;
             if flags & TFLAG_READ_ONLY != 0 {
                 volume_flags |= crate::VOLUME_READ_ONLY;
@@ -283,7 +304,9 @@ impl NbdVolume {
     async fn open(url: &str, request_timeout: Duration) -> Result<NbdVolume, Error> {
         let (addr, export) = parse_url(url)?;
         let mut s = greet(&addr).await?;
-        let (size, flags, sizes) = info(&mut s, &addr, OPT_GO, &export).await?;
+        let (size, flags, sizes) = info(&mut s, &addr, OPT_GO, &export)
+            .await?
+            .map_err(|(kind, d)| option_error(&addr, &export, kind, &d))?;
         let (block, _, max) = sizes.unwrap_or((1, 1, DEFAULT_MAX));
         if !block.is_power_of_two() || block > MAX_MIN_BLOCK || max < block {
             return Err(bad(format!("impossible block sizes: minimum {block}, maximum {max}")));

@@ -161,3 +161,67 @@ async fn a_dropped_volume_sends_disc_before_it_closes() {
     drop(vol);
     assert_eq!(said.await.unwrap(), (Some(CMD_DISC), true));
 }
+
+/// An export the server lists but will not describe (its OPT_INFO refused:
+/// a TLS-only export of a server offering TLS to some) is listed as
+/// unreadable, and the others are shown. Until 2026-12-07 it failed the
+/// whole listing.
+#[tokio::test]
+async fn a_listed_export_the_server_will_not_describe_is_shown_as_unreadable() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut greet = NBDMAGIC.to_be_bytes().to_vec();
+        greet.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greet.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        s.write_all(&greet).await.unwrap();
+        let mut client = [0u8; 4];
+        s.read_exact(&mut client).await.unwrap();
+        let reply = |opt: u32, kind: u32, payload: &[u8]| {
+            let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
+            for v in [opt, kind, payload.len() as u32] {
+                r.extend_from_slice(&v.to_be_bytes());
+            }
+            r.extend_from_slice(payload);
+            r
+        };
+        loop {
+            let mut head = [0u8; 16];
+            if s.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let opt = u32::from_be_bytes(head[8..12].try_into().unwrap());
+            let mut data = vec![0u8; u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize];
+            s.read_exact(&mut data).await.unwrap();
+            let out = match opt {
+                OPT_LIST => {
+                    let mut out = Vec::new();
+                    for name in [&b"secret"[..], b"open"] {
+                        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+                        d.extend_from_slice(name);
+                        out.extend(reply(OPT_LIST, REP_SERVER, &d));
+                    }
+                    out.extend(reply(OPT_LIST, REP_ACK, &[]));
+                    out
+                }
+                OPT_INFO if data[4..].starts_with(b"secret") => {
+                    reply(OPT_INFO, REP_ERR_TLS_REQD, b"this export needs TLS")
+                }
+                OPT_INFO => {
+                    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+                    info.extend_from_slice(&(1u64 << 20).to_be_bytes());
+                    info.extend_from_slice(&TFLAG_HAS_FLAGS.to_be_bytes());
+                    let mut out = reply(OPT_INFO, REP_INFO, &info);
+                    out.extend(reply(OPT_INFO, REP_ACK, &[]));
+                    out
+                }
+                _ => return,
+            };
+            s.write_all(&out).await.unwrap();
+        }
+    });
+    let listed = fastsan_initiator::nbd::list(&format!("nbd://{addr}"), &opts()).await.unwrap();
+    let got: Vec<_> = listed.iter().map(|v| (v.name.as_str(), v.size, v.flags)).collect();
+    assert_eq!(got, [("secret", 0, fastsan_initiator::VOLUME_UNREADABLE), ("open", 1 << 20, 0)]);
+}

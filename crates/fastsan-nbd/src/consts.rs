@@ -26,6 +26,8 @@ pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
 pub const REP_META_CONTEXT: u32 = 4;
+/// Set in every error reply's type.
+pub const REP_FLAG_ERROR: u32 = 0x8000_0000;
 pub const REP_ERR_UNSUP: u32 = 0x8000_0001;
 pub const REP_ERR_POLICY: u32 = 0x8000_0002;
 pub const REP_ERR_INVALID: u32 = 0x8000_0003;
