@@ -5,21 +5,27 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 /// A future polled in place (no task of its own: a spawn per write cost
-/// 15% of a mirror's 4K writes), and, if dropped before its end, run to
-/// its end in a task of its own. For what must not stop half-way when its
-/// caller drops it (a timeout, Ctrl-C): a write whose place in the order
-/// of overlapping writes, or whose regions' locks, must be kept until its
-/// every request is answered.
-pub(crate) struct RunsToEnd<F: Future + Send + 'static>(Option<Pin<Box<F>>>)
+/// 15% of a mirror's 4K writes), and, if dropped after it started and
+/// before its end, run to its end in a task of its own. For what must not
+/// stop half-way when its caller drops it (a timeout, Ctrl-C): a write
+/// whose place in the order of overlapping writes, or whose regions'
+/// locks, must be kept until its every request is answered. One dropped
+/// before its first poll never started: it is dropped too (run later, it
+/// would take its place behind writes its caller issued after giving it up).
+pub(crate) struct RunsToEnd<F: Future + Send + 'static>
 where
-    F::Output: Send;
+    F::Output: Send,
+{
+    f: Option<Pin<Box<F>>>,
+    started: bool,
+}
 
 impl<F: Future + Send + 'static> RunsToEnd<F>
 where
     F::Output: Send,
 {
     pub(crate) fn new(f: F) -> Self {
-        RunsToEnd(Some(Box::pin(f)))
+        RunsToEnd { f: Some(Box::pin(f)), started: false }
     }
 }
 
@@ -30,10 +36,11 @@ where
     type Output = F::Output;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.get_mut();
-        let f = this.0.as_mut().expect("polled after its end");
+        this.started = true;
+        let f = this.f.as_mut().expect("polled after its end");
         let r = f.as_mut().poll(cx);
         if r.is_ready() {
-            this.0 = None;
+            this.f = None;
         }
         r
     }
@@ -44,7 +51,7 @@ where
     F::Output: Send,
 {
     fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
+        if let Some(f) = self.f.take().filter(|_| self.started) {
             // Without a runtime (it is shutting down) the future is dropped:
             // its own guards say what it leaves undone.
             if let Ok(rt) = tokio::runtime::Handle::try_current() {

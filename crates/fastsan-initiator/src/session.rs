@@ -339,15 +339,16 @@ impl Volume {
             }
             let (result, tries) = match self.try_pick() {
                 Some((conn, credit)) => {
-                    let result = match self.send(&conn, h, payload.clone(), credit) {
-                        Ok(reply) => reply.await.unwrap_or(Err(Error::ConnectionLost)),
-                        Err(e) => Err(e),
+                    let (result, sent) = match self.send(&conn, h, payload.clone(), credit) {
+                        Ok(reply) => (reply.await.unwrap_or(Err(Error::ConnectionLost)), true),
+                        Err(e) => (Err(e), false),
                     };
                     let mut tries = Tries { deadline: None, unfenced: None, answered_by: conn.target };
                     match again(&result) {
                         None => (result, tries),
                         Some(_) => {
-                            let r = Box::pin(self.retry(h, &payload, Some((conn, result)), &mut tries)).await;
+                            let first = Some((conn, result, sent));
+                            let r = Box::pin(self.retry(h, &payload, first, &mut tries)).await;
                             (r, tries)
                         }
                     }
@@ -408,23 +409,24 @@ impl Volume {
         }
     }
 
-    /// [`Volume::call`]'s tries after the first (`first`: its connection
-    /// and outcome, if it was sent): on a lost connection, wait for its fence
+    /// [`Volume::call`]'s tries after the first (`first`: its connection,
+    /// outcome, and whether it left: a connection found closed as it was
+    /// handed over never sent it): on a lost connection, wait for its fence
     /// and send again; on a digest error, send again; until the reconnect
     /// timeout. `tries` says how the last one went.
     async fn retry(
         &self,
         h: RequestHeader,
         payload: &Bytes,
-        mut first: Option<(Arc<Conn>, Reply)>,
+        mut first: Option<(Arc<Conn>, Reply, bool)>,
         tries: &mut Tries,
     ) -> Reply {
         let sh = &self.shared;
         // Why the last lost connection was lost, for the error if it gives up.
         let mut cause: Option<String> = None;
         loop {
-            let (conn, result) = match first.take() {
-                Some(sent) => sent,
+            let (conn, result, sent) = match first.take() {
+                Some(first) => first,
                 None => {
                     if h.command == Command::Flush {
                         self.check_unflushed()?;
@@ -435,16 +437,19 @@ impl Volume {
                     };
                     tries.unfenced = None;
                     tries.answered_by = conn.target;
-                    let result = match self.send(&conn, h, payload.clone(), credit) {
-                        Ok(reply) => reply.await.unwrap_or(Err(Error::ConnectionLost)),
-                        Err(e) => Err(e),
-                    };
-                    (conn, result)
+                    match self.send(&conn, h, payload.clone(), credit) {
+                        Ok(reply) => (conn, reply.await.unwrap_or(Err(Error::ConnectionLost)), true),
+                        Err(e) => (conn, Err(e), false),
+                    }
                 }
             };
             let Some(lost) = again(&result) else {
                 return result;
             };
+            // Only a request that left may still land: one its connection
+            // never took needs no fence (and, without reconnection, ends
+            // no session).
+            let lost = lost && sent;
             if lost {
                 tries.unfenced = Some((conn.slot, conn.epoch));
                 cause = conn.cause().or(cause);
@@ -452,6 +457,9 @@ impl Volume {
             let until = *tries.deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
             if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
                 return result.map_err(|e| gave_up(e, &cause, sh));
+            }
+            if !sent {
+                tokio::task::yield_now().await; // until the closed connection is seen as dead
             }
             if lost {
                 self.fence(&conn, until).await.map_err(|e| gave_up(e, &cause, sh))?;

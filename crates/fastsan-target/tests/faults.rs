@@ -865,6 +865,17 @@ async fn without_reconnection_a_lost_write_ends_its_session_so_nothing_overtakes
 async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
     use fastsan_initiator::{Error, Options, Volume};
     let (_dir, path) = temp_file("remembered", 1 << 20);
+    let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: both strings are NUL-terminated and live through the call; the value is 1 byte.
+    let probe = unsafe {
+        libc::setxattr(c_path.as_ptr(), c"user.fastsan.probe".as_ptr(), b"1".as_ptr().cast(), 1, 0)
+    };
+    if probe != 0 {
+        return eprintln!(
+            "no user attributes in {}: the record cannot be made there; not checked",
+            path.display()
+        );
+    }
     let spec = format!("v=file:{},faults=none", path.display());
     let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
     let addr = srv.addr;

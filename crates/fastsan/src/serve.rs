@@ -152,8 +152,9 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
     /// Most connections still in their handshake at once, a quarter of them
-    /// from one address; when all are taken, a newcomer closes the oldest
-    /// one still unsettled after a second [default: 64].
+    /// from one address; when all are taken (or its address's quarter), a
+    /// newcomer closes the oldest one still unsettled after a second (of its
+    /// own address) [default: 64].
     #[arg(long, value_name = "N")]
     max_handshakes: Option<usize>,
     /// Most request and reply payload in flight, all clients together, e.g. 2G [default: 1G].

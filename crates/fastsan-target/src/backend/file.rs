@@ -77,8 +77,14 @@ fn on_volatile_storage(file: &File, meta: &std::fs::Metadata) -> bool {
     if name.starts_with("ram") || name.starts_with("zram") {
         return true;
     }
+    // A loop device over a regular file on tmpfs or ramfs. (Not over a
+    // block device: its node is on devtmpfs, whose magic is tmpfs's. A
+    // backing file deleted since, or out of this mount namespace, counts
+    // as not volatile, as it would at every start.)
     let backing = std::fs::read_to_string(sys.join("loop/backing_file")).unwrap_or_default();
-    name.starts_with("loop") && File::open(backing.trim()).is_ok_and(|f| in_memory(&f))
+    name.starts_with("loop")
+        && File::open(backing.trim_end_matches('\n'))
+            .is_ok_and(|f| f.metadata().is_ok_and(|m| m.is_file()) && in_memory(&f))
 }
 
 /// Where a file remembers how many of its flushes failed (see
@@ -128,9 +134,13 @@ fn generation(meta: &std::fs::Metadata, boot: Option<u64>, failed_flushes: u64) 
             .map_or(0, |d| d.as_nanos() as u64),
     };
     let base = meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev();
-    [born, boot.unwrap_or(0), failed_flushes]
-        .into_iter()
-        .fold(base, |h, x| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(23))
+    let more = [born, boot.unwrap_or(0), failed_flushes];
+    if more == [0; 3] {
+        // As before 2026-12-07 (a block device, a file without a birth
+        // time): a target upgraded over it resumes its sessions.
+        return base;
+    }
+    more.into_iter().fold(base, |h, x| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(23))
 }
 
 pub struct FileBackend {
@@ -184,16 +194,28 @@ impl FileBackend {
         // A writable block device, exclusively: the kernel refuses it while
         // it is mounted or held (md, LVM, another O_EXCL opener), where two
         // writers would corrupt it; the lock taken later stops only another fastsan.
+        // (Tried for a second: udev, or the kernel's partition rescan,
+        // claims a device briefly after a writer closes it, as when a
+        // target restarts.)
         if block_device && !read_only {
             let noatime_flag = if noatime { libc::O_NOATIME } else { 0 };
-            file = open(noatime_flag | libc::O_EXCL).map_err(|e| match e.raw_os_error() {
-                Some(libc::EBUSY) => io::Error::new(
-                    io::ErrorKind::ResourceBusy,
-                    "the block device is in use (mounted, or held by another program): \
-                     serving it writable would make two writers",
-                ),
-                _ => e,
-            })?;
+            let mut tries = 0;
+            file = loop {
+                match open(noatime_flag | libc::O_EXCL) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 20 => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::ResourceBusy,
+                            "the block device is in use (mounted, held by another program, or \
+                             served as another volume): serving it writable would make two writers",
+                        ))
+                    }
+                    r => break r?,
+                }
+            };
         }
         let size = file.seek(SeekFrom::End(0))?;
         let boot = on_volatile_storage(&file, &meta).then(crate::server::boot_id);

@@ -149,13 +149,20 @@ impl Flusher {
     /// waiting is told): a target started on it later must not let the
     /// sessions of now resume over writes this flush lost.
     fn latch(&self, e: &BackendError) {
+        if self.writeback_lost.load(SeqCst) {
+            return;
+        }
+        // Recorded before the latch is set, so that no caller is told of the
+        // failure (a FUA write racing this flush) before the store holds it.
+        // (Two failures at once may count twice: the count only has to change.)
+        let recorded = self.backend.record_failed_flush();
         if !self.writeback_lost.swap(true, SeqCst) {
             tracing::error!(
                 volume = self.name,
                 "flush failed ({e}): writes since the last good flush may be lost; \
                  the volume now fails every FLUSH and FUA write until it is reopened"
             );
-            if let Err(why) = self.backend.record_failed_flush() {
+            if let Err(why) = recorded {
                 tracing::error!(
                     volume = self.name,
                     "the failed flush could not be recorded on the store ({why}): a target restarted \
