@@ -7,9 +7,10 @@ use std::task::{Context, Poll};
 /// A future polled in place (no task of its own: a spawn per write cost
 /// 15% of a mirror's 4K writes), and, if dropped after it started and
 /// before its end, run to its end in a task of its own. For what must not
-/// stop half-way when its caller drops it (a timeout, Ctrl-C): a write
-/// whose place in the order of overlapping writes, or whose regions'
-/// locks, must be kept until its every request is answered. One dropped
+/// stop half-way when its caller drops it (a timeout, Ctrl-C): a mirror's
+/// write, whose regions' locks must be kept until every leg has answered.
+/// (A BRP session's write needs less: its drop guard keeps its place in
+/// the order of overlapping writes, `session.rs`.) One dropped
 /// before its first poll never started: it is dropped too (run later, it
 /// would take its place behind writes its caller issued after giving it up).
 pub(crate) struct RunsToEnd<F: Future + Send + 'static>

@@ -13,7 +13,6 @@
 use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
 use crate::order::{Ticket, WriteOrder};
-use crate::runs_to_end::RunsToEnd;
 use crate::stats::{InitiatorStats, Stats};
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
@@ -248,25 +247,10 @@ impl Volume {
         data: Bytes,
         offset: u64,
         fua: bool,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'static {
+    ) -> impl Future<Output = Result<(), Error>> + Send + '_ {
         let flags = if fua { FLAG_FUA } else { 0 };
         let h = RequestHeader::new(Command::Write, flags, 0, offset, data.len() as u32);
-        self.changing(h, data)
-    }
-
-    /// [`Volume::call`] for a request that changes the volume, run to its
-    /// end even if its caller drops it (a timeout, Ctrl-C): its place in
-    /// the order of overlapping writes is kept until its reply, or until
-    /// the fence of the connection it was lost with. (Until 2026-12-07 a
-    /// write dropped in flight let the next overlapping write go at once,
-    /// on any connection, and the dropped one could land after it.)
-    fn changing(
-        &self,
-        h: RequestHeader,
-        payload: Bytes,
-    ) -> RunsToEnd<impl Future<Output = Result<(), Error>> + Send + 'static> {
-        let me = self.clone();
-        RunsToEnd::new(async move { me.call(h, payload).await.map(drop) })
+        self.call(h, data).map(|r| r.map(drop))
     }
 
     /// Makes every write completed before this call durable.
@@ -289,8 +273,10 @@ impl Volume {
     async fn ranged(&self, cmd: Command, flags: u8, offset: u64, len: u64) -> Result<(), Error> {
         // The largest u32 that is a multiple of the block size.
         let max = (u32::MAX / self.block_size() * self.block_size()) as u64;
-        all(chunks(offset, len, max)
-            .map(|(o, n)| self.changing(RequestHeader::new(cmd, flags, 0, o, n as u32), Bytes::new())))
+        all(chunks(offset, len, max).map(|(o, n)| async move {
+            let h = RequestHeader::new(cmd, flags, 0, o, n as u32);
+            self.call(h, Bytes::new()).await
+        }))
         .await
         .map(drop)
     }
@@ -316,7 +302,7 @@ impl Volume {
             // An earlier overlapping write may be in flight (a reply on its way)
             // or waiting for its fence: both end within these two timeouts.
             let writes = matches!(h.command, Command::Write | Command::Trim | Command::WriteZeroes);
-            let mut ticket = match writes {
+            let ticket = match writes {
                 true => {
                     let (ticket, blocked) = sh.order.clone().enter(h.offset, h.length as u64);
                     if blocked {
@@ -337,30 +323,29 @@ impl Volume {
             if h.command == Command::Flush {
                 self.check_unflushed()?;
             }
-            let (result, tries) = match self.try_pick() {
+            let mut tries =
+                Tries { sh, deadline: None, unfenced: None, answered_by: (0, 0), ticket, reply: None };
+            let result = match self.try_pick() {
                 Some((conn, credit)) => {
+                    tries.answered_by = conn.target;
                     let (result, sent) = match self.send(&conn, h, payload.clone(), credit) {
-                        Ok(reply) => (reply.await.unwrap_or(Err(Error::ConnectionLost)), true),
+                        Ok(reply) => (tries.reply(reply, &conn).await, true),
                         Err(e) => (Err(e), false),
                     };
-                    let mut tries = Tries { deadline: None, unfenced: None, answered_by: conn.target };
                     match again(&result) {
-                        None => (result, tries),
+                        None => result,
                         Some(_) => {
-                            let first = Some((conn, result, sent));
-                            let r = Box::pin(self.retry(h, &payload, first, &mut tries)).await;
-                            (r, tries)
+                            Box::pin(self.retry(h, &payload, Some((conn, result, sent)), &mut tries)).await
                         }
                     }
                 }
-                None => {
-                    let mut tries = Tries { deadline: None, unfenced: None, answered_by: (0, 0) };
-                    let r = Box::pin(self.retry(h, &payload, None, &mut tries)).await;
-                    (r, tries)
-                }
+                None => Box::pin(self.retry(h, &payload, None, &mut tries)).await,
             };
-            let Tries { unfenced, answered_by, .. } = tries;
-            match (&result, unfenced, ticket.take()) {
+            // The outcome is known: nothing left for the drop to hand on.
+            let (unfenced, answered_by, ticket) =
+                (tries.unfenced.take(), tries.answered_by, tries.ticket.take());
+            drop(tries);
+            match (&result, unfenced, ticket) {
                 // A FUA write is durable already: nothing for a restart to lose.
                 (Ok(_), _, _) if writes && !h.is_fua() => {
                     sh.acked.fetch_add(1, SeqCst);
@@ -379,30 +364,8 @@ impl Volume {
                     }
                     self.check_unflushed()?;
                 }
-                // Given up while its connection was not fenced: its write may
-                // still land, so overlapping writes stay behind it until its slot
-                // is fenced (checked under the lock: the reconnect that fences it
-                // may have run already).
-                (Err(_), Some((slot, epoch)), Some(t)) if !sh.opts.reconnect_timeout.is_zero() => {
-                    let mut parked = sh.unfenced.lock();
-                    if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
-                        parked.push((slot, epoch, t));
-                    }
-                }
-                // Without reconnection nothing ever fences it, and the other
-                // connections go on: a later write to the same bytes could
-                // land before it and be overwritten. The session ends (before
-                // the overlapping writes behind this one are let go), so
-                // nothing more is sent. Until 2026-12-07 they were sent.
-                (Err(_), Some(_), Some(t)) => {
-                    let _ = sh.ended.set(Ended::Refused(
-                        "a write's connection was lost with reconnection off (--reconnect-timeout 0): \
-                         the write may still land, so the session sends nothing more; open the volume again"
-                            .into(),
-                    ));
-                    sh.changed.notify_waiters();
-                    drop(t);
-                }
+                // Given up while its connection was not fenced: its write may still land.
+                (Err(_), Some((slot, epoch)), Some(t)) => keep_until_fenced(sh, slot, epoch, t),
                 _ => {}
             }
             result
@@ -419,7 +382,7 @@ impl Volume {
         h: RequestHeader,
         payload: &Bytes,
         mut first: Option<(Arc<Conn>, Reply, bool)>,
-        tries: &mut Tries,
+        tries: &mut Tries<'_>,
     ) -> Reply {
         let sh = &self.shared;
         // Why the last lost connection was lost, for the error if it gives up.
@@ -438,7 +401,10 @@ impl Volume {
                     tries.unfenced = None;
                     tries.answered_by = conn.target;
                     match self.send(&conn, h, payload.clone(), credit) {
-                        Ok(reply) => (conn, reply.await.unwrap_or(Err(Error::ConnectionLost)), true),
+                        Ok(reply) => {
+                            let r = tries.reply(reply, &conn).await;
+                            (conn, r, true)
+                        }
                         Err(e) => (conn, Err(e), false),
                     }
                 }
@@ -562,13 +528,86 @@ impl Volume {
 type Reply = Result<Option<Bytes>, Error>;
 
 /// How a request's tries went, for what [`Volume::call`] does after them.
-struct Tries {
+struct Tries<'a> {
+    sh: &'a Arc<Shared>,
     /// When the reconnect timeout of its first failed try runs out.
     deadline: Option<Instant>,
     /// The slot and epoch of a lost connection whose fence it did not see.
     unfenced: Option<(usize, u64)>,
     /// The target (instance, boot) that answered the last try.
     answered_by: (u64, u64),
+    /// A write's place among overlapping writes, until its outcome is known.
+    ticket: Option<Ticket>,
+    /// The try in flight: its reply to come, and its connection's slot and epoch.
+    reply: Option<(oneshot::Receiver<Reply>, usize, u64)>,
+}
+
+impl Tries<'_> {
+    /// The reply of a try sent on `conn` (a lost connection's, if none comes).
+    async fn reply(&mut self, rx: oneshot::Receiver<Reply>, conn: &Conn) -> Reply {
+        let r = (&mut self.reply.insert((rx, conn.slot, conn.epoch)).0).await;
+        self.reply = None;
+        r.unwrap_or(Err(Error::ConnectionLost))
+    }
+}
+
+/// A write whose caller drops it (a timeout, Ctrl-C) before its outcome
+/// is known keeps its place among overlapping writes for as long as it
+/// may still land: until its reply if it is in flight (and, if its
+/// connection is lost, until that connection's fence), until the fence if
+/// its connection was lost. (Until 2026-12-07 a write dropped in flight
+/// let the next overlapping write go at once, on any connection, and the
+/// dropped one could land after it.) Nothing is boxed or cloned unless the
+/// request is dropped.
+impl Drop for Tries<'_> {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket.take() else { return };
+        match (self.reply.take(), self.unfenced) {
+            (Some((rx, slot, epoch)), _) => match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    let sh = self.sh.clone();
+                    rt.spawn(async move {
+                        match rx.await {
+                            Ok(Err(Error::ConnectionLost)) | Err(_) => {
+                                keep_until_fenced(&sh, slot, epoch, ticket)
+                            }
+                            Ok(_) => drop(ticket), // answered: it landed, or never will
+                        }
+                    });
+                }
+                // No runtime (it is shutting down): kept until the fence.
+                Err(_) => keep_until_fenced(self.sh, slot, epoch, ticket),
+            },
+            (None, Some((slot, epoch))) => keep_until_fenced(self.sh, slot, epoch, ticket),
+            (None, None) => {} // not in flight: never sent, or fenced already
+        }
+    }
+}
+
+/// Keeps `ticket`, the place of a write sent on connection `slot`'s
+/// `epoch`-th incarnation and lost with it, until that slot is fenced: the
+/// write may still land until then, so overlapping writes stay behind it
+/// (checked under the lock: the reconnect that fences it may have run
+/// already). Without reconnection nothing ever fences it, and the other
+/// connections go on: a later write to the same bytes could land before it
+/// and be overwritten. The session ends then (before the overlapping writes
+/// behind this one are let go), so nothing more is sent; until 2026-12-07
+/// they were sent.
+fn keep_until_fenced(sh: &Shared, slot: usize, epoch: u64, ticket: Ticket) {
+    if sh.opts.reconnect_timeout.is_zero() {
+        let _ = sh.ended.set(Ended::Refused(
+            "a write's connection was lost with reconnection off (--reconnect-timeout 0): \
+             the write may still land, so the session sends nothing more; open the volume again"
+                .into(),
+        ));
+        sh.changed.notify_waiters();
+        drop(ticket);
+        return;
+    }
+    let mut parked = sh.unfenced.lock();
+    if sh.epochs[slot].load(SeqCst) <= epoch && sh.ended.get().is_none() {
+        parked.push((slot, epoch, ticket));
+    }
 }
 
 /// The error of a request that gives up: a lost connection says why it was

@@ -904,30 +904,36 @@ async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
 }
 
 /// A write whose caller gives up on it (a timeout drops its future) while
-/// its device stalls still runs to its end, and keeps its place: a later
-/// write to the same bytes waits for it. (Until 2026-12-07 the dropped
-/// write let the later one go at once; it was acknowledged, and then the
-/// stalled one landed over it.)
+/// its device stalls still keeps its place: a later write to the same
+/// bytes waits until it has landed, whether its reply then comes or its
+/// connection is cut by the request timeout meanwhile (then until that
+/// connection's fence). (Until 2026-12-07 the dropped write let the later
+/// one go at once; it was acknowledged, and then the stalled one landed
+/// over it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_its_caller_gave_up_on_still_lands_before_a_later_overlapping_one() {
     use fastsan_initiator::{Options, Volume};
-    let srv = TestServer::start(&["v=memory:16M,faults=none"], |_| {}).await;
-    let faults = srv.handle.faults("v").unwrap();
-    faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall).times(1));
-    let vol = Volume::connect(&srv.url("v"), Options { connections: 2, ..Default::default() }).await.unwrap();
-    let gave_up = tokio::time::timeout(Duration::from_millis(100), vol.write_at(&[1; 4096], 0, false)).await;
-    assert!(gave_up.is_err(), "the stalled write outlived its caller's patience");
-    let later = tokio::spawn({
-        let vol = vol.clone();
-        async move { vol.write_at(&[2; 4096], 0, false).await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!later.is_finished(), "the later write waits for the one given up");
-    faults.clear();
-    tokio::time::timeout(Duration::from_secs(10), later).await.unwrap().unwrap().unwrap();
-    let mut data = [0u8; 4096];
-    vol.read_at(&mut data, 0).await.unwrap();
-    assert_eq!(data, [2; 4096], "the acknowledged write is the one that stays");
-    drop(vol);
-    srv.stop().await;
+    for request_timeout in [Duration::from_secs(30), Duration::from_millis(200)] {
+        let srv = TestServer::start(&["v=memory:16M,faults=none"], |_| {}).await;
+        let faults = srv.handle.faults("v").unwrap();
+        faults.add(FaultRule::new(FaultOps::WRITE, Effect::Stall).times(1));
+        let opts = Options { connections: 2, request_timeout, ..Default::default() };
+        let vol = Volume::connect(&srv.url("v"), opts).await.unwrap();
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(100), vol.write_at(&[1; 4096], 0, false)).await;
+        assert!(gave_up.is_err(), "the stalled write outlived its caller's patience");
+        let later = tokio::spawn({
+            let vol = vol.clone();
+            async move { vol.write_at(&[2; 4096], 0, false).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!later.is_finished(), "the later write waits for the one given up ({request_timeout:?})");
+        faults.clear();
+        tokio::time::timeout(Duration::from_secs(10), later).await.unwrap().unwrap().unwrap();
+        let mut data = [0u8; 4096];
+        vol.read_at(&mut data, 0).await.unwrap();
+        assert_eq!(data, [2; 4096], "the acknowledged write is the one that stays ({request_timeout:?})");
+        drop(vol);
+        srv.stop().await;
+    }
 }
