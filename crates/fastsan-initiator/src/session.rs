@@ -323,13 +323,17 @@ impl Volume {
             if h.command == Command::Flush {
                 self.check_unflushed()?;
             }
-            let mut tries =
-                Tries { sh, deadline: None, unfenced: None, answered_by: (0, 0), ticket, reply: None };
+            let mut tries = Tries { sh, unfenced: None, answered_by: (0, 0), ticket, reply: None };
             let result = match self.try_pick() {
                 Some((conn, credit)) => {
                     tries.answered_by = conn.target;
                     let (result, sent) = match self.send(&conn, h, payload.clone(), credit) {
-                        Ok(reply) => (tries.reply(reply, &conn).await, true),
+                        Ok(rx) => {
+                            // Awaited in place (an async fn's future would add its own state).
+                            let r = (&mut tries.reply.insert((rx, conn.slot, conn.epoch)).0).await;
+                            tries.reply = None;
+                            (r.unwrap_or(Err(Error::ConnectionLost)), true)
+                        }
                         Err(e) => (Err(e), false),
                     };
                     match again(&result) {
@@ -387,6 +391,8 @@ impl Volume {
         let sh = &self.shared;
         // Why the last lost connection was lost, for the error if it gives up.
         let mut cause: Option<String> = None;
+        // When the reconnect timeout of its first failed try runs out.
+        let mut deadline: Option<Instant> = None;
         loop {
             let (conn, result, sent) = match first.take() {
                 Some(first) => first,
@@ -396,14 +402,15 @@ impl Volume {
                     }
                     let (conn, credit) = match self.try_pick() {
                         Some(c) => c,
-                        None => self.pick(tries.deadline).await.map_err(|e| gave_up(e, &cause, sh))?,
+                        None => self.pick(deadline).await.map_err(|e| gave_up(e, &cause, sh))?,
                     };
                     tries.unfenced = None;
                     tries.answered_by = conn.target;
                     match self.send(&conn, h, payload.clone(), credit) {
                         Ok(reply) => {
-                            let r = tries.reply(reply, &conn).await;
-                            (conn, r, true)
+                            let r = (&mut tries.reply.insert((reply, conn.slot, conn.epoch)).0).await;
+                            tries.reply = None;
+                            (conn, r.unwrap_or(Err(Error::ConnectionLost)), true)
                         }
                         Err(e) => (conn, Err(e), false),
                     }
@@ -420,7 +427,7 @@ impl Volume {
                 tries.unfenced = Some((conn.slot, conn.epoch));
                 cause = conn.cause().or(cause);
             }
-            let until = *tries.deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
+            let until = *deadline.get_or_insert_with(|| Instant::now() + sh.opts.reconnect_timeout);
             if sh.opts.reconnect_timeout.is_zero() || Instant::now() >= until {
                 return result.map_err(|e| gave_up(e, &cause, sh));
             }
@@ -530,8 +537,6 @@ type Reply = Result<Option<Bytes>, Error>;
 /// How a request's tries went, for what [`Volume::call`] does after them.
 struct Tries<'a> {
     sh: &'a Arc<Shared>,
-    /// When the reconnect timeout of its first failed try runs out.
-    deadline: Option<Instant>,
     /// The slot and epoch of a lost connection whose fence it did not see.
     unfenced: Option<(usize, u64)>,
     /// The target (instance, boot) that answered the last try.
@@ -542,15 +547,6 @@ struct Tries<'a> {
     reply: Option<(oneshot::Receiver<Reply>, usize, u64)>,
 }
 
-impl Tries<'_> {
-    /// The reply of a try sent on `conn` (a lost connection's, if none comes).
-    async fn reply(&mut self, rx: oneshot::Receiver<Reply>, conn: &Conn) -> Reply {
-        let r = (&mut self.reply.insert((rx, conn.slot, conn.epoch)).0).await;
-        self.reply = None;
-        r.unwrap_or(Err(Error::ConnectionLost))
-    }
-}
-
 /// A write whose caller drops it (a timeout, Ctrl-C) before its outcome
 /// is known keeps its place among overlapping writes for as long as it
 /// may still land: until its reply if it is in flight (and, if its
@@ -558,7 +554,9 @@ impl Tries<'_> {
 /// its connection was lost. (Until 2026-12-07 a write dropped in flight
 /// let the next overlapping write go at once, on any connection, and the
 /// dropped one could land after it.) Nothing is boxed or cloned unless the
-/// request is dropped.
+/// request is dropped. A dropped write the target then acknowledges is not
+/// counted among the session's acknowledged writes: its caller was never
+/// told it succeeded.
 impl Drop for Tries<'_> {
     fn drop(&mut self) {
         let Some(ticket) = self.ticket.take() else { return };
@@ -575,8 +573,19 @@ impl Drop for Tries<'_> {
                         }
                     });
                 }
-                // No runtime (it is shutting down): kept until the fence.
-                Err(_) => keep_until_fenced(self.sh, slot, epoch, ticket),
+                // No runtime to wait in (dropped on a thread outside it):
+                // released if answered already, else kept until the fence.
+                Err(_) => {
+                    let mut rx = rx;
+                    match rx.try_recv() {
+                        Ok(Err(Error::ConnectionLost))
+                        | Err(oneshot::error::TryRecvError::Empty)
+                        | Err(oneshot::error::TryRecvError::Closed) => {
+                            keep_until_fenced(self.sh, slot, epoch, ticket)
+                        }
+                        Ok(_) => drop(ticket),
+                    }
+                }
             },
             (None, Some((slot, epoch))) => keep_until_fenced(self.sh, slot, epoch, ticket),
             (None, None) => {} // not in flight: never sent, or fenced already

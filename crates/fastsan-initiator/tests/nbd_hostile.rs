@@ -4,6 +4,8 @@
 //! speaks only the handshake flags the server offers, and shows a server's
 //! error text without its control characters.
 
+mod common;
+
 use fastsan_initiator::nbd::NbdVolume;
 use fastsan_initiator::{Error, Options};
 use fastsan_nbd::consts::*;
@@ -31,30 +33,15 @@ where
     let addr = l.local_addr().unwrap();
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
-        let (mut s, _) = l.accept().await.unwrap();
-        let mut greet = NBDMAGIC.to_be_bytes().to_vec();
-        greet.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        greet.extend_from_slice(&flags.to_be_bytes());
-        s.write_all(&greet).await.unwrap();
-        let mut client = [0u8; 4];
-        if s.read_exact(&mut client).await.is_err() {
-            return;
-        }
-        let _ = tx.send(u32::from_be_bytes(client));
+        let Some((mut s, client)) = common::accept_and_greet(&l, flags).await else { return };
+        let _ = tx.send(client);
         let mut head = [0u8; 16];
         if s.read_exact(&mut head).await.is_err() {
             return;
         }
         let mut data = vec![0u8; u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize];
         s.read_exact(&mut data).await.unwrap();
-        let reply = |kind: u32, payload: &[u8]| {
-            let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
-            r.extend_from_slice(&OPT_GO.to_be_bytes());
-            r.extend_from_slice(&kind.to_be_bytes());
-            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-            r.extend_from_slice(payload);
-            r
-        };
+        let reply = |kind: u32, payload: &[u8]| common::option_reply(OPT_GO, kind, payload);
         match go {
             Go::Export(sizes) => {
                 let mut info = INFO_EXPORT.to_be_bytes().to_vec();
@@ -171,21 +158,8 @@ async fn a_listed_export_the_server_will_not_describe_is_shown_as_unreadable() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
-        let (mut s, _) = l.accept().await.unwrap();
-        let mut greet = NBDMAGIC.to_be_bytes().to_vec();
-        greet.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        greet.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-        s.write_all(&greet).await.unwrap();
-        let mut client = [0u8; 4];
-        s.read_exact(&mut client).await.unwrap();
-        let reply = |opt: u32, kind: u32, payload: &[u8]| {
-            let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
-            for v in [opt, kind, payload.len() as u32] {
-                r.extend_from_slice(&v.to_be_bytes());
-            }
-            r.extend_from_slice(payload);
-            r
-        };
+        let (mut s, _) = common::accept_and_greet(&l, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).await.unwrap();
+        let reply = common::option_reply;
         loop {
             let mut head = [0u8; 16];
             if s.read_exact(&mut head).await.is_err() {

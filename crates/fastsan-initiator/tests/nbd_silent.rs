@@ -2,6 +2,8 @@
 //! fails after the request timeout (the connection is cut, since nobody
 //! can tell whether it landed), and every request after fails at once.
 
+mod common;
+
 use fastsan_initiator::nbd::NbdVolume;
 use fastsan_initiator::{Error, Options};
 use fastsan_nbd::consts::*;
@@ -13,26 +15,13 @@ async fn silent_nbd_server() -> std::net::SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
-        let (mut s, _) = l.accept().await.unwrap();
-        let mut greet = NBDMAGIC.to_be_bytes().to_vec();
-        greet.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        greet.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-        s.write_all(&greet).await.unwrap();
-        let mut flags = [0u8; 4];
-        s.read_exact(&mut flags).await.unwrap();
+        let (mut s, _) = common::accept_and_greet(&l, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).await.unwrap();
         let mut head = [0u8; 16];
         s.read_exact(&mut head).await.unwrap();
         let len = u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize;
         let mut data = vec![0u8; len];
         s.read_exact(&mut data).await.unwrap();
-        let reply = |kind: u32, payload: &[u8]| {
-            let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
-            r.extend_from_slice(&OPT_GO.to_be_bytes());
-            r.extend_from_slice(&kind.to_be_bytes());
-            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-            r.extend_from_slice(payload);
-            r
-        };
+        let reply = |kind: u32, payload: &[u8]| common::option_reply(OPT_GO, kind, payload);
         let mut info = INFO_EXPORT.to_be_bytes().to_vec();
         info.extend_from_slice(&(1u64 << 20).to_be_bytes());
         info.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH).to_be_bytes());
