@@ -565,11 +565,8 @@ impl Drop for Tries<'_> {
                 Ok(rt) => {
                     let sh = self.sh.clone();
                     rt.spawn(async move {
-                        match rx.await {
-                            Ok(Err(Error::ConnectionLost)) | Err(_) => {
-                                keep_until_fenced(&sh, slot, epoch, ticket)
-                            }
-                            Ok(_) => drop(ticket), // answered: it landed, or never will
+                        if !answered(rx.await.ok()) {
+                            keep_until_fenced(&sh, slot, epoch, ticket)
                         }
                     });
                 }
@@ -577,13 +574,8 @@ impl Drop for Tries<'_> {
                 // released if answered already, else kept until the fence.
                 Err(_) => {
                     let mut rx = rx;
-                    match rx.try_recv() {
-                        Ok(Err(Error::ConnectionLost))
-                        | Err(oneshot::error::TryRecvError::Empty)
-                        | Err(oneshot::error::TryRecvError::Closed) => {
-                            keep_until_fenced(self.sh, slot, epoch, ticket)
-                        }
-                        Ok(_) => drop(ticket),
+                    if !answered(rx.try_recv().ok()) {
+                        keep_until_fenced(self.sh, slot, epoch, ticket)
                     }
                 }
             },
@@ -591,6 +583,13 @@ impl Drop for Tries<'_> {
             (None, None) => {} // not in flight: never sent, or fenced already
         }
     }
+}
+
+/// Whether a try's reply (none: its connection dropped it, or it has not
+/// come) says the target is done with the request: it landed, or never
+/// will. A lost connection's says nothing of the sort.
+fn answered(reply: Option<Reply>) -> bool {
+    reply.is_some_and(|r| !matches!(r, Err(Error::ConnectionLost)))
 }
 
 /// Keeps `ticket`, the place of a write sent on connection `slot`'s

@@ -193,29 +193,22 @@ impl FileBackend {
         }
         // A writable block device, exclusively: the kernel refuses it while
         // it is mounted or held (md, LVM, another O_EXCL opener), where two
-        // writers would corrupt it; the lock taken later stops only another fastsan.
-        // (Tried for a second: udev, or the kernel's partition rescan,
-        // claims a device briefly after a writer closes it, as when a
-        // target restarts.)
+        // writers would corrupt it; the lock taken later stops only another
+        // fastsan. (Tried for a second, as the lock is: udev.)
         if block_device && !read_only {
             let noatime_flag = if noatime { libc::O_NOATIME } else { 0 };
-            let mut tries = 0;
-            file = loop {
-                match open(noatime_flag | libc::O_EXCL) {
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 20 => {
-                        tries += 1;
-                        std::thread::sleep(std::time::Duration::from_millis(50));
-                    }
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::ResourceBusy,
-                            "the block device is in use (mounted, held by another program, or \
-                             served as another volume): serving it writable would make two writers",
-                        ))
-                    }
-                    r => break r?,
-                }
-            };
+            let exclusive = super::while_probed(true, || match open(noatime_flag | libc::O_EXCL) {
+                Ok(f) => Ok(Some(f)),
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(None),
+                Err(e) => Err(e),
+            })?;
+            file = exclusive.ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    "the block device is in use (mounted, held by another program, or \
+                     served as another volume): serving it writable would make two writers",
+                )
+            })?;
         }
         let size = file.seek(SeekFrom::End(0))?;
         let boot = on_volatile_storage(&file, &meta).then(crate::server::boot_id);

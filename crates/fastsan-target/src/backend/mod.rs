@@ -666,6 +666,24 @@ pub fn try_lock(f: &std::fs::File, exclusive: bool) -> io::Result<Locked> {
     }
 }
 
+/// Runs `attempt` until it is done (`Some`) or fails; `None` is "busy".
+/// A block device is probed by udev (under a shared lock of its own) or
+/// rescanned by the kernel as soon as a writer closes it: a target
+/// restarted at once may find it held, so on a block device (`block`)
+/// it is tried for a second, elsewhere once.
+fn while_probed<T>(block: bool, mut attempt: impl FnMut() -> io::Result<Option<T>>) -> io::Result<Option<T>> {
+    let tries = if block { 20 } else { 1 };
+    for i in 0..tries {
+        if i > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        if let Some(done) = attempt()? {
+            return Ok(Some(done));
+        }
+    }
+    Ok(None)
+}
+
 /// Takes an advisory lock on a file volume's file: exclusive for a writable
 /// volume, shared for a read-only one. Two writers of one file (a second
 /// target, or a second volume of this one, on the same file) have no fence
@@ -676,26 +694,22 @@ pub fn try_lock(f: &std::fs::File, exclusive: bool) -> io::Result<Locked> {
 fn lock(f: &FileBackend, path: &Path, read_only: bool) -> io::Result<std::fs::File> {
     let mine = std::fs::File::open(path)
         .map_err(|e| io::Error::new(e.kind(), format!("opening {} to lock it: {e}", path.display())))?;
-    // A block device is probed by udev (under a shared lock of its own) as
-    // soon as a writer closes it: a target restarted at once may meet that
-    // lock, so it tries for a second.
-    let tries = if f.is_block_device() { 20 } else { 1 };
-    for i in 0..tries {
-        if i > 0 {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+    let locked = while_probed(f.is_block_device(), || {
         match try_lock(&mine, !read_only)
             .map_err(|e| io::Error::new(e.kind(), format!("locking {}: {e}", path.display())))?
         {
-            Locked::Yes => return Ok(mine),
+            Locked::Yes => Ok(Some(())),
             // A file system without locks (NFS without its lock service):
             // served as before, unguarded, and said.
             Locked::Unsupported(e) => {
                 tracing::warn!(path = %path.display(), "cannot lock the file ({e}): nothing stops a second writer of it");
-                return Ok(mine);
+                Ok(Some(()))
             }
-            Locked::Busy => {}
+            Locked::Busy => Ok(None),
         }
+    })?;
+    if locked.is_some() {
+        return Ok(mine);
     }
     let holder = if read_only { "a volume that writes it" } else { "another volume" };
     Err(io::Error::new(

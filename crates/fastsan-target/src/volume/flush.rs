@@ -19,8 +19,9 @@
 //! told, and every later FLUSH and FUA fails too, for every client, until
 //! the volume is reopened. The store records it (a file: an attribute), so
 //! that a target reopening it later gives it another generation and no
-//! session of now resumes over the lost writes. A flush that panicked (a bug in a backend) is a
-//! failure too: whether it reached the device is unknown.
+//! session of now resumes over the lost writes. A flush that panicked (a
+//! bug in a backend) is a failure too: whether it reached the device is
+//! unknown.
 
 use crate::backend::{Backend, BackendError};
 use crate::pool::{Job, PoolHandle};

@@ -249,13 +249,16 @@ impl Subsystem {
         format!("nqn.2026-11.io.fastsan:{}", if host.is_empty() { "target" } else { &host })
     }
 
-    /// Milliseconds on the coarse monotonic clock (the kernel's tick, a
-    /// few ms: a vDSO read, no system call): what a command stamps on its
+    /// Milliseconds on CLOCK_MONOTONIC_COARSE (the kernel's tick, a few
+    /// ms: a vDSO read, no system call): what a command stamps on its
     /// controller. Until 2026-12-07 commands stamped the reaper's last
     /// tick, so a reaper held up more than about a second could tear down
     /// a controller whose host had sent its keep-alive in time.
     fn now_ms(&self) -> u64 {
-        coarse_ms()
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes a timespec into the pointer; the clock id is valid on Linux.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+        ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
     }
 
     /// Checks a Connect and makes (queue 0) or joins (queue N) a controller.
@@ -500,14 +503,6 @@ impl Controller {
             self.last_seen.fetch_max(now, Relaxed);
         }
     }
-}
-
-/// [`Subsystem::now_ms`]'s clock: CLOCK_MONOTONIC_COARSE in milliseconds.
-fn coarse_ms() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes a timespec into the pointer; the clock id is valid on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
 /// A C2HTermReq: the target closes the connection, for this reason.
