@@ -158,9 +158,13 @@ impl Collector for TargetCollector {
         )?;
 
         // Per volume, from each volume's stats layer.
-        let vols: Vec<_> =
-            self.server.catalog().iter().map(|v| (escape(v.name()), v.stats(), v.size())).collect();
-        let ops = vols.iter().flat_map(|(name, s, _)| {
+        let vols: Vec<_> = self
+            .server
+            .catalog()
+            .iter()
+            .map(|v| (escape(v.name()), v.stats(), v.size(), v.failed()))
+            .collect();
+        let ops = vols.iter().flat_map(|(name, s, ..)| {
             [
                 ("read", s.reads),
                 ("write", s.writes),
@@ -171,12 +175,12 @@ impl Collector for TargetCollector {
             .map(|(op, n)| (vec![("volume", name.clone()), ("op", op.to_owned())], counter(n)))
         });
         family(&mut enc, "fastsan_volume_ops", "Device operations by kind", MetricType::Counter, ops)?;
-        let bytes = vols.iter().flat_map(|(name, s, _)| {
+        let bytes = vols.iter().flat_map(|(name, s, ..)| {
             [("read", s.bytes_read), ("write", s.bytes_written)]
                 .map(|(d, n)| (vec![("volume", name.clone()), ("direction", d.to_owned())], counter(n)))
         });
         family(&mut enc, "fastsan_volume_bytes", "Bytes moved by the device", MetricType::Counter, bytes)?;
-        let errs = vols.iter().map(|(name, s, _)| (vec![("volume", name.clone())], counter(s.errors)));
+        let errs = vols.iter().map(|(name, s, ..)| (vec![("volume", name.clone())], counter(s.errors)));
         family(
             &mut enc,
             "fastsan_volume_errors",
@@ -184,8 +188,17 @@ impl Collector for TargetCollector {
             MetricType::Counter,
             errs,
         )?;
-        let size = vols.iter().map(|(name, _, size)| (vec![("volume", name.clone())], gauge(*size)));
+        let size = vols.iter().map(|(name, _, size, _)| (vec![("volume", name.clone())], gauge(*size)));
         family(&mut enc, "fastsan_volume_size_bytes", "Volume size", MetricType::Gauge, size)?;
+        let failed =
+            vols.iter().map(|(name, .., failed)| (vec![("volume", name.clone())], gauge(*failed as u64)));
+        family(
+            &mut enc,
+            "fastsan_volume_failed",
+            "1 once a flush of the volume failed: it fails every request until the target reopens it",
+            MetricType::Gauge,
+            failed,
+        )?;
         // Latencies: sampled, in power-of-two buckets of nanoseconds, as the
         // stats layer and the pipeline keep them.
         let help = format!(
@@ -198,7 +211,7 @@ impl Collector for TargetCollector {
             "Device latency of every kind of operation, one call in {LATENCY_SAMPLE} of each kind sampled; \
              the sum is estimated from bucket midpoints"
         );
-        let series = vols.iter().map(|(name, s, _)| ([("volume", name.clone())], s.latency_ns));
+        let series = vols.iter().map(|(name, s, ..)| ([("volume", name.clone())], s.latency_ns));
         histogram(&mut enc, "fastsan_volume_latency_seconds", &help, series)?;
         Ok(())
     }

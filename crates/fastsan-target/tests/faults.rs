@@ -232,7 +232,10 @@ async fn a_reply_an_io_thread_began_is_finished_before_the_next() {
 
 /// Finding 3: a failed flush is reported once per open file by Linux, so
 /// after it the volume must fail every later FLUSH and FUA write, for every
-/// client, on every protocol, until reopened; plain reads and writes go on.
+/// client, on every protocol, until reopened. And every read and write too
+/// (since 2026-12-07): the kernel keeps the pages whose writeback failed
+/// clean in its cache, so a read would return the lost data until they are
+/// evicted and older data after, to clients that never saw a flush fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_flush_fails_every_later_flush_for_every_client() {
     let (srv, _dir) = file_volume_with_faults("writeback", "none", |_| {}).await;
@@ -253,15 +256,21 @@ async fn a_failed_flush_fails_every_later_flush_for_every_client() {
     b.request(RequestHeader::new(Command::Write, FLAG_FUA, 4, 4096, 4096), &[1; 4096]).await;
     assert_eq!(b.reply().await.0.status, Status::IO_ERROR, "FUA promises durability too");
     b.request(RequestHeader::new(Command::Write, 0, 5, 8192, 4096), &[2; 4096]).await;
-    assert_eq!(b.reply().await.0.status, Status::OK, "plain writes go on");
+    assert_eq!(b.reply().await.0.status, Status::IO_ERROR, "plain writes fail too");
     b.request(RequestHeader::new(Command::Read, 0, 6, 0, 4096), &[]).await;
     let (r, d) = b.reply().await;
-    assert_eq!((r.status, d), (Status::OK, pattern(1, 0, 4096)));
-    // An NBD client is told the same.
+    assert_eq!((r.status, d.len()), (Status::IO_ERROR, 0), "reads too: which data they find is unknown");
+    // An NBD client is told the same, and one that never flushed cannot read either.
     let mut n = NbdRaw::connect(srv.nbd.unwrap()).await;
     n.go("v", false, false).await;
     n.request(CMD_FLUSH, 0, 7, 0, 0, &[]).await;
     assert_eq!(n.simple(0).await.0, EIO);
+    n.request(CMD_READ, 0, 8, 0, 4096, &[]).await;
+    assert_eq!(n.simple(0).await.0, EIO);
+    // What the operator sees.
+    let collector = fastsan_target::metrics::TargetCollector { server: srv.handle.clone() };
+    let text = fastsan_target::metrics::render(&collector);
+    assert!(text.contains("fastsan_volume_failed{volume=\"v\"} 1"), "{text}");
     // Shutdown cannot flush either, and says so.
     let e = srv.stop_result().await.expect_err("a failed flush at shutdown is an error");
     assert!(e.to_string().contains("could not flush volume(s) v"), "{e}");

@@ -445,7 +445,10 @@ fn bench_sends_fua_writes_and_flushes_when_asked() {
     }
     for url in urls("bad", 2) {
         assert!(bench(&url, &[]).status.success(), "{url}: plain writes need no flush");
-        for extra in [&["--fua"][..], &["--fsync", "4"]] {
+    }
+    // Once a flush failed, every request of the volume fails, plain writes too.
+    for url in urls("bad", 2) {
+        for extra in [&["--fua"][..], &["--fsync", "4"], &[]] {
             let out = bench(&url, extra);
             let err = String::from_utf8_lossy(&out.stderr);
             assert!(!out.status.success() && err.contains("requests failed"), "{url} {extra:?}: {err}");

@@ -770,6 +770,11 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
     // FUA writes promise durability too: refused the same way.
     let fua = Host::write_cmd(2, 8, 8).with(|s| s.cdw12 |= 1 << 30);
     assert_eq!(sc(&other.command(fua, &good)), status::WRITE_FAULT);
+    // And every read and write of that namespace: which data a read would
+    // find is unknown once a writeback failed.
+    let (cqe, data) = other.read(2, 0, 8);
+    assert_eq!((sc(&cqe), data.len()), (status::UNRECOVERED_READ_ERROR, 0));
+    assert_eq!(sc(&io.write(2, 16, &good)), status::WRITE_FAULT);
     // Namespace 1 is not affected.
     assert!(flush_ok(&mut io, 1));
     // A shutdown whose flush fails does not report a clean shutdown: CSTS.CFS.

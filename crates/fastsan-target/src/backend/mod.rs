@@ -68,8 +68,9 @@ pub enum BackendError {
     #[error("the store is unreachable for now (nothing known lost)")]
     Unavailable,
     /// An earlier flush failed: writes it covered may be lost, and the volume
-    /// refuses to promise durability (FLUSH, FUA) until it is reopened.
-    #[error("an earlier flush of this volume failed (writes may be lost); it refuses FLUSH and FUA until it is reopened")]
+    /// fails every request (it can neither promise durability nor say which
+    /// data a read returns) until it is reopened.
+    #[error("an earlier flush of this volume failed (writes may be lost); it fails every request until it is reopened")]
     WritebackLost,
 }
 

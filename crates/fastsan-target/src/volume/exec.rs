@@ -43,6 +43,9 @@ impl Volume {
         if !self.caps.read_now || len > READ_NOW_AT_MOST {
             return None;
         }
+        if self.failed() {
+            return Some(Err(BackendError::WritebackLost.into()));
+        }
         let mut buf = PooledBuf::take(len as usize);
         match self.backend.read_now(buf.as_mut(), offset) {
             Ok(true) => Some(Ok(Outcome::Data(Bytes::from_owner(buf).into()))),
@@ -62,6 +65,9 @@ impl Volume {
         let OpKind::Write { offset, ref data, fua: false } = op.kind else { return None };
         if !self.caps.write_now || data.len() > READ_NOW_AT_MOST as usize {
             return None;
+        }
+        if self.failed() {
+            return Some(Err(BackendError::WritebackLost.into()));
         }
         match self.backend.write_now(data, offset) {
             Ok(true) => Some(Ok(Outcome::Done)),
@@ -87,6 +93,9 @@ impl Volume {
     /// thread, or one that may wait). The device may see it only at the next
     /// [`Volume::kick`].
     pub fn submit(&self, client: u64, op: Op, done: Box<dyn FnOnce(Result<Outcome, Refusal>) + Send>) {
+        if self.failed() {
+            return done(Err(BackendError::WritebackLost.into()));
+        }
         let io = match op.kind {
             OpKind::Read { offset, len } => DeviceIo::Read { offset, len },
             OpKind::Write { offset, data, fua: false } => DeviceIo::Write { offset, data },
@@ -126,8 +135,12 @@ impl Volume {
     /// a FLUSH is nothing but that flush, and FUA is a write followed by
     /// one where the volume can flush (a TRIM with FUA always is one). A
     /// volume that cannot map its extents reports its range as one
-    /// allocated extent.
+    /// allocated extent. After a failed flush every operation fails
+    /// ([`Volume::failed`]).
     pub fn execute_before_flush(&self, op: Op) -> Result<(Outcome, bool), Refusal> {
+        if self.failed() {
+            return Err(BackendError::WritebackLost.into());
+        }
         let b = &*self.backend;
         let done = Outcome::Done;
         let flushed = |outcome| Ok((outcome, true));

@@ -16,8 +16,9 @@
 //! Linux reports a writeback error once per open file, so after one failure
 //! a later flush may succeed although the writes it covered are lost: the
 //! first failure (whatever its errno) is latched before anyone waiting is
-//! told, and every later FLUSH and FUA fails too, for every client, until
-//! the volume is reopened. The store records it (a file: an attribute), so
+//! told, and every later request of the volume fails too (FLUSH and FUA,
+//! and since 2026-12-07 reads and writes: see [`Flusher::failed`]), for
+//! every client, until the volume is reopened. The store records it (a file: an attribute), so
 //! that a target reopening it later gives it another generation and no
 //! session of now resumes over the lost writes. A flush that panicked (a
 //! bug in a backend) is a failure too: whether it reached the device is
@@ -130,10 +131,21 @@ impl Flusher {
         }
     }
 
+    /// Whether a flush failed (latched until the volume is reopened). Then
+    /// the volume fails every request, reads too, as md fails a member:
+    /// the kernel leaves the pages whose writeback failed clean in its
+    /// cache, so a read returns the lost data until they are evicted and
+    /// the older data on the device after, and a client that never flushed
+    /// (another host reading the volume) would not know which it got.
+    /// (Until 2026-12-07 only FLUSH and FUA failed.)
+    pub fn failed(&self) -> bool {
+        self.writeback_lost.load(SeqCst)
+    }
+
     /// Runs `f`, a flush or a call that promises durability by itself (a
     /// native FUA write on a store that cannot flush), under the latch.
     pub fn durable(&self, f: impl FnOnce() -> Result<(), BackendError>) -> Result<(), BackendError> {
-        if self.writeback_lost.load(SeqCst) {
+        if self.failed() {
             return Err(BackendError::WritebackLost);
         }
         let r = f();
@@ -161,7 +173,8 @@ impl Flusher {
             tracing::error!(
                 volume = self.name,
                 "flush failed ({e}): writes since the last good flush may be lost; \
-                 the volume now fails every FLUSH and FUA write until it is reopened"
+                 the volume now fails every request, reads too, until it is reopened \
+                 (a restart of the target)"
             );
             if let Err(why) = recorded {
                 tracing::error!(

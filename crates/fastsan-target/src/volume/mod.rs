@@ -294,6 +294,12 @@ impl Volume {
         self.faults.as_ref()
     }
 
+    /// Whether a flush of the volume failed: then every request fails, until
+    /// the volume is reopened (see `flush.rs`, `Flusher::failed`).
+    pub fn failed(&self) -> bool {
+        self.flusher.failed()
+    }
+
     /// Makes every completed write durable, waiting for it (see [`Volume::flush_then`]).
     pub fn flush(&self) -> Result<(), backend::BackendError> {
         self.flusher.wait()
@@ -302,7 +308,7 @@ impl Volume {
     /// Makes every write completed before this call durable, then calls
     /// `done` with the result, without waiting for it here: a flush of the
     /// backend, in a group (see `flush.rs`). A failed flush is latched: every
-    /// later FLUSH and FUA fails too, until the volume is reopened.
+    /// later request fails too, until the volume is reopened.
     pub fn flush_then(&self, done: FlushDone) {
         self.flusher.then(done)
     }
@@ -593,6 +599,104 @@ mod tests {
             "{} device flushes for 8 calls",
             layer.calls.load(SeqCst) - 1
         );
+    }
+
+    /// A store that serves every path without a thread (`read_now`,
+    /// `write_now`, `submit`), counts the calls that reach it, and fails
+    /// its first flush.
+    struct EveryPath {
+        next: Arc<dyn Backend>,
+        calls: std::sync::atomic::AtomicU32,
+        flushes: std::sync::atomic::AtomicU32,
+    }
+
+    impl backend::Layer for EveryPath {
+        fn next(&self) -> &dyn Backend {
+            &*self.next
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> backend::Result<()> {
+            self.calls.fetch_add(1, SeqCst);
+            self.next.read_at(buf, offset)
+        }
+        fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> backend::Result<()> {
+            self.calls.fetch_add(1, SeqCst);
+            self.next.write_at(buf, offset, fua)
+        }
+        fn can_read_now(&self) -> bool {
+            true
+        }
+        fn read_now(&self, buf: &mut [u8], offset: u64) -> backend::Result<bool> {
+            backend::Layer::read_at(self, buf, offset).map(|()| true)
+        }
+        fn can_write_now(&self) -> bool {
+            true
+        }
+        fn write_now(&self, buf: &[u8], offset: u64) -> backend::Result<bool> {
+            backend::Layer::write_at(self, buf, offset, false).map(|()| true)
+        }
+        fn can_submit(&self) -> bool {
+            true
+        }
+        fn can_submit_writes(&self) -> bool {
+            true
+        }
+        fn submit(&self, _client: u64, io: backend::DeviceIo, done: backend::DeviceDone) {
+            done(match io {
+                backend::DeviceIo::Read { offset, len } => {
+                    let mut buf = vec![0; len as usize];
+                    backend::Layer::read_at(self, &mut buf, offset).map(|()| Some(Bytes::from(buf).into()))
+                }
+                backend::DeviceIo::Write { offset, data } => {
+                    backend::Layer::write_at(self, &data, offset, false).map(|()| None)
+                }
+            })
+        }
+        fn flush(&self) -> backend::Result<()> {
+            match self.flushes.fetch_add(1, SeqCst) {
+                0 => Err(BackendError::Io(libc::EIO)),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    /// Every way a request reaches the store, as (read, write) results.
+    fn every_path(v: &Volume) -> Vec<(&'static str, Result<(), Refusal>)> {
+        let op = |kind| check(v, kind, 4096, 4096).unwrap();
+        let submitted = |kind| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            v.submit(1, op(kind), Box::new(move |r| tx.send(r.map(drop)).unwrap()));
+            rx.recv().unwrap()
+        };
+        vec![
+            ("read_now", v.read_now(&op(IoKind::Read)).expect("served now").map(drop)),
+            ("write_now", v.write_now(&op(IoKind::Write)).expect("taken now").map(drop)),
+            ("submitted read", submitted(IoKind::Read)),
+            ("submitted write", submitted(IoKind::Write)),
+            ("read", v.execute(op(IoKind::Read)).map(drop)),
+            ("write", v.execute(op(IoKind::Write)).map(drop)),
+            ("trim", v.execute(op(IoKind::Trim)).map(drop)),
+        ]
+    }
+
+    #[test]
+    fn after_a_failed_flush_every_request_fails_without_reaching_the_store() {
+        let layer = Arc::new(EveryPath {
+            next: Arc::new(MemoryBackend::new(1 << 20)),
+            calls: Default::default(),
+            flushes: Default::default(),
+        });
+        let v = Volume::with_backend("v".into(), layer.clone(), 65536);
+        for (path, r) in every_path(&v) {
+            assert_eq!(r, Ok(()), "{path} before the failure");
+        }
+        assert!(!v.failed());
+        assert_eq!(v.flush(), Err(BackendError::Io(libc::EIO)));
+        assert!(v.failed());
+        let calls = layer.calls.load(SeqCst);
+        for (path, r) in every_path(&v) {
+            assert_eq!(r, Err(Refusal::Device(BackendError::WritebackLost)), "{path} after it");
+        }
+        assert_eq!(layer.calls.load(SeqCst), calls, "nothing reached the store");
     }
 
     fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
