@@ -261,6 +261,11 @@ pub struct ServerConfig {
     /// The host's boot identity as OPEN_REPLY tells it; `None` reads Linux's
     /// boot_id. Tests set it to play a host that rebooted.
     pub boot_id: Option<u64>,
+    /// Where file volumes record their failed flushes besides on the file
+    /// (which a filesystem the failure turned read-only cannot take), for a
+    /// target restarted on them before the host reboots; `None`: on the
+    /// file only. `serve` defaults it to /run/fastsan (see `serve --help`).
+    pub run_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -297,6 +302,7 @@ impl Default for ServerConfig {
             serial: false,
             drain_timeout: Duration::from_secs(30),
             boot_id: None,
+            run_dir: None,
         }
     }
 }
@@ -557,6 +563,7 @@ impl ServerConfig {
 /// handshake_timeout = 10           # seconds
 /// stall_timeout = 30               # seconds
 /// drain_timeout = 30               # seconds
+/// run_dir = "/run/fastsan"         # where failed flushes are recorded too
 /// max_connections = 1024
 /// max_handshakes = 64
 /// memory_budget = "1G"
@@ -609,6 +616,7 @@ pub struct ConfigFile {
     pub stall_timeout: Option<f64>,
     /// Seconds.
     pub drain_timeout: Option<f64>,
+    pub run_dir: Option<PathBuf>,
     pub max_connections: Option<usize>,
     pub max_handshakes: Option<usize>,
     pub memory_budget: Option<String>,

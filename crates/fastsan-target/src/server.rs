@@ -166,7 +166,7 @@ impl Server {
             }
             // Half the payload budget per volume: a stalled one leaves the
             // other half to the rest.
-            let v = Volume::open(&spec, config.max_transfer, config.io_threads)
+            let v = Volume::open(&spec, config.max_transfer, config.io_threads, config.run_dir.as_deref())
                 .map_err(|source| ServerError::Volume { name: spec.name.clone(), source })?
                 .with_payload_share(config.memory_budget / 2);
             info!(volume = v.name(), read_only = v.read_only(), "volume ready: {}", v.describe());

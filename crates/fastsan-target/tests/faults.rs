@@ -872,7 +872,6 @@ async fn without_reconnection_a_lost_write_ends_its_session_so_nothing_overtakes
 /// works, and resumes across a later restart without a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
-    use fastsan_initiator::{Error, Options, Volume};
     let (_dir, path) = temp_file("remembered", 1 << 20);
     let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     // SAFETY: both strings are NUL-terminated and live through the call; the value is 1 byte.
@@ -885,8 +884,58 @@ async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
             path.display()
         );
     }
+    restart_after_a_failed_flush(&path, None).await;
+}
+
+/// The same where the file takes no record (ramfs has no attributes; a
+/// filesystem the failure turned read-only takes none either): the record
+/// in the run directory does it. Needs root, to mount the ramfs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_flush_is_remembered_in_the_run_directory_where_the_file_takes_no_record() {
+    let Some(ramfs) = Ramfs::mount() else {
+        return eprintln!("cannot mount a ramfs (not root?): not checked");
+    };
+    let path = ramfs.0.path().join("v.img");
+    std::fs::File::create(&path).unwrap().set_len(1 << 20).unwrap();
+    let run = tempfile::tempdir().unwrap();
+    restart_after_a_failed_flush(&path, Some(run.path())).await;
+    let records: Vec<_> = std::fs::read_dir(run.path().join("failed-flushes")).unwrap().collect();
+    assert_eq!(records.len(), 1, "one record, for the one file");
+    let text = std::fs::read_to_string(records[0].as_ref().unwrap().path()).unwrap();
+    assert_eq!(text, format!("1\n{}\n", path.display()), "its count and its file");
+}
+
+/// A ramfs mounted on a temp directory, unmounted when dropped.
+struct Ramfs(tempfile::TempDir);
+
+impl Ramfs {
+    fn mount() -> Option<Ramfs> {
+        let dir = tempfile::tempdir().ok()?;
+        let target = std::ffi::CString::new(dir.path().to_str()?).ok()?;
+        // SAFETY: the strings are NUL-terminated and live through the call; no data argument.
+        let r =
+            unsafe { libc::mount(c"none".as_ptr(), target.as_ptr(), c"ramfs".as_ptr(), 0, std::ptr::null()) };
+        (r == 0).then_some(Ramfs(dir))
+    }
+}
+
+impl Drop for Ramfs {
+    fn drop(&mut self) {
+        let target = std::ffi::CString::new(self.0.path().to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path, alive for the call.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// A target serving `path` (with `run_dir`) fails a flush and is stopped;
+/// one started on the file again tells the session that wrote before the
+/// failure that its volume was replaced, and resumes a fresh session
+/// across a restart without a failure.
+async fn restart_after_a_failed_flush(path: &std::path::Path, run_dir: Option<&std::path::Path>) {
+    use fastsan_initiator::{Error, Options, Volume};
     let spec = format!("v=file:{},faults=none", path.display());
-    let srv = TestServer::start(&[spec.as_str()], |_| {}).await;
+    let run = |c: &mut ServerConfig| c.run_dir = run_dir.map(Into::into);
+    let srv = TestServer::start(&[spec.as_str()], run).await;
     let addr = srv.addr;
     let opts = Options { connections: 1, reconnect_timeout: Duration::from_secs(20), ..Default::default() };
     let wrote = Volume::connect(&srv.url("v"), opts.clone()).await.unwrap();
@@ -898,14 +947,22 @@ async fn a_failed_flush_is_remembered_across_a_restart_of_the_target() {
         .add(FaultRule::new(FaultOps::FLUSH, Effect::Fail(BackendError::Io(libc::EIO))));
     assert!(flushed.flush().await.is_err(), "the injected flush failure");
     assert!(srv.stop_result().await.is_err(), "its shutdown flush fails too (latched)");
-    let srv = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    let srv = TestServer::start(&[spec.as_str()], |c| {
+        run(c);
+        c.brp = addr
+    })
+    .await;
     let e = wrote.flush().await.expect_err("its write may be lost");
     assert!(matches!(e, Error::VolumeReplaced { .. }), "{e:?}");
     let fresh = Volume::connect(&srv.url("v"), opts).await.unwrap();
     fresh.write_at(&[2; 4096], 0, false).await.unwrap();
     fresh.flush().await.unwrap();
     srv.stop().await;
-    let srv = TestServer::start(&[spec.as_str()], |c| c.brp = addr).await;
+    let srv = TestServer::start(&[spec.as_str()], |c| {
+        run(c);
+        c.brp = addr
+    })
+    .await;
     fresh.write_at(&[3; 4096], 4096, false).await.expect("a restart without a failure resumes");
     fresh.flush().await.unwrap();
     drop((wrote, flushed, fresh));

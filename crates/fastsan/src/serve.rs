@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use fastsan_target::access::{read_secrets, Grant};
-use fastsan_target::config::{parse_size, read_secret, ConfigFile, ServerConfig, VolumeSpec};
+use fastsan_target::config::{parse_size, read_secret, BackendSpec, ConfigFile, ServerConfig, VolumeSpec};
 use fastsan_target::tls::{TlsFiles, TlsMode};
 use fastsan_target::Server;
 use std::net::SocketAddr;
@@ -148,6 +148,14 @@ pub struct Args {
     /// SIGINT exits at once [default: 30].
     #[arg(long, value_name = "SECS")]
     drain_timeout: Option<f64>,
+    /// Where file volumes record a failed flush besides on the file itself
+    /// (which a filesystem the failure turned read-only cannot take), so
+    /// that a target restarted on them before the host reboots does not
+    /// resume the sessions of before over the writes it lost
+    /// [default: $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else
+    /// /run/fastsan as root, else $XDG_RUNTIME_DIR/fastsan].
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
     /// Most connections at once; more are refused as busy [default: 1024].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
@@ -164,6 +172,22 @@ pub struct Args {
     /// "parallelism off"); for comparisons only.
     #[arg(long)]
     serial: bool,
+}
+
+/// The run directory by default: systemd's (`RuntimeDirectory=fastsan`
+/// sets `$RUNTIME_DIRECTORY`), /run/fastsan for root, the user's runtime
+/// directory otherwise. All are emptied at boot, as a record there may be.
+fn default_run_dir() -> Option<PathBuf> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    // (systemd may list several, separated by colons: the first.)
+    if let Some(dirs) = var("RUNTIME_DIRECTORY") {
+        return dirs.to_str().and_then(|d| d.split(':').next()).map(PathBuf::from).or(Some(dirs));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return Some(PathBuf::from("/run/fastsan"));
+    }
+    var("XDG_RUNTIME_DIR").map(|d| d.join("fastsan"))
 }
 
 /// Descriptors the target needs besides its connections' and handshakes':
@@ -333,6 +357,13 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(s) = a.drain_timeout.or(file.drain_timeout) {
         c.drain_timeout = seconds("drain timeout", s)?;
+    }
+    c.run_dir = a.run_dir.or(file.run_dir).or_else(default_run_dir);
+    if c.run_dir.is_none() && c.volumes.iter().any(|v| matches!(v.backend, BackendSpec::File { .. })) {
+        warn!(
+            "no run directory (--run-dir; no $XDG_RUNTIME_DIR): a failed flush is recorded only on \
+             the file, which a filesystem the failure turned read-only cannot take"
+        );
     }
     if let Some(n) = a.max_connections.or(file.max_connections) {
         c.max_connections = n;

@@ -664,12 +664,17 @@ fn sigterm_drains_flushes_and_exits_cleanly() {
     assert!(status.success(), "{log}");
     assert!(log.contains("SIGTERM received") && log.contains("flushed") && log.contains("stopped"), "{log}");
     assert_eq!(&std::fs::read(&img).unwrap()[..8192], &[5; 8192][..]);
-    // A volume that cannot be flushed: the target says so and exits non-zero.
+    // A volume that cannot be flushed: the target says so and exits non-zero,
+    // and the failure is recorded in the run directory too.
     let spec = format!("v=file:{},faults=flush:eio", img.display());
-    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec]);
+    let run = dir.join("run");
+    let s = Served::start(&["--brp", "127.0.0.1:0", "--volume", &spec, "--run-dir", run.to_str().unwrap()]);
     let (status, log) = s.signal("TERM");
     assert!(!status.success(), "{log}");
     assert!(log.contains("flush at shutdown failed") && log.contains("could not flush volume(s) v"), "{log}");
+    let records: Vec<_> = std::fs::read_dir(run.join("failed-flushes")).unwrap().collect();
+    let text = std::fs::read_to_string(records[0].as_ref().unwrap().path()).unwrap();
+    assert!(records.len() == 1 && text == format!("1\n{}\n", img.display()), "{text}");
 }
 
 /// A stop held up by a stalled device says so while it waits, exits

@@ -110,32 +110,80 @@ fn failed_flushes(file: &File) -> u64 {
         .unwrap_or(0)
 }
 
+/// A file's second record of its failed flushes, off its own filesystem:
+/// `RUN_DIR/failed-flushes/NAME`, NAME from the file's identity, holding the
+/// count and the file's path (for whoever looks). The attribute on the file
+/// ([`FAILED_FLUSHES`]) cannot be written where the failure turned the
+/// filesystem read-only, the case where it matters most, nor on one
+/// without attributes; this one lives where `serve --run-dir` says (by
+/// default /run/fastsan, emptied at boot: a record has to outlive a restart
+/// of the target, not of the host, whose reboot its sessions learn by
+/// themselves, and device and inode numbers hold only until then).
+fn record_path(dir: &Path, meta: &std::fs::Metadata) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let name = if meta.file_type().is_block_device() {
+        format!("blockdev-{:x}", meta.rdev())
+    } else {
+        format!("file-{:x}-{:x}-{:x}", meta.dev(), meta.ino(), born(meta))
+    };
+    dir.join("failed-flushes").join(name)
+}
+
+/// The count a record holds (0: none, or unreadable). At most its first 64
+/// bytes are read: it is fastsan's own file, but a directory may be shared.
+fn recorded(record: &Path) -> u64 {
+    use std::io::Read;
+    let mut text = String::new();
+    let read = File::open(record).and_then(|f| f.take(64).read_to_string(&mut text));
+    read.ok().and_then(|_| text.lines().next()?.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Writes a record: a new file renamed over the old, both synced (the run
+/// directory may be on a disk).
+fn write_record(record: &Path, count: u64, volume: &Path) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = record.parent().expect("a record is in a directory");
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let tmp = record.with_extension("new");
+    let mut f = File::create(&tmp)?;
+    writeln!(f, "{count}\n{}", volume.display())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, record)?;
+    File::open(dir)?.sync_all()
+}
+
+/// A regular file's birth time in nanoseconds, where the filesystem keeps
+/// one (0 elsewhere, and for a block device: its node is made anew at every
+/// boot, its data is not).
+fn born(meta: &std::fs::Metadata) -> u64 {
+    if meta.file_type().is_block_device() {
+        return 0;
+    }
+    meta.created()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// The identity of a file's data (see [`Backend::generation`]), a fixed mix
 /// (not a hasher whose keys may change between builds: the same file must
 /// give the same number to every fastsan) of:
 /// - its device and inode: another file at the path is another generation;
-/// - a regular file's birth time, where the filesystem keeps one: a file
-///   deleted and made again can get its old inode number back (not a block
-///   device's: its node is made anew at every boot, its data is not);
+/// - a regular file's birth time ([`born`]): a file deleted and made again
+///   can get its old inode number back;
 /// - `boot`, the host's boot, for a store whose data a reboot takes
 ///   ([`on_volatile_storage`]): made again after a reboot, a tmpfs file or a
 ///   RAM disk gets the same numbers, and is empty;
-/// - how many flushes of it failed ([`failed_flushes`]): a session that wrote
-///   before one must not resume (until 2026-12-07 a restarted target's
-///   first flush succeeded over the writes the failed one lost).
-fn generation(meta: &std::fs::Metadata, boot: Option<u64>, failed_flushes: u64) -> u64 {
+/// - how many flushes of it failed, by its two records ([`failed_flushes`]
+///   on the file, [`recorded`] off it): a session that wrote before one
+///   must not resume (until 2026-12-07 a restarted target's first flush
+///   succeeded over the writes the failed one lost).
+fn generation(meta: &std::fs::Metadata, boot: Option<u64>, failed: [u64; 2]) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    let born = match meta.file_type().is_block_device() {
-        true => 0,
-        false => meta
-            .created()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos() as u64),
-    };
     let base = meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev();
-    let more = [born, boot.unwrap_or(0), failed_flushes];
-    if more == [0; 3] {
+    let more = [born(meta), boot.unwrap_or(0), failed[0], failed[1]];
+    if more == [0; 4] {
         // As before 2026-12-07 (a block device, a file without a birth
         // time): a target upgraded over it resumes its sessions.
         return base;
@@ -158,6 +206,9 @@ pub struct FileBackend {
     read_only: bool,
     /// See [`generation`].
     generation: u64,
+    /// Where its failed flushes are recorded off the file ([`record_path`]),
+    /// when the target has a run directory.
+    record: Option<PathBuf>,
     /// Whether reads may be tried without waiting ([`Backend::read_now`]):
     /// buffered (O_DIRECT reads always go to the device), opened without
     /// access times, and the kernel took `RWF_NOWAIT` so far (cleared at its
@@ -171,7 +222,16 @@ pub struct FileBackend {
 }
 
 impl FileBackend {
+    /// [`FileBackend::open_with`] without a run directory: failed flushes
+    /// are recorded on the file only.
     pub fn open(path: &Path, read_only: bool, direct: bool) -> io::Result<Self> {
+        Self::open_with(path, read_only, direct, None)
+    }
+
+    /// Opens `path`; `run_dir`, where its failed flushes are recorded too
+    /// and read back (`failed-flushes/` in it, a file named by the file's
+    /// identity).
+    pub fn open_with(path: &Path, read_only: bool, direct: bool, run_dir: Option<&Path>) -> io::Result<Self> {
         let open = |flags| {
             let mut opts = OpenOptions::new();
             opts.read(true).write(!read_only).custom_flags(flags | if direct { libc::O_DIRECT } else { 0 });
@@ -212,16 +272,18 @@ impl FileBackend {
         }
         let size = file.seek(SeekFrom::End(0))?;
         let boot = on_volatile_storage(&file, &meta).then(crate::server::boot_id);
-        let failed_flushes = failed_flushes(&file);
-        if failed_flushes > 0 {
+        let record = run_dir.map(|d| record_path(d, &meta));
+        let failed = [failed_flushes(&file), record.as_deref().map_or(0, recorded)];
+        if failed != [0, 0] {
             tracing::warn!(
                 path = %path.display(),
-                failed_flushes,
+                failed_flushes = failed[0].max(failed[1]),
+                record = %record.as_deref().filter(|_| failed[1] > 0).map_or("on the file".into(), |r| r.display().to_string()),
                 "a flush of this file failed under an earlier target: writes acknowledged before it may \
                  be lost, so the sessions of that time cannot resume here (their clients are told)"
             );
         }
-        let generation = generation(&meta, boot, failed_flushes);
+        let generation = generation(&meta, boot, failed);
         #[cfg(target_os = "linux")]
         let ring = if !direct {
             None
@@ -243,6 +305,7 @@ impl FileBackend {
             block_device,
             read_only,
             generation,
+            record,
             nowait: AtomicBool::new(noatime && !direct),
             nowait_writes: AtomicBool::new(!direct && !read_only),
         })
@@ -581,20 +644,41 @@ impl Backend for FileBackend {
     fn generation(&self) -> u64 {
         self.generation
     }
+    /// On the file (an attribute) and in the run directory (a file of its
+    /// own); either is enough. (Both: the attribute may fail
+    /// where it matters most, a filesystem the failure turned read-only, and
+    /// even written it may not reach the disk then.)
     fn record_failed_flush(&self) -> io::Result<()> {
-        let count = (failed_flushes(&self.file) + 1).to_string();
-        let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
-        for name in FAILED_FLUSHES {
-            // SAFETY: the value is count's bytes, alive for the call; the fd is open.
-            let r = unsafe {
-                libc::fsetxattr(self.file.as_raw_fd(), name.as_ptr(), count.as_ptr().cast(), count.len(), 0)
-            };
-            if r == 0 {
-                return Ok(());
+        let on_file = (|| {
+            let count = (failed_flushes(&self.file) + 1).to_string();
+            let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
+            for name in FAILED_FLUSHES {
+                // SAFETY: the value is count's bytes, alive for the call; the fd is open.
+                let r = unsafe {
+                    libc::fsetxattr(
+                        self.file.as_raw_fd(),
+                        name.as_ptr(),
+                        count.as_ptr().cast(),
+                        count.len(),
+                        0,
+                    )
+                };
+                if r == 0 {
+                    return Ok(());
+                }
+                last = io::Error::last_os_error();
             }
-            last = io::Error::last_os_error();
+            Err(last)
+        })();
+        let off_file = match &self.record {
+            Some(record) => write_record(record, recorded(record) + 1, &self.path)
+                .map_err(|e| io::Error::new(e.kind(), format!("in {}: {e}", record.display()))),
+            None => Err(io::Error::new(io::ErrorKind::NotFound, "no run directory")),
+        };
+        match (on_file, off_file) {
+            (Ok(()), _) | (_, Ok(())) => Ok(()),
+            (Err(a), Err(b)) => Err(io::Error::new(a.kind(), format!("on the file: {a}; off it: {b}"))),
         }
-        Err(last)
     }
     fn describe(&self) -> String {
         format!(
@@ -692,6 +776,19 @@ mod tests {
             }
             Err(e) => eprintln!("no attributes on {} ({e}): the record is not checked", p.display()),
         }
+        // The record off the file, in a run directory: read back at open.
+        let run = std::env::temp_dir().join(format!("fastsan-run-{}", std::process::id()));
+        let with_run = |p: &Path| FileBackend::open_with(p, false, false, Some(&run)).unwrap();
+        let before = with_run(&p).generation();
+        assert_eq!(before, g(&p), "no record there yet: the same generation");
+        with_run(&p).record_failed_flush().unwrap();
+        let record = record_path(&run, &std::fs::metadata(&p).unwrap());
+        assert_eq!(recorded(&record), 1);
+        assert_ne!(with_run(&p).generation(), before, "the record is read back");
+        std::fs::write(&record, "garbage").unwrap();
+        assert_eq!(recorded(&record), 0, "an unreadable record counts as none");
+        std::fs::remove_dir_all(&run).unwrap();
+
         let before = g(&p);
         std::fs::remove_file(&p).unwrap();
         let p = temp_file(1 << 16);
@@ -705,10 +802,10 @@ mod tests {
         let meta = f.metadata().unwrap();
         if fs_type(&f) == Some(TMPFS) {
             assert!(on_volatile_storage(&f, &meta), "a file on tmpfs goes with the host's memory");
-            assert_ne!(generation(&meta, Some(1), 0), generation(&meta, Some(2), 0), "a reboot");
+            assert_ne!(generation(&meta, Some(1), [0; 2]), generation(&meta, Some(2), [0; 2]), "a reboot");
             assert_eq!(
                 FileBackend::open(&shm, false, false).unwrap().generation(),
-                generation(&meta, Some(crate::server::boot_id()), 0)
+                generation(&meta, Some(crate::server::boot_id()), [0; 2])
             );
         }
         std::fs::remove_file(shm).unwrap();

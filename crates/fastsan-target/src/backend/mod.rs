@@ -506,7 +506,9 @@ pub struct Stack {
 /// Builds a volume's stack from its spec, bottom up: the store, then
 /// `read-only` (`,ro`), `faults` (`,faults=...`), `delay` (`,delay=...`),
 /// and `stats` on top (it sees what the client sees, delays included).
-pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
+/// `run_dir`: where a file records its failed flushes besides on itself
+/// (`serve --run-dir`).
+pub fn build(spec: &VolumeSpec, run_dir: Option<&Path>) -> io::Result<Stack> {
     let mut lock_file = None;
     let mut b: Arc<dyn Backend> = match &spec.backend {
         BackendSpec::Memory { size } => {
@@ -515,7 +517,7 @@ pub fn build(spec: &VolumeSpec) -> io::Result<Stack> {
         }
         BackendSpec::Null { size } => Arc::new(NullBackend::new(*size)),
         BackendSpec::File { path, direct } => {
-            let f = FileBackend::open(path, spec.read_only, *direct).map_err(|e| {
+            let f = FileBackend::open_with(path, spec.read_only, *direct, run_dir).map_err(|e| {
                 let hint = if e.kind() == io::ErrorKind::NotFound {
                     " (fastsan serves a file that exists; make one with `truncate -s SIZE PATH`)"
                 } else {
@@ -797,13 +799,13 @@ mod tests {
     #[test]
     fn the_built_stack_reports_the_stores_capabilities() {
         let spec = VolumeSpec::parse("v=memory:1M,faults=none,delay=0ms").unwrap();
-        let s = build(&spec).unwrap();
+        let s = build(&spec, None).unwrap();
         let m = MemoryBackend::new(1 << 20);
         let mut want = caps(&m);
         want[8] = true; // delay and faults may sleep: they run on the pool
         assert_eq!(caps(&*s.top), want);
         assert!(s.faults.is_some());
-        let ro = build(&VolumeSpec::parse("v=null:1M,ro").unwrap()).unwrap();
+        let ro = build(&VolumeSpec::parse("v=null:1M,ro").unwrap(), None).unwrap();
         assert!(!ro.top.can_write() && !ro.top.can_trim() && !ro.top.can_zero() && !ro.top.can_fast_zero());
         assert_eq!(ro.top.write_at(&[0; 512], 0, false), Err(BackendError::ReadOnly));
     }
@@ -828,7 +830,8 @@ mod tests {
 
     #[test]
     fn only_stacks_that_leave_reads_alone_lend_them() {
-        let shares = |spec: &str| build(&VolumeSpec::parse(spec).unwrap()).unwrap().top.can_share_reads();
+        let shares =
+            |spec: &str| build(&VolumeSpec::parse(spec).unwrap(), None).unwrap().top.can_share_reads();
         assert!(shares("v=memory:1M"));
         assert!(shares("v=memory:1M,ro"));
         assert!(shares("v=null:1M"));
@@ -837,7 +840,7 @@ mod tests {
         assert!(!shares("v=memory:1M,delay=1ms"));
         assert!(!Backend::can_share_reads(&Nothing(Arc::new(MemoryBackend::new(1 << 20)))));
         // Through the stats layer: lent reads are counted like copied ones.
-        let s = build(&VolumeSpec::parse("v=memory:4M").unwrap()).unwrap();
+        let s = build(&VolumeSpec::parse("v=memory:4M").unwrap(), None).unwrap();
         s.top.write_at(&[5; 8192], 1 << 20, false).unwrap();
         let d = s.top.read_shared((1 << 20) - 4096, 3 << 20).unwrap().to_bytes();
         assert!(d[..4096].iter().all(|&b| b == 0) && d[4096..12288].iter().all(|&b| b == 5));

@@ -129,9 +129,15 @@ impl Op {
 
 impl Volume {
     /// Builds the volume's backend stack from its spec and opens it.
-    /// A volume whose calls may block gets its own `io_threads` threads.
-    pub fn open(spec: &VolumeSpec, max_transfer: u32, io_threads: usize) -> io::Result<Volume> {
-        let stack = backend::build(spec)?;
+    /// A volume whose calls may block gets its own `io_threads` threads; a
+    /// file records its failed flushes in `run_dir` too ([`backend::build`]).
+    pub fn open(
+        spec: &VolumeSpec,
+        max_transfer: u32,
+        io_threads: usize,
+        run_dir: Option<&std::path::Path>,
+    ) -> io::Result<Volume> {
+        let stack = backend::build(spec, run_dir)?;
         let v = Volume::from_stack(
             spec.name.clone(),
             stack.top,
