@@ -151,9 +151,11 @@ pub struct Args {
     /// Where file volumes record a failed flush besides on the file itself
     /// (which a filesystem the failure turned read-only cannot take), so
     /// that a target restarted on them before the host reboots does not
-    /// resume the sessions of before over the writes it lost
-    /// [default: $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else
-    /// /run/fastsan as root, else $XDG_RUNTIME_DIR/fastsan].
+    /// resume the sessions of before over the writes it lost. It must
+    /// outlive restarts of the target: under systemd's RuntimeDirectory=,
+    /// set RuntimeDirectoryPreserve=yes [default: $RUNTIME_DIRECTORY, else
+    /// /run/fastsan as root, else $XDG_RUNTIME_DIR/fastsan (which lasts only
+    /// while the user is logged in)].
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
     /// Most connections at once; more are refused as busy [default: 1024].
@@ -359,11 +361,23 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         c.drain_timeout = seconds("drain timeout", s)?;
     }
     c.run_dir = a.run_dir.or(file.run_dir).or_else(default_run_dir);
-    if c.run_dir.is_none() && c.volumes.iter().any(|v| matches!(v.backend, BackendSpec::File { .. })) {
-        warn!(
-            "no run directory (--run-dir; no $XDG_RUNTIME_DIR): a failed flush is recorded only on \
-             the file, which a filesystem the failure turned read-only cannot take"
-        );
+    if c.volumes.iter().any(|v| matches!(v.backend, BackendSpec::File { .. })) {
+        use std::os::unix::fs::DirBuilderExt;
+        let unusable = match &c.run_dir {
+            None => Some("none given (--run-dir), and no $XDG_RUNTIME_DIR".to_owned()),
+            Some(dir) => std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .err()
+                .map(|e| format!("{}: {e}", dir.display())),
+        };
+        if let Some(why) = unusable {
+            warn!(
+                "no run directory ({why}): a failed flush is recorded only on the file, which a \
+                 filesystem the failure turned read-only cannot take"
+            );
+        }
     }
     if let Some(n) = a.max_connections.or(file.max_connections) {
         c.max_connections = n;

@@ -763,6 +763,16 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
     assert_eq!(other.read(1, 16, 8).1, good);
     // A failed flush: this host's flush fails, and so does every later one, the other host's too.
     let flush = |h: &mut Host| h.command(sqe(0x00).with(|s| s.nsid = 2), &[]);
+    let smart = sqe(0x02).with(|s| {
+        s.nsid = 0xffff_ffff;
+        s.cdw10 = 0x02 | 127 << 16; // SMART / health, 512 bytes
+    });
+    let critical = |a: &mut Host| {
+        let (cqe, log) = a.fetch(smart, 512);
+        assert!(cqe.status.is_success());
+        log[0]
+    };
+    assert_eq!(critical(&mut a1), 0, "healthy so far");
     assert!(other.write(2, 0, &good).status.is_success());
     assert_eq!(sc(&flush(&mut io)), status::WRITE_FAULT);
     assert_eq!(sc(&flush(&mut other)), status::WRITE_FAULT);
@@ -775,6 +785,7 @@ fn device_errors_get_their_status_and_a_failed_flush_fails_every_host() {
     let (cqe, data) = other.read(2, 0, 8);
     assert_eq!((sc(&cqe), data.len()), (status::UNRECOVERED_READ_ERROR, 0));
     assert_eq!(sc(&io.write(2, 16, &good)), status::WRITE_FAULT);
+    assert_eq!(critical(&mut a1), 1 << 2, "the health log says reliability is degraded");
     // Namespace 1 is not affected.
     assert!(flush_ok(&mut io, 1));
     // A shutdown whose flush fails does not report a clean shutdown: CSTS.CFS.

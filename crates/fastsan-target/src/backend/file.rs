@@ -129,27 +129,56 @@ fn record_path(dir: &Path, meta: &std::fs::Metadata) -> PathBuf {
     dir.join("failed-flushes").join(name)
 }
 
-/// The count a record holds (0: none, or unreadable). At most its first 64
-/// bytes are read: it is fastsan's own file, but a directory may be shared.
+/// The count a record holds: 0 where there is none; at least 1 where one
+/// is there but cannot be read (a record exists only after a failure).
+/// Opened without following a link or waiting for a writer (a FIFO), and
+/// at most its first 64 bytes read: the directory may be shared.
 fn recorded(record: &Path) -> u64 {
     use std::io::Read;
-    let mut text = String::new();
-    let read = File::open(record).and_then(|f| f.take(64).read_to_string(&mut text));
-    read.ok().and_then(|_| text.lines().next()?.trim().parse().ok()).unwrap_or(0)
+    let read = || -> io::Result<u64> {
+        let f =
+            OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(record)?;
+        if !f.metadata()?.is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file"));
+        }
+        let mut text = String::new();
+        f.take(64).read_to_string(&mut text)?;
+        text.lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("{text:?} holds no count")))
+    };
+    match read() {
+        Ok(n) => n.max(1),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+        Err(e) => {
+            tracing::warn!(record = %record.display(), error = %e, "a record of failed flushes is there but unreadable: counted as one");
+            1
+        }
+    }
 }
 
-/// Writes a record: a new file renamed over the old, both synced (the run
-/// directory may be on a disk).
+/// Writes a record: a new file of its own (never one a link points to),
+/// synced, renamed over the old, and the directory synced (it may be on a
+/// disk).
 fn write_record(record: &Path, count: u64, volume: &Path) -> io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::DirBuilderExt;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let dir = record.parent().expect("a record is in a directory");
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let tmp = record.with_extension("new");
-    let mut f = File::create(&tmp)?;
-    writeln!(f, "{count}\n{}", volume.display())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, record)?;
+    let n = NEXT.fetch_add(1, Relaxed);
+    let tmp = record.with_extension(format!("{}-{n}.new", std::process::id()));
+    let written = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        writeln!(f, "{count}\n{}", volume.display())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, record)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
     File::open(dir)?.sync_all()
 }
 
@@ -182,13 +211,20 @@ fn born(meta: &std::fs::Metadata) -> u64 {
 fn generation(meta: &std::fs::Metadata, boot: Option<u64>, failed: [u64; 2]) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let base = meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ meta.ino().rotate_left(29) ^ meta.rdev();
-    let more = [born(meta), boot.unwrap_or(0), failed[0], failed[1]];
-    if more == [0; 4] {
+    let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(23);
+    let more = [born(meta), boot.unwrap_or(0), failed[0]];
+    let generation = match more {
         // As before 2026-12-07 (a block device, a file without a birth
         // time): a target upgraded over it resumes its sessions.
-        return base;
+        [0, 0, 0] => base,
+        more => more.into_iter().fold(base, mix),
+    };
+    // The record off the file only where there is one: a file without
+    // keeps the generation it had before records were kept there.
+    match failed[1] {
+        0 => generation,
+        n => mix(generation, n),
     }
-    more.into_iter().fold(base, |h, x| (h ^ x).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(23))
 }
 
 pub struct FileBackend {
@@ -649,6 +685,13 @@ impl Backend for FileBackend {
     /// where it matters most, a filesystem the failure turned read-only, and
     /// even written it may not reach the disk then.)
     fn record_failed_flush(&self) -> io::Result<()> {
+        // The run directory's first: on its own filesystem (tmpfs), it does
+        // not wait on the one that just failed.
+        let off_file = match &self.record {
+            Some(record) => write_record(record, recorded(record) + 1, &self.path)
+                .map_err(|e| io::Error::new(e.kind(), format!("in {}: {e}", record.display()))),
+            None => Err(io::Error::new(io::ErrorKind::NotFound, "no run directory")),
+        };
         let on_file = (|| {
             let count = (failed_flushes(&self.file) + 1).to_string();
             let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
@@ -670,11 +713,6 @@ impl Backend for FileBackend {
             }
             Err(last)
         })();
-        let off_file = match &self.record {
-            Some(record) => write_record(record, recorded(record) + 1, &self.path)
-                .map_err(|e| io::Error::new(e.kind(), format!("in {}: {e}", record.display()))),
-            None => Err(io::Error::new(io::ErrorKind::NotFound, "no run directory")),
-        };
         match (on_file, off_file) {
             (Ok(()), _) | (_, Ok(())) => Ok(()),
             (Err(a), Err(b)) => Err(io::Error::new(a.kind(), format!("on the file: {a}; off it: {b}"))),
@@ -786,7 +824,10 @@ mod tests {
         assert_eq!(recorded(&record), 1);
         assert_ne!(with_run(&p).generation(), before, "the record is read back");
         std::fs::write(&record, "garbage").unwrap();
-        assert_eq!(recorded(&record), 0, "an unreadable record counts as none");
+        assert_eq!(recorded(&record), 1, "a record there but unreadable counts as a failure");
+        std::fs::remove_file(&record).unwrap();
+        std::os::unix::fs::symlink(&p, &record).unwrap();
+        assert_eq!(recorded(&record), 1, "a link is not followed, and counts");
         std::fs::remove_dir_all(&run).unwrap();
 
         let before = g(&p);

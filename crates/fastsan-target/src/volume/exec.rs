@@ -136,10 +136,10 @@ impl Volume {
     /// one where the volume can flush (a TRIM with FUA always is one). A
     /// volume that cannot map its extents reports its range as one
     /// allocated extent. After a failed flush every operation fails
-    /// ([`Volume::failed`]).
+    /// ([`Volume::failed`]), once the failure is recorded.
     pub fn execute_before_flush(&self, op: Op) -> Result<(Outcome, bool), Refusal> {
         if self.failed() {
-            return Err(BackendError::WritebackLost.into());
+            return Err(self.flusher.refusal().into());
         }
         let b = &*self.backend;
         let done = Outcome::Done;

@@ -38,8 +38,15 @@ const FLUSHER: u64 = 0;
 pub struct Flusher {
     name: String,
     backend: Arc<dyn Backend>,
-    /// Set by the first failed flush (or FUA): see [`BackendError::WritebackLost`].
+    /// Set at once by the first failed flush (or FUA): every request fails
+    /// from then on ([`Flusher::failed`]).
+    failing: AtomicBool,
+    /// Set once that failure is recorded on the store: see
+    /// [`BackendError::WritebackLost`]. Until then a call for durability
+    /// waits for `recording`.
     writeback_lost: AtomicBool,
+    /// Held while a failure is recorded.
+    recording: parking_lot::Mutex<()>,
     state: parking_lot::Mutex<State>,
     /// Where the next group's flush runs; none: on the thread that ran the last.
     pool: Option<PoolHandle>,
@@ -55,7 +62,15 @@ struct State {
 
 impl Flusher {
     pub fn new(name: String, backend: Arc<dyn Backend>, pool: Option<PoolHandle>) -> Flusher {
-        Flusher { name, backend, writeback_lost: AtomicBool::new(false), state: Default::default(), pool }
+        Flusher {
+            name,
+            backend,
+            failing: AtomicBool::new(false),
+            writeback_lost: AtomicBool::new(false),
+            recording: Default::default(),
+            state: Default::default(),
+            pool,
+        }
     }
 
     /// Calls `done` once every write completed before this call is durable,
@@ -139,14 +154,22 @@ impl Flusher {
     /// (another host reading the volume) would not know which it got.
     /// (Until 2026-12-07 only FLUSH and FUA failed.)
     pub fn failed(&self) -> bool {
-        self.writeback_lost.load(SeqCst)
+        self.failing.load(SeqCst)
+    }
+
+    /// The error of a request of a failed volume, given once the failure is
+    /// recorded on the store (see `latch`): a caller may wait for it, so
+    /// not on a thread that serves connections.
+    pub fn refusal(&self) -> BackendError {
+        drop(self.recording.lock());
+        BackendError::WritebackLost
     }
 
     /// Runs `f`, a flush or a call that promises durability by itself (a
     /// native FUA write on a store that cannot flush), under the latch.
     pub fn durable(&self, f: impl FnOnce() -> Result<(), BackendError>) -> Result<(), BackendError> {
         if self.failed() {
-            return Err(BackendError::WritebackLost);
+            return Err(self.refusal());
         }
         let r = f();
         match &r {
@@ -162,28 +185,29 @@ impl Flusher {
     /// waiting is told): a target started on it later must not let the
     /// sessions of now resume over writes this flush lost.
     fn latch(&self, e: &BackendError) {
+        let _recording = self.recording.lock();
         if self.writeback_lost.load(SeqCst) {
             return;
         }
-        // Recorded before the latch is set, so that no caller is told of the
-        // failure (a FUA write racing this flush) before the store holds it.
-        // (Two failures at once may count twice: the count only has to change.)
+        // Reads and writes fail from now on; but no caller is told of the
+        // failure (a FUA write racing this flush) before the store holds it:
+        // they wait for `recording`.
+        self.failing.store(true, SeqCst);
         let recorded = self.backend.record_failed_flush();
-        if !self.writeback_lost.swap(true, SeqCst) {
+        self.writeback_lost.store(true, SeqCst);
+        tracing::error!(
+            volume = self.name,
+            "flush failed ({e}): writes since the last good flush may be lost; \
+             the volume now fails every request, reads too, until it is reopened \
+             (a restart of the target)"
+        );
+        if let Err(why) = recorded {
             tracing::error!(
                 volume = self.name,
-                "flush failed ({e}): writes since the last good flush may be lost; \
-                 the volume now fails every request, reads too, until it is reopened \
-                 (a restart of the target)"
+                "the failed flush could not be recorded on the store ({why}): a target restarted \
+                 on it would let the sessions of now resume, and their next flush succeed over \
+                 the writes this one lost; restart their clients too"
             );
-            if let Err(why) = recorded {
-                tracing::error!(
-                    volume = self.name,
-                    "the failed flush could not be recorded on the store ({why}): a target restarted \
-                     on it would let the sessions of now resume, and their next flush succeed over \
-                     the writes this one lost; restart their clients too"
-                );
-            }
         }
     }
 }

@@ -705,6 +705,69 @@ mod tests {
         assert_eq!(layer.calls.load(SeqCst), calls, "nothing reached the store");
     }
 
+    /// A store whose first flush fails, and whose record of it waits until
+    /// `release` is set.
+    struct SlowRecord {
+        next: Arc<dyn Backend>,
+        flushes: std::sync::atomic::AtomicU32,
+        release: AtomicBool,
+    }
+
+    impl backend::Layer for SlowRecord {
+        fn next(&self) -> &dyn Backend {
+            &*self.next
+        }
+        fn can_read_now(&self) -> bool {
+            true
+        }
+        fn read_now(&self, buf: &mut [u8], offset: u64) -> backend::Result<bool> {
+            self.next.read_at(buf, offset).map(|()| true)
+        }
+        fn flush(&self) -> backend::Result<()> {
+            match self.flushes.fetch_add(1, SeqCst) {
+                0 => Err(BackendError::Io(libc::EIO)),
+                _ => Ok(()),
+            }
+        }
+        fn record_failed_flush(&self) -> std::io::Result<()> {
+            let t = std::time::Instant::now();
+            while !self.release.load(SeqCst) && t.elapsed() < std::time::Duration::from_secs(5) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        }
+    }
+
+    /// While a failed flush is being recorded, reads already fail, but
+    /// nobody is told that a flush failed until the record is made (a
+    /// target killed meanwhile would let the sessions of before resume).
+    #[test]
+    fn reads_fail_at_once_and_flushes_are_told_once_the_failure_is_recorded() {
+        let layer = Arc::new(SlowRecord {
+            next: Arc::new(MemoryBackend::new(1 << 20)),
+            flushes: Default::default(),
+            release: AtomicBool::new(false),
+        });
+        let v = Arc::new(Volume::with_backend("v".into(), layer.clone(), 65536));
+        let failing = leading(&v);
+        let t = std::time::Instant::now();
+        while !v.failed() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "the failure is seen at once");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let read = v.read_now(&check(&v, IoKind::Read, 0, 4096).unwrap()).expect("served now");
+        assert_eq!(read.map(drop), Err(Refusal::Device(BackendError::WritebackLost)));
+        let told = std::thread::spawn({
+            let v = v.clone();
+            move || v.execute(check(&v, IoKind::Flush, 0, 0).unwrap()).map(drop)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!told.is_finished(), "a FLUSH is not answered before the record is made");
+        layer.release.store(true, SeqCst);
+        assert_eq!(told.join().unwrap(), Err(Refusal::Device(BackendError::WritebackLost)));
+        assert_eq!(failing.join().unwrap(), Err(BackendError::Io(libc::EIO)));
+    }
+
     fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
         let payload =
             if kind == IoKind::Write { Bytes::from(vec![0u8; length as usize]) } else { Bytes::new() };

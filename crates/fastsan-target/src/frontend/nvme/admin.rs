@@ -133,9 +133,14 @@ pub fn identify_controller_nvm() -> Vec<u8> {
 }
 
 /// SMART / health (log 2, 512 bytes): a healthy device, with the volumes'
-/// own counters (units of 1000 blocks of 512 bytes, as the spec counts).
+/// own counters (units of 1000 blocks of 512 bytes, as the spec counts);
+/// once a volume's flush failed (it fails every command until the target
+/// reopens it), the critical warning "reliability degraded" (bit 2).
 pub fn smart_log(namespaces: &[&Namespace]) -> Vec<u8> {
     let mut b = vec![0u8; 512];
+    if namespaces.iter().any(|ns| ns.volume.failed()) {
+        b[0] |= 1 << 2;
+    }
     put(&mut b, 1, &(273u16 + 25).to_le_bytes()); // 25 C, in kelvins
     b[3] = 100; // available spare
     b[4] = 10; // its threshold
