@@ -25,6 +25,9 @@ pub const AUTH_HMAC_SHA256: u8 = 1;
 pub const VOLUME_READ_ONLY: u32 = 1;
 /// Volume flag: the volume's data does not survive the target (memory).
 pub const VOLUME_VOLATILE: u32 = 2;
+/// Volume flag: a flush of the volume failed, and it fails every request
+/// until the target reopens it (a restart).
+pub const VOLUME_FAILED: u32 = 4;
 
 /// OPEN flag: this OPEN starts a new incarnation of the session it names
 /// (a restarted client taking over its predecessor's session): the target

@@ -68,7 +68,7 @@ mod writer;
 
 pub use blocking::BlockingVolume;
 pub use error::Error;
-pub use fastsan_brp::handshake::{VOLUME_READ_ONLY, VOLUME_VOLATILE};
+pub use fastsan_brp::handshake::{VOLUME_FAILED, VOLUME_READ_ONLY, VOLUME_VOLATILE};
 /// A listed volume's flag set by this client, never on the wire: the
 /// server named the volume but would not describe it (an NBD export whose
 /// OPT_INFO was refused); its size and block size are 0.

@@ -267,7 +267,9 @@ async fn a_failed_flush_fails_every_later_flush_for_every_client() {
     assert_eq!(n.simple(0).await.0, EIO);
     n.request(CMD_READ, 0, 8, 0, 4096, &[]).await;
     assert_eq!(n.simple(0).await.0, EIO);
-    // What the operator sees.
+    // What the operator sees: LIST's flag (`fastsan ls`) and the metric.
+    let listed = fastsan_initiator::list(&srv.url("v"), &Default::default()).await.unwrap();
+    assert_eq!(listed[0].flags & fastsan_initiator::VOLUME_FAILED, fastsan_initiator::VOLUME_FAILED);
     let collector = fastsan_target::metrics::TargetCollector { server: srv.handle.clone() };
     let text = fastsan_target::metrics::render(&collector);
     assert!(text.contains("fastsan_volume_failed{volume=\"v\"} 1"), "{text}");

@@ -47,6 +47,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         if v.flags & fastsan_initiator::VOLUME_VOLATILE != 0 {
             flags.push("volatile");
         }
+        if v.flags & fastsan_initiator::VOLUME_FAILED != 0 {
+            flags.push("FAILED (a flush failed: every request fails until the target restarts)");
+        }
         if v.flags & fastsan_initiator::VOLUME_UNREADABLE != 0 {
             flags.push("unreadable (the server would not describe it: see the warning above)");
         }

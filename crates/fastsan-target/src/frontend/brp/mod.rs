@@ -20,7 +20,7 @@ use crate::stats::Stats;
 use crate::volume::{Outcome, Volume};
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::batch::BatchBody;
-use fastsan_brp::handshake::{Message, VolumeInfo, VOLUME_READ_ONLY, VOLUME_VOLATILE};
+use fastsan_brp::handshake::{Message, VolumeInfo, VOLUME_FAILED, VOLUME_READ_ONLY, VOLUME_VOLATILE};
 use fastsan_brp::reply::ReplyHeader;
 use fastsan_brp::request::{parse_request, RequestHeader, FLAGS_KNOWN, REQUEST_HEADER_LEN};
 use fastsan_brp::{Command, ProtocolError, Status};
@@ -77,6 +77,9 @@ pub fn volume_flags(v: &Volume, read_only: bool) -> u32 {
     }
     if v.volatile() {
         flags |= VOLUME_VOLATILE;
+    }
+    if v.failed() {
+        flags |= VOLUME_FAILED;
     }
     flags
 }
