@@ -233,12 +233,10 @@ impl Drop for Held {
     }
 }
 
-/// The bytes a request moves through the device (what its byte budget counts).
-fn moves(req: &Result<IoRequest, Refusal>) -> u64 {
-    req.as_ref().map_or(0, |r| match r.kind {
-        IoKind::Read | IoKind::Write => r.length,
-        _ => 0,
-    })
+/// The bytes a request moves through the device (what its byte budget
+/// counts): none for one refused already or about to be ([`Volume::moves`]).
+fn moves(req: &Result<IoRequest, Refusal>, volume: &Volume, limits: &Limits) -> u64 {
+    req.as_ref().map_or(0, |r| volume.moves(r, limits))
 }
 
 /// One finished request on its way to the writer. `M` is what the front end
@@ -704,7 +702,7 @@ where
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
     ) -> io::Result<()> {
-        let moves = moves(&req);
+        let moves = moves(&req, volume, &self.limits);
         // Credits come back as I/Os finish: the ones submitted start first.
         self.kick();
         // At shutdown a request still waiting for a credit is dropped unanswered:
@@ -735,7 +733,7 @@ where
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
     ) -> Result<io::Result<()>, (E::Meta, Result<IoRequest, Refusal>)> {
-        match self.credit_now(volume, moves(&req)) {
+        match self.credit_now(volume, moves(&req, volume, &self.limits)) {
             Some(credit) => Ok(self.start(volume, tag, meta, req, credit)),
             None => Err((meta, req)),
         }

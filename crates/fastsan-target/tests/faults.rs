@@ -278,6 +278,39 @@ async fn a_failed_flush_fails_every_later_flush_for_every_client() {
     assert!(e.to_string().contains("could not flush volume(s) v"), "{e}");
 }
 
+/// A request refused for its length or range holds no payload budget.
+/// Until 2026-12-07 a READ of 4 GiB - 4 KiB past the end of the volume was
+/// charged every budget whole before it was checked: it waited until
+/// every byte in flight on the volume had drained, and every other
+/// client's reads and writes queued behind it (here: one read stalled in
+/// the device stopped them all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_for_its_size_holds_up_nobody() {
+    let (srv, _dir) = file_volume_with_faults("oversized", "none", |_| {}).await;
+    let faults = srv.handle.faults("v").unwrap();
+    faults.add(FaultRule::new(FaultOps::READ, Effect::Stall).range(512 << 10..1 << 20));
+    let nbd = srv.nbd.unwrap();
+    let client = || async {
+        let mut c = NbdRaw::connect(nbd).await;
+        c.go("v", false, false).await;
+        c
+    };
+    let mut stalled = client().await;
+    stalled.request(CMD_READ, 0, 1, 512 << 10, 4096, &[]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut huge = client().await;
+    huge.request(CMD_READ, 0, 2, 0, u32::MAX - 4095, &[]).await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), huge.simple(0)).await;
+    assert_eq!(answer.expect("refused at once").0, EINVAL);
+    let mut other = client().await;
+    other.request(CMD_READ, 0, 3, 0, 4096, &[]).await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), other.simple(4096)).await;
+    assert_eq!(answer.expect("another client's read goes on").0, 0);
+    faults.clear();
+    assert_eq!(stalled.simple(4096).await.0, 0, "the stalled read ends once released");
+    srv.stop().await;
+}
+
 /// A slow fsync holds one of its volume's I/O threads however many FLUSH
 /// and FUA writes wait for it (until 2026-11-28 each waiter held one, and
 /// with as many waiters as threads the volume's reads stopped too): a

@@ -328,6 +328,25 @@ impl Volume {
         self.flusher.durable(f)
     }
 
+    /// The payload bytes a decoded request will hold while it runs (what
+    /// the byte budgets count, taken before [`Volume::validate`]): a READ's
+    /// or WRITE's length, where its length and range pass the checks of
+    /// `validate`; 0 where they do not (it will be refused at once). Until
+    /// 2026-12-07 a READ of 4 GiB - 1 past the end of the volume was
+    /// charged its length, clamped to every budget whole: the server's
+    /// reads and writes, on every connection and volume, waited behind one
+    /// request that was then refused.
+    pub fn moves(&self, r: &IoRequest, limits: &Limits) -> u64 {
+        let within = |r: &IoRequest| {
+            r.length <= limits.max_io.min(self.blocks.maximum) as u64
+                && r.offset.checked_add(r.length).is_some_and(|end| end <= self.size)
+        };
+        match r.kind {
+            IoKind::Read | IoKind::Write if within(r) => r.length,
+            _ => 0,
+        }
+    }
+
     /// Checks a decoded request against the volume (size, capabilities,
     /// read-only) and the front end's limits (alignment, largest transfer).
     /// A refused request has no effect.
