@@ -1077,6 +1077,47 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     assert!(log.contains("waits for the host's lost queues to drain"), "{log}");
 }
 
+/// A Connect that waits for the host's lost queues longer than its own
+/// keep-alive timeout is answered once they drained: the host waits for
+/// its answer, it is not silent. (The reaper tore that new controller down
+/// after the keep-alive timeout, and the Connect failed: a host could not
+/// reconnect while its old writes drained.) The fence is that host's: one
+/// with the same NQN and its own host identifier does not wait.
+#[test]
+fn a_connect_waiting_on_the_fence_outlives_its_keep_alive_timeout() {
+    // One device thread, 100 ms a write: 30 lost writes take 3 s to drain.
+    let dir = temp_dir("nvme-fence-kato");
+    let img = dir.join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
+    let spec = format!("v=file:{},delay=100ms", img.display());
+    let t = nvme_target(&["--io-threads", "1", "--volume", &spec]);
+    let (admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    let mut admin = admin;
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    for i in 0..30u64 {
+        io.submit(&mut Host::write_cmd(1, 8 * i, 8), &pattern(i as u8, 4096));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    drop((io, admin));
+    // Another host (its own host identifier) sharing the NQN, as cloned
+    // images do, is not held by this one's fence.
+    let start = std::time::Instant::now();
+    let cqe = Host::ic(&t.nvme, Digests::default()).try_connect_as([7; 16], NQN, 0, 0xffff, 0);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    assert!(start.elapsed() < Duration::from_millis(1500), "held: {:?}", start.elapsed());
+    // A keep-alive timeout of 1 s: torn down after 2 s of silence.
+    let start = std::time::Instant::now();
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 1000);
+    let waited = start.elapsed();
+    assert!(cqe.status.is_success(), "{cqe:?} after {waited:?}");
+    assert!(waited >= Duration::from_millis(2500), "it waited for the lost writes: {waited:?}");
+    admin.enable(1);
+    let (mut io, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    assert_eq!(io.read(1, 8 * 29, 8).1, pattern(29, 4096), "the lost queue's last write landed");
+}
+
 /// `fastsan bench` over NVMe/TCP: one I/O queue per job, every read of a
 /// block written in the run checked, and the end of the run is this side's
 /// close, not a lost connection (no warning when the controller ends the

@@ -96,6 +96,9 @@ pub struct Namespace {
     pub uuid: [u8; 16],
 }
 
+/// A host as fences know it: its NQN and host identifier.
+type Host = (String, [u8; 16]);
+
 /// The NVM subsystem: its NQN, its namespaces, its live controllers.
 pub struct Subsystem {
     pub nqn: String,
@@ -109,7 +112,7 @@ pub struct Subsystem {
     controllers: Mutex<HashMap<u16, Arc<Controller>>>,
     /// Queues of deleted controllers, by host, that may still have device
     /// work running (see [`NvmeConn::fence`]).
-    departed: Mutex<Vec<(String, Arc<Activity>)>>,
+    departed: Mutex<Vec<(Host, Arc<Activity>)>>,
     next_cntlid: Mutex<u16>,
 }
 
@@ -402,10 +405,14 @@ impl Subsystem {
             return;
         }
         // Its device work may still run (its replies could not be written):
-        // the host's next Connect waits for it. (The state lock is released
-        // before `departed` is taken: teardown takes them the other way.)
+        // the host's next Connect waits for it. Under the controllers' lock
+        // from its queues to `departed`, as `stopped_queues` looks: a Connect
+        // checking in between found the queue in neither, and went ahead of
+        // its writes. (The state lock is released before `departed` is
+        // taken: teardown takes them the other way.)
+        let _ctrls = self.controllers.lock();
         let gone = ctrl.state.lock().queues.remove(&qid);
-        self.depart(&ctrl.hostnqn, gone);
+        self.depart(ctrl.host(), gone);
     }
 
     fn teardown(&self, ctrl: &Controller) {
@@ -418,15 +425,15 @@ impl Subsystem {
         for a in &queues {
             a.stop();
         }
-        self.depart(&ctrl.hostnqn, queues);
+        self.depart(ctrl.host(), queues);
     }
 
-    /// Keeps the stopped queues of `hostnqn` that still run device work, for
+    /// Keeps the stopped queues of `host` that still run device work, for
     /// [`NvmeConn::fence`]; forgets those that drained.
-    fn depart(&self, hostnqn: &str, queues: impl IntoIterator<Item = Arc<Activity>>) {
+    fn depart(&self, host: Host, queues: impl IntoIterator<Item = Arc<Activity>>) {
         let mut departed = self.departed.lock();
         departed.retain(|(_, a)| !a.is_drained());
-        departed.extend(queues.into_iter().filter(|a| !a.is_drained()).map(|a| (hostnqn.to_owned(), a)));
+        departed.extend(queues.into_iter().filter(|a| !a.is_drained()).map(|a| (host.clone(), a)));
     }
 
     /// Tears down every controller whose host sent nothing for its
@@ -467,11 +474,11 @@ impl Subsystem {
         }
     }
 
-    /// The queues of `hostnqn`'s controllers that stopped with device work
+    /// The queues of `host`'s controllers that stopped with device work
     /// still running.
-    fn stopped_queues(&self, hostnqn: &str) -> Vec<Arc<Activity>> {
+    fn stopped_queues(&self, host: &Host) -> Vec<Arc<Activity>> {
         let ctrls = self.controllers.lock();
-        let mine = ctrls.values().filter(|c| c.hostnqn == hostnqn);
+        let mine = ctrls.values().filter(|c| c.host() == *host);
         let mut v: Vec<Arc<Activity>> = mine
             .flat_map(|c| {
                 let st = c.state.lock();
@@ -479,7 +486,7 @@ impl Subsystem {
             })
             .collect();
         let departed = self.departed.lock();
-        v.extend(departed.iter().filter(|(h, a)| h == hostnqn && !a.is_drained()).map(|(_, a)| a.clone()));
+        v.extend(departed.iter().filter(|(h, a)| h == host && !a.is_drained()).map(|(_, a)| a.clone()));
         v
     }
 
@@ -494,6 +501,13 @@ impl Controller {
     pub fn namespace(&self, nsid: u32) -> Option<Mode> {
         let i = usize::try_from(nsid).ok()?.checked_sub(1)?;
         *self.access.get(i)?
+    }
+
+    /// The host it serves, as fences know it: its NQN and host identifier
+    /// (both unauthenticated; the NQN alone is shared by cloned images, and
+    /// one host's stopped queues held another's reconnects).
+    fn host(&self) -> Host {
+        (self.hostnqn.clone(), self.hostid)
     }
 
     /// Stamps the controller as heard from at `now` (a coarse clock's ms):
@@ -1178,7 +1192,7 @@ impl Transmission for NvmeConn {
     /// has stopped (its connection ended, or its controller was torn down)
     /// has drained: what the host resends can no longer be overtaken.
     fn fence(&mut self) -> Option<crate::sessions::Fence> {
-        let stopped = self.sub.stopped_queues(&self.ctrl.hostnqn);
+        let stopped = self.sub.stopped_queues(&self.ctrl.host());
         if stopped.is_empty() {
             return None;
         }
@@ -1187,10 +1201,26 @@ impl Transmission for NvmeConn {
             queues = stopped.len(),
             "NVMe Connect waits for the host's lost queues to drain"
         );
+        let (sub, ctrl) = (self.sub.clone(), self.ctrl.clone());
         Some(Box::pin(async move {
-            for a in stopped {
-                a.drained().await;
+            let drained = async {
+                for a in stopped {
+                    a.drained().await;
+                }
+            };
+            tokio::pin!(drained);
+            // The host waits for this answer: its controller is not silent
+            // meanwhile. (The reaper tore down a new controller whose Connect
+            // waited longer than its keep-alive timeout, and the Connect
+            // failed: a host could not reconnect while old writes drained.)
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = &mut drained => break,
+                    _ = tick.tick() => ctrl.touch(sub.now_ms()),
+                }
             }
+            ctrl.touch(sub.now_ms());
         }))
     }
 
