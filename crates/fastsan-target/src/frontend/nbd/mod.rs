@@ -69,9 +69,12 @@ pub fn tflags(v: &Volume, structured: bool, read_only: bool) -> u16 {
     set(c.flush, TFLAG_SEND_FLUSH);
     // FUA is emulated with a flush where the store cannot do it.
     set(c.write && c.flush, TFLAG_SEND_FUA);
-    set(c.trim, TFLAG_SEND_TRIM);
-    set(c.zero, TFLAG_SEND_WRITE_ZEROES);
-    set(c.fast_zero, TFLAG_SEND_FAST_ZERO);
+    // Changes, only where this client may write (they got EPERM on a
+    // read-only grant, which a client that was told it may send them takes
+    // for a failure of the device).
+    set(c.write && c.trim, TFLAG_SEND_TRIM);
+    set(c.write && c.zero, TFLAG_SEND_WRITE_ZEROES);
+    set(c.write && c.fast_zero, TFLAG_SEND_FAST_ZERO);
     set(c.cache, TFLAG_SEND_CACHE);
     set(structured, TFLAG_SEND_DF);
     f
@@ -302,6 +305,19 @@ fn block_status(cookie: u64, extents: &[Extent], out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_only_grant_is_offered_no_change() {
+        let v =
+            Volume::with_backend("v".into(), Arc::new(crate::backend::MemoryBackend::new(1 << 20)), 65536);
+        let changes = TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FAST_ZERO | TFLAG_SEND_FUA;
+        let rw = tflags(&v, true, false);
+        let offered = TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FUA;
+        assert_eq!(rw & (offered | TFLAG_READ_ONLY), offered, "{rw:#x}");
+        let ro = tflags(&v, true, true);
+        assert_eq!(ro & changes, 0, "{ro:#x}");
+        assert_eq!(ro & (TFLAG_READ_ONLY | TFLAG_SEND_FLUSH), TFLAG_READ_ONLY | TFLAG_SEND_FLUSH);
+    }
 
     #[test]
     fn enotsup_only_for_a_fast_zero() {
