@@ -96,9 +96,9 @@ impl Volume {
         if self.failed() {
             return done(Err(BackendError::WritebackLost.into()));
         }
-        let io = match op.kind {
-            OpKind::Read { offset, len } => DeviceIo::Read { offset, len },
-            OpKind::Write { offset, data, fua: false } => DeviceIo::Write { offset, data },
+        let (io, reads) = match op.kind {
+            OpKind::Read { offset, len } => (DeviceIo::Read { offset, len }, len),
+            OpKind::Write { offset, data, fua: false } => (DeviceIo::Write { offset, data }, 0),
             _ => return done(Err(BackendError::Unsupported.into())),
         };
         self.backend.submit(
@@ -106,7 +106,7 @@ impl Volume {
             io,
             Box::new(move |r| {
                 done(match r {
-                    Ok(Some(data)) => Ok(Outcome::Data(data)),
+                    Ok(Some(data)) => whole(data, reads).map(Outcome::Data),
                     Ok(None) => Ok(Outcome::Done),
                     Err(e) => Err(e.into()),
                 })
@@ -147,7 +147,7 @@ impl Volume {
         Ok((
             match op.kind {
                 OpKind::Read { offset, len } if len >= SHARE_READS_FROM && self.caps.share_reads => {
-                    Outcome::Data(b.read_shared(offset, len.into())?)
+                    Outcome::Data(whole(b.read_shared(offset, len.into())?, len)?)
                 }
                 OpKind::Read { offset, len } => {
                     let mut buf = PooledBuf::take(len as usize);
@@ -212,6 +212,18 @@ impl Volume {
             false,
         ))
     }
+}
+
+/// A read's data, checked to be as long as the read: a store that gave
+/// less (or more) is a device failure, not a reply whose length differs
+/// from the request's, which would put the client's stream out of step
+/// (an NBD client would take the next reply's header for data).
+fn whole(data: ReadData, len: u32) -> Result<ReadData, Refusal> {
+    if data.len() == len as usize {
+        return Ok(data);
+    }
+    tracing::error!(asked = len, got = data.len(), "a store's read returned another length: failed as EIO");
+    Err(BackendError::Io(libc::EIO).into())
 }
 
 /// WRITE_ZEROES: the store's own, or, where it cannot (EOPNOTSUPP: a file

@@ -787,6 +787,43 @@ mod tests {
         assert_eq!(failing.join().unwrap(), Err(BackendError::Io(libc::EIO)));
     }
 
+    /// A store whose reads come back 512 bytes short (a bug in it).
+    struct Short(Arc<dyn Backend>);
+
+    impl backend::Layer for Short {
+        fn next(&self) -> &dyn Backend {
+            &*self.0
+        }
+        fn can_share_reads(&self) -> bool {
+            true
+        }
+        fn read_shared(&self, offset: u64, len: u64) -> backend::Result<crate::request::ReadData> {
+            self.0.read_shared(offset, len - 512)
+        }
+        fn can_submit(&self) -> bool {
+            true
+        }
+        fn submit(&self, _client: u64, io: backend::DeviceIo, done: backend::DeviceDone) {
+            let backend::DeviceIo::Read { offset, len } = io else { return done(Ok(None)) };
+            done(self.0.read_shared(offset, len as u64 - 512).map(Some))
+        }
+    }
+
+    #[test]
+    fn a_read_the_store_returns_short_is_a_device_error_not_short_data() {
+        let v =
+            Volume::with_backend("v".into(), Arc::new(Short(Arc::new(MemoryBackend::new(1 << 20)))), 65536);
+        let eio = Err(Refusal::Device(BackendError::Io(libc::EIO)));
+        assert_eq!(v.execute(check(&v, IoKind::Read, 0, 8192).unwrap()).map(drop), eio);
+        let (tx, rx) = std::sync::mpsc::channel();
+        v.submit(
+            1,
+            check(&v, IoKind::Read, 0, 8192).unwrap(),
+            Box::new(move |r| tx.send(r.map(drop)).unwrap()),
+        );
+        assert_eq!(rx.recv().unwrap(), eio);
+    }
+
     fn check(v: &Volume, kind: IoKind, offset: u64, length: u64) -> Result<Op, Refusal> {
         let payload =
             if kind == IoKind::Write { Bytes::from(vec![0u8; length as usize]) } else { Bytes::new() };
