@@ -320,6 +320,10 @@ struct SinkState<W, E: Encoder> {
     /// A reply [`SinkState::write_at_once`] began and the socket did not
     /// take whole: written before anything else.
     rest: Option<Rest<E::Meta>>,
+    /// The protocol's goodbye is written ([`Dispatcher::send_last`]):
+    /// nothing may follow it (an NVMe/TCP host takes no PDU after a
+    /// C2HTermReq), so later replies are dropped, as for nobody reading.
+    ended: bool,
 }
 
 /// The part of a reply the socket did not take at once. The reply is kept
@@ -357,7 +361,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
                 io::Error::new(io::ErrorKind::BrokenPipe, "the reply stream failed earlier")
             }));
         }
-        if self.activity.is_abandoned() {
+        if self.activity.is_abandoned() || self.ended {
             // Nobody reads them: drop the replies (and what they hold), a
             // reply begun too (the stream is reset, never finished).
             self.rest = None;
@@ -368,7 +372,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         self.broken = true;
         let r = self.write_all_of(batch, last).await;
         match r {
-            Ok(()) => self.broken = false,
+            Ok(()) => (self.broken, self.ended) = (false, !last.is_empty()),
             Err(_) => self.activity.abandon(),
         }
         r
@@ -418,7 +422,7 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         if self.broken || self.rest.is_some() {
             return Err(reply);
         }
-        if self.activity.is_abandoned() {
+        if self.activity.is_abandoned() || self.ended {
             return Ok(AtOnce::Done);
         }
         self.encode(std::slice::from_ref(&reply));
@@ -660,6 +664,7 @@ where
             stall: env.stall_timeout,
             activity: activity.clone(),
             broken: false,
+            ended: false,
             failure: None,
             rest: None,
         }));

@@ -1077,6 +1077,31 @@ fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
     assert!(log.contains("waits for the host's lost queues to drain"), "{log}");
 }
 
+/// Nothing follows a C2HTermReq: a read still running when the host broke
+/// the protocol is not answered after it (the target's writer sent the
+/// replies in flight after the goodbye until 2026-12-07; a host takes no
+/// PDU after it).
+#[test]
+fn nothing_follows_a_termination() {
+    let t = nvme_target(&["--volume", "v=memory:8M,delay=300ms"]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    let mut read = sqe(0x02).with(|s| {
+        s.nsid = 1;
+        s.cdw12 = 7;
+    });
+    read.dptr = SglDesc { addr: 0, length: 4096, id: sgl::TRANSPORT_DATA_BLOCK }.encode();
+    io.submit(&mut read, &[]);
+    std::thread::sleep(Duration::from_millis(50));
+    io.s.write_all(&[0x7f, 0, 24, 0, 24, 0, 0, 0]).unwrap();
+    match io.try_recv() {
+        Some((Header::C2hTermReq(_), _)) => {}
+        other => panic!("expected a C2HTermReq, got {other:?}"),
+    }
+    assert!(io.try_recv().is_none(), "closed after the C2HTermReq, the read not answered");
+}
+
 /// A Connect that waits for the host's lost queues longer than its own
 /// keep-alive timeout is answered once they drained: the host waits for
 /// its answer, it is not silent. (The reaper tore that new controller down
