@@ -1029,14 +1029,20 @@ fn writes_whose_data_trickles_in_pin_only_their_data_and_land_whole() {
     }
 }
 
-#[test]
-fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
-    // One device thread, 100 ms a write: a lost queue's writes wait their turn on the device.
-    let dir = temp_dir("nvme-fence");
+/// A target over a 4 MiB file whose one device thread takes 100 ms a
+/// write: a lost queue's writes wait their turn on the device (the fence's
+/// tests).
+fn slow_device_target(name: &str) -> (Scratch, Served) {
+    let dir = temp_dir(name);
     let img = dir.join("v.img");
     std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
     let spec = format!("v=file:{},delay=100ms", img.display());
-    let t = nvme_target(&["--io-threads", "1", "--volume", &spec]);
+    (dir, nvme_target(&["--io-threads", "1", "--volume", &spec]))
+}
+
+#[test]
+fn a_reconnecting_host_is_answered_after_its_lost_queues_writes_land() {
+    let (_dir, t) = slow_device_target("nvme-fence");
     let host = || {
         let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
         assert!(cqe.status.is_success());
@@ -1110,12 +1116,8 @@ fn nothing_follows_a_termination() {
 /// with the same NQN and its own host identifier does not wait.
 #[test]
 fn a_connect_waiting_on_the_fence_outlives_its_keep_alive_timeout() {
-    // One device thread, 100 ms a write: 30 lost writes take 3 s to drain.
-    let dir = temp_dir("nvme-fence-kato");
-    let img = dir.join("v.img");
-    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
-    let spec = format!("v=file:{},delay=100ms", img.display());
-    let t = nvme_target(&["--io-threads", "1", "--volume", &spec]);
+    // 30 lost writes take 3 s to drain.
+    let (_dir, t) = slow_device_target("nvme-fence-kato");
     let (admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
     let mut admin = admin;
     admin.enable(1);
