@@ -101,6 +101,8 @@ struct Volume {
     written: f64,
     size: f64,
     latency: Vec<(f64, f64)>,
+    /// A flush of it failed: it fails every request until the target restarts.
+    failed: bool,
 }
 
 #[derive(Default, Clone)]
@@ -126,6 +128,7 @@ impl Snapshot {
                     ("fastsan_volume_bytes_total", _, Some("read")) => vol.read = m.value,
                     ("fastsan_volume_bytes_total", _, Some("write")) => vol.written = m.value,
                     ("fastsan_volume_size_bytes", _, _) => vol.size = m.value,
+                    ("fastsan_volume_failed", _, _) => vol.failed = m.value > 0.0,
                     ("fastsan_volume_latency_seconds_bucket", _, _) => {
                         let le = m.label("le").and_then(|l| l.parse().ok()).unwrap_or(f64::INFINITY);
                         vol.latency.push((le, m.value));
@@ -200,7 +203,7 @@ fn tables(now: &Snapshot, before: &Snapshot) -> Tables {
         .map(|(name, v)| {
             let b = before.volumes.get(name).cloned().unwrap_or_default();
             vec![
-                name.clone(),
+                if v.failed { format!("{name} FAILED") } else { name.clone() },
                 format!("{:.0}", rate(v.ops, b.ops, secs)),
                 format!("{:.1}", rate(v.read, b.read, secs) / mib),
                 format!("{:.1}", rate(v.written, b.written, secs) / mib),
@@ -389,7 +392,13 @@ fn live(
             };
             f.render_widget(Paragraph::new(status), top);
             let table = |(head, rows): (Vec<&'static str>, Vec<Vec<String>>), title: &'static str| {
-                let widths = vec![Constraint::Length(12); head.len()];
+                let mut widths = vec![Constraint::Length(12); head.len()];
+                // The first column as wide as its longest cell (a volume's
+                // name, and "FAILED" after it), within reason.
+                let first = rows.iter().filter_map(|r| r.first()).map(|c| c.chars().count()).max();
+                if let (Some(w), Some(n)) = (widths.first_mut(), first) {
+                    *w = Constraint::Length((n as u16).saturating_add(1).clamp(12, 48));
+                }
                 Table::new(rows.into_iter().map(Row::new), widths)
                     .header(Row::new(head).style(Style::default().add_modifier(Modifier::BOLD)))
                     .block(Block::bordered().title(title))
@@ -429,6 +438,7 @@ mod tests {
         fastsan_volume_latency_seconds_bucket{le=\"0.000001\",volume=\"v\"} 10\n\
         fastsan_volume_latency_seconds_bucket{le=\"0.000002\",volume=\"v\"} 100\n\
         fastsan_volume_latency_seconds_bucket{le=\"+Inf\",volume=\"v\"} 100\n\
+        fastsan_volume_failed{volume=\"v\"} 0\nfastsan_volume_failed{volume=\"w\"} 1\n\
         fastsan_requests_total{protocol=\"brp\"} 1000\nfastsan_batches_total{protocol=\"brp\"} 10\n\
         fastsan_batched_requests_total{protocol=\"brp\"} 500\n";
 
@@ -448,6 +458,7 @@ mod tests {
         let v = &vols.1[0];
         assert_eq!((v[0].as_str(), v[1].as_str()), ("v", "75"), "150 ops in 2 s");
         assert_eq!((v[4].as_str(), v[5].as_str()), ("2.0", "2.0"), "p50 and p99 in the 2 us bucket");
+        assert_eq!(vols.1[1][0], "w FAILED", "a volume whose flush failed says so");
         // 1000 requests: 500 in 10 BATCHes, 500 alone: 510 frames.
         assert_eq!(protos.1[0][4], format!("{:.2}", 1000.0 / 510.0));
         assert!(split_url("https://x/metrics").is_err());
