@@ -110,6 +110,23 @@ fn failed_flushes(file: &File) -> u64 {
         .unwrap_or(0)
 }
 
+/// Counts one more failed flush of `file` on the file ([`failed_flushes`]).
+fn count_failed_flush(file: &File) -> io::Result<()> {
+    let count = (failed_flushes(file) + 1).to_string();
+    let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
+    for name in FAILED_FLUSHES {
+        // SAFETY: the value is count's bytes, alive for the call; the fd is open.
+        let r = unsafe {
+            libc::fsetxattr(file.as_raw_fd(), name.as_ptr(), count.as_ptr().cast(), count.len(), 0)
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        last = io::Error::last_os_error();
+    }
+    Err(last)
+}
+
 /// A file's second record of its failed flushes, off its own filesystem:
 /// `RUN_DIR/failed-flushes/NAME`, NAME from the file's identity, holding the
 /// count and the file's path (for whoever looks). The attribute on the file
@@ -692,27 +709,7 @@ impl Backend for FileBackend {
                 .map_err(|e| io::Error::new(e.kind(), format!("in {}: {e}", record.display()))),
             None => Err(io::Error::new(io::ErrorKind::NotFound, "no run directory")),
         };
-        let on_file = (|| {
-            let count = (failed_flushes(&self.file) + 1).to_string();
-            let mut last = io::Error::from_raw_os_error(libc::ENOTSUP);
-            for name in FAILED_FLUSHES {
-                // SAFETY: the value is count's bytes, alive for the call; the fd is open.
-                let r = unsafe {
-                    libc::fsetxattr(
-                        self.file.as_raw_fd(),
-                        name.as_ptr(),
-                        count.as_ptr().cast(),
-                        count.len(),
-                        0,
-                    )
-                };
-                if r == 0 {
-                    return Ok(());
-                }
-                last = io::Error::last_os_error();
-            }
-            Err(last)
-        })();
+        let on_file = count_failed_flush(&self.file);
         match (on_file, off_file) {
             (Ok(()), _) | (_, Ok(())) => Ok(()),
             (Err(a), Err(b)) => Err(io::Error::new(a.kind(), format!("on the file: {a}; off it: {b}"))),

@@ -39,13 +39,11 @@ pub struct Flusher {
     name: String,
     backend: Arc<dyn Backend>,
     /// Set at once by the first failed flush (or FUA): every request fails
-    /// from then on ([`Flusher::failed`]).
+    /// from then on ([`Flusher::failed`]), with
+    /// [`BackendError::WritebackLost`] once the failure is recorded on the
+    /// store (a call for durability waits for `recording` until then).
     failing: AtomicBool,
-    /// Set once that failure is recorded on the store: see
-    /// [`BackendError::WritebackLost`]. Until then a call for durability
-    /// waits for `recording`.
-    writeback_lost: AtomicBool,
-    /// Held while a failure is recorded.
+    /// Held while a failure is recorded (and `failing` set, under it).
     recording: parking_lot::Mutex<()>,
     state: parking_lot::Mutex<State>,
     /// Where the next group's flush runs; none: on the thread that ran the last.
@@ -66,7 +64,6 @@ impl Flusher {
             name,
             backend,
             failing: AtomicBool::new(false),
-            writeback_lost: AtomicBool::new(false),
             recording: Default::default(),
             state: Default::default(),
             pool,
@@ -186,7 +183,8 @@ impl Flusher {
     /// sessions of now resume over writes this flush lost.
     fn latch(&self, e: &BackendError) {
         let _recording = self.recording.lock();
-        if self.writeback_lost.load(SeqCst) {
+        // Set only here, under the lock: set means latched and recorded.
+        if self.failed() {
             return;
         }
         // Reads and writes fail from now on; but no caller is told of the
@@ -194,7 +192,6 @@ impl Flusher {
         // they wait for `recording`.
         self.failing.store(true, SeqCst);
         let recorded = self.backend.record_failed_flush();
-        self.writeback_lost.store(true, SeqCst);
         tracing::error!(
             volume = self.name,
             "flush failed ({e}): writes since the last good flush may be lost; \

@@ -337,14 +337,24 @@ impl Volume {
     /// reads and writes, on every connection and volume, waited behind one
     /// request that was then refused.
     pub fn moves(&self, r: &IoRequest, limits: &Limits) -> u64 {
-        let within = |r: &IoRequest| {
-            r.length <= limits.max_io.min(self.blocks.maximum) as u64
-                && r.offset.checked_add(r.length).is_some_and(|end| end <= self.size)
-        };
         match r.kind {
-            IoKind::Read | IoKind::Write if within(r) => r.length,
+            IoKind::Read | IoKind::Write
+                if r.length <= self.data_limit(limits) && self.holds(r.offset, r.length) =>
+            {
+                r.length
+            }
             _ => 0,
         }
+    }
+
+    /// The longest READ or WRITE (the front end's limit, the store's).
+    fn data_limit(&self, limits: &Limits) -> u64 {
+        limits.max_io.min(self.blocks.maximum) as u64
+    }
+
+    /// Whether `offset..offset + length` is within the volume.
+    fn holds(&self, offset: u64, length: u64) -> bool {
+        offset.checked_add(length).is_some_and(|end| end <= self.size)
     }
 
     /// Checks a decoded request against the volume (size, capabilities,
@@ -378,7 +388,7 @@ impl Volume {
         // Management range can pass (BRP's and NBD's lengths are 32 bits):
         // such a deallocate got Invalid Field.
         let moves_data = matches!(kind, IoKind::Read | IoKind::Write);
-        let limit = if moves_data { limits.max_io.min(self.blocks.maximum) as u64 } else { u64::MAX };
+        let limit = if moves_data { self.data_limit(limits) } else { u64::MAX };
         if length > limit {
             return Err(Refusal::TooLarge { length, limit });
         }
@@ -386,9 +396,8 @@ impl Volume {
         if !offset.is_multiple_of(align as u64) || !length.is_multiple_of(align as u64) {
             return Err(Refusal::Misaligned { offset, length, align });
         }
-        match offset.checked_add(length) {
-            Some(end) if end <= self.size => {}
-            _ => return Err(Refusal::OutOfRange { offset, length, size: self.size }),
+        if !self.holds(offset, length) {
+            return Err(Refusal::OutOfRange { offset, length, size: self.size });
         }
         let kind = match kind {
             IoKind::Read => OpKind::Read { offset, len: length as u32 },

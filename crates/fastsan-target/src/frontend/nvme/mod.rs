@@ -478,7 +478,7 @@ impl Subsystem {
     /// still running.
     fn stopped_queues(&self, host: &Host) -> Vec<Arc<Activity>> {
         let ctrls = self.controllers.lock();
-        let mine = ctrls.values().filter(|c| c.host() == *host);
+        let mine = ctrls.values().filter(|c| c.hostnqn == host.0 && c.hostid == host.1);
         let mut v: Vec<Arc<Activity>> = mine
             .flat_map(|c| {
                 let st = c.state.lock();
