@@ -2,12 +2,12 @@
 """Two fastsan binaries side by side, each whole: each serves its own 1 GiB memory volume (BRP,
 NBD and NVMe/TCP on loopback, written whole first) and each drives it with its own client, so that
 a change on either side (target or initiator) shows. The points alternate A and B, and the order
-turns around every round. Each run is 4 s of 4K random I/O.
+turns around every round. Each run is 4 s of I/O, 4K unless the point says.
 
   bench/ab.py A_BINARY B_BINARY ROUNDS POINTS [OUT.json]
   bench/ab.py /tmp/fastsan-old target/release/fastsan 6 brp:randread:128,fio:randwrite:1x32
 
-A point is KIND:RW:LOAD:
+A point is KIND:RW:LOAD[:BS] (BS: the block size, 4k by default; 1m, say, for large frames):
   brp:RW:N        fastsan bench over BRP, N requesters on 2 connections, adaptive merge
   nbd:RW:JxQ      fastsan bench's NBD client, J connections of queue depth Q
   nvme:RW:JxQ     fastsan bench's NVMe/TCP host, J queues of depth Q
@@ -60,12 +60,12 @@ def start(binary):
 
 
 def run(s, point, fio_json):
-    kind, rw, load = point.split(":")
+    kind, rw, load, bs = (point.split(":") + ["4k"])[:4]
     c0 = suite.cpu_ticks(s["target"].pid)
     if kind == "fio":
         jobs, qd = load.split("x")
         cmd = ["fio", "--name=ab", "--ioengine=nbd", f"--uri=nbd://127.0.0.1:{s['nbd']}/vol0", f"--rw={rw}",
-               "--bs=4k", f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting", "--time_based",
+               f"--bs={bs}", f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting", "--time_based",
                "--runtime=4", "--output-format=json", f"--output={fio_json}"]
         subprocess.run(cmd, capture_output=True, check=True)
         d = json.load(open(fio_json))["jobs"][0]
@@ -80,7 +80,7 @@ def run(s, point, fio_json):
                    "nvme": f"nvme+tcp://127.0.0.1:{s['nvme']}/{NQN}/1"}[kind]
             jobs, qd = load.split("x")
             target = [url, "--jobs", jobs, "--iodepth", qd]
-        cmd = [s["binary"], "bench", *target, "--rw", rw, "--bs", "4k", "--runtime", "4", "--json"]
+        cmd = [s["binary"], "bench", *target, "--rw", rw, "--bs", bs, "--runtime", "4", "--json"]
         j = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
         iops, ios, client = j["iops"], j["ios"], j["client_cpu_us_per_io"]
     server = (suite.cpu_ticks(s["target"].pid) - c0) / 100 / max(ios, 1) * 1e6
@@ -111,7 +111,8 @@ def main():
     med = lambda runs, key: statistics.median(x[key] for x in runs)  # noqa: E731
     for p in points:
         ra, rb = res[(p, "A")], res[(p, "B")]
-        line = (f"{p:20} A {[round(x['iops'] / 1e3) for x in ra]} B {[round(x['iops'] / 1e3) for x in rb]} "
+        k = lambda runs: [float(f"{x['iops'] / 1e3:.3g}") for x in runs]  # noqa: E731
+        line = (f"{p:20} A {k(ra)} B {k(rb)} "
                 f"B/A {med(rb, 'iops') / med(ra, 'iops'):.3f} | server us/IO A {med(ra, 'server_us_per_io'):.2f} "
                 f"B {med(rb, 'server_us_per_io'):.2f}")
         if ra[0]["client_us_per_io"] is not None:

@@ -231,7 +231,8 @@ pub struct ServerConfig {
     /// Allow metrics on a non-loopback address (they have no authentication).
     pub metrics_allow_remote: bool,
     pub handshake_timeout: Duration,
-    /// How long a reply write may make no progress before its connection is dropped.
+    /// How long a reply write may make no progress, or a request's data
+    /// stop arriving in the middle, before its connection is dropped.
     pub stall_timeout: Duration,
     /// Connections in their transmission phase at once; more are refused as busy.
     pub max_connections: usize,

@@ -18,11 +18,11 @@ use crate::coalesce::{Coalesce, Timer};
 use crate::fence::Activity;
 use crate::frontend::{Decoded, Frontend, Handshake, Step, Transmission, WireError};
 use crate::gate::Ticket;
-use crate::pipeline::{ConnEnv, Dispatcher, READ_CHUNK, READ_GROWTH};
+use crate::pipeline::{ConnEnv, Dispatcher, Prepaid, READ_CHUNK, READ_GROWTH};
 use crate::stats::Stats;
 use crate::tls::{cert_identity, MaybeTls, Prefixed};
 use bytes::{BufMut, Bytes, BytesMut};
-use fastsan_initiator::read_plan::ReadPlan;
+use fastsan_initiator::read_plan::{ReadPlan, LARGE_FRAME};
 use futures::FutureExt;
 use std::io;
 use std::sync::Arc;
@@ -96,6 +96,8 @@ enum End {
     /// Stopped from elsewhere: its reply stream failed, or a reconnect of
     /// its session took its slot.
     Stopped,
+    /// The rest of a frame whose budget is held did not come within the stall timeout.
+    Silent,
     Io(io::Error),
     Protocol(WireError),
 }
@@ -309,6 +311,11 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
             warn!(%peer, "{name} connection closed in the middle of a request");
             Stats::add(&env.stats.protocol_errors, 1);
         }
+        (End::Silent, _) => warn!(
+            %peer,
+            "{name} client sent nothing for {:?} in the middle of a request's data; closing this connection (its budget goes back)",
+            env.stall_timeout
+        ),
         (End::Io(e), _) | (_, Err(e)) => info!(%peer, "{name} connection lost: {e}"),
         (End::Stopped, Ok(())) => {
             info!(%peer, "{name} connection stopped (its BRP session was taken over by a reconnect, its NVMe controller was shut down or torn down, or its replies could not be written); requests still buffered, if any, were dropped")
@@ -427,6 +434,8 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
     let mut ended: Option<io::Result<usize>> = None;
     let mut plan = ReadPlan::new(READ_CHUNK, READ_GROWTH);
     let mut eager = Eager::new(fd);
+    // (Counting from what the handshake's last read left in the buffer.)
+    let mut arrival = Arrival { paid: None, received: buf.len() as u64, until: 0 };
     loop {
         // (Replies made here, `locals`, are never held: see below.)
         let (mut requests, mut locals) = (0u32, 0u32);
@@ -435,9 +444,10 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 Ok(Decoded::Request { volume, tag, meta, req }) => match volumes.get(volume as usize) {
                     Some(v) => {
                         requests += 1;
-                        let r = match d.dispatch_now(v, tag, meta, req) {
+                        let paid = &mut arrival.paid;
+                        let r = match d.dispatch_now(v, tag, meta, req, paid) {
                             Ok(r) => r,
-                            Err((meta, req)) => d.dispatch(v, tag, meta, req).await,
+                            Err((meta, req)) => d.dispatch(v, tag, meta, req, paid).await,
                         };
                         match r {
                             // Another frame came in the same read: this one's replies go first.
@@ -480,6 +490,26 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 return if activity.is_stopped() { End::Stopped } else { End::Io(e) };
             }
         };
+        // A large frame's payload is counted against the byte budgets before
+        // it is read, not once it is all there (its requests' credits take
+        // the budget over): when they are spent, the target stops reading
+        // and the client's bytes wait in its socket.
+        if arrival.settle(&buf, need) {
+            if let Some((a, v)) = conn.arriving(&buf).and_then(|a| Some((a, volumes.get(a.volume as usize)?)))
+            {
+                let paid = tokio::select! {
+                    p = d.prepay(v, a.range, need as u64) => match p {
+                        Ok(p) => p,
+                        Err(e) => return if activity.is_stopped() { End::Stopped } else { End::Io(e) },
+                    },
+                    _ = &mut shutdown => return End::Shutdown,
+                    _ = &mut stopped => return End::Stopped,
+                };
+                if let Some(paid) = paid {
+                    arrival.paid(paid, &buf, need);
+                }
+            }
+        }
         // A client sending one request at a time, and still sending: its
         // replies wait a round for the next few (crate::coalesce). Only
         // replies of requests run inline wait; the others leave as they finish.
@@ -505,7 +535,10 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
             buf.reserve(room);
             match eager.read_now(&mut rd, &mut (&mut buf).limit(most)) {
                 // More requests (or part of one): decode them, the replies still held.
-                Some(Ok(n)) if n > 0 => continue,
+                Some(Ok(n)) if n > 0 => {
+                    arrival.read(n);
+                    continue;
+                }
                 Some(r) => ended = Some(r),
                 None => {}
             }
@@ -533,6 +566,7 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
         }
         let (room, most) = plan.next(buf.len(), need);
         buf.reserve(room);
+        let paying = arrival.paying(&buf);
         let mut into = (&mut buf).limit(most);
         // What the peer sent meanwhile, without waiting; else spin for it a
         // while if the connection goes request by request (BusyPoll), else
@@ -556,15 +590,70 @@ async fn transmission<C: Transmission, R: AsyncRead + Unpin, W: AsyncWrite + Unp
                 r = rd.read_buf(&mut into) => r,
                 _ = &mut shutdown => return End::Shutdown,
                 _ = &mut stopped => return End::Stopped,
+                // A frame whose budget is held must go on arriving: a client
+                // silent in the middle of one holds it no longer than one
+                // that stops reading its replies holds theirs.
+                _ = silent(paying, env.stall_timeout) => return End::Silent,
             },
         };
         poll.arrived(wait);
         match n {
             Ok(0) if conn.mid_frame(&buf) => return End::Truncated,
             Ok(0) => return End::Eof,
-            Ok(_) => {}
+            Ok(n) => arrival.read(n),
             Err(e) => return End::Io(e),
         }
+    }
+}
+
+/// The budget of the large frame at the front of the stream while its
+/// payload arrives ([`Dispatcher::prepay`]), kept until the frame is decoded
+/// (the credits of its writes take what they need of it). Known by where
+/// the frame ends in the stream, so that it is let go however the front end
+/// consumed the frame (an NVMe/TCP H2CData PDU that is not a write's last is
+/// taken without a request to show for it).
+struct Arrival {
+    paid: Option<Prepaid>,
+    /// Bytes read off the socket so far.
+    received: u64,
+    /// Where (in them) the frame whose budget is held ends.
+    until: u64,
+}
+
+impl Arrival {
+    fn read(&mut self, n: usize) {
+        self.received += n as u64;
+    }
+
+    /// Whether the frame at the front of `buf` has its budget held.
+    fn paying(&self, buf: &BytesMut) -> bool {
+        self.received - (buf.len() as u64) < self.until
+    }
+
+    /// At an incomplete frame needing `need` bytes: what is left of the
+    /// budget of one decoded since goes back; whether this one's is to be
+    /// taken (a large frame, most of it still to come).
+    fn settle(&mut self, buf: &BytesMut, need: usize) -> bool {
+        if self.paying(buf) {
+            return false;
+        }
+        self.paid = None;
+        need >= LARGE_FRAME && need > buf.len()
+    }
+
+    /// `paid` holds the budget of the frame at the front of `buf`, `need` bytes long.
+    fn paid(&mut self, paid: Prepaid, buf: &BytesMut, need: usize) {
+        self.until = self.received - buf.len() as u64 + need as u64;
+        self.paid = Some(paid);
+    }
+}
+
+/// Ends after `timeout` when `paying` (a frame whose budget is held waits
+/// for the rest of its payload); else never.
+async fn silent(paying: bool, timeout: Duration) {
+    match paying {
+        true => tokio::time::sleep(timeout).await,
+        false => std::future::pending().await,
     }
 }
 

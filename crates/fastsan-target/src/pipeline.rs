@@ -233,6 +233,51 @@ impl Drop for Held {
     }
 }
 
+/// The byte budget of a frame whose payload is arriving, taken when its
+/// header is there and before the rest is read ([`Dispatcher::prepay`]):
+/// the bytes a client sends are counted before the target reads them, as a
+/// READ's are before its data is read from the device. (Until 2026-12-08 a
+/// WRITE's payload was counted only once it had all arrived: an NBD write
+/// held up to 64 MiB of a connection's read buffer outside every budget,
+/// and 1024 connections as much as 64 GiB.) The credits of the writes the
+/// frame carries draw their budget from it ([`Prepaid::draw`]); what they do
+/// not take (a refused write moves nothing) goes back when it is dropped:
+/// once the frame is decoded, or before one of them must wait for more.
+pub struct Prepaid(Held);
+
+impl Prepaid {
+    /// Moves the budget of `bytes` on `volume` out of `paid` into `held`,
+    /// if `paid` holds that much of each part for that volume.
+    fn draw(paid: &mut Option<Prepaid>, held: &mut Held, volume: &Volume, bytes: u64) -> bool {
+        let Some(Prepaid(p)) = paid else { return false };
+        let c = &p.credits;
+        let share = volume.payload_share();
+        let (units, volume_units, server_units) =
+            (c.budget.units(bytes), share.units(bytes), c.server.units(bytes));
+        let Some((b, left)) = p.volume.as_mut() else { return false };
+        if !Arc::ptr_eq(&b.units, &share.units)
+            || *left < volume_units
+            || p.units < units
+            || p.server_units < server_units
+        {
+            return false;
+        }
+        *left -= volume_units;
+        p.units -= units;
+        p.server_units -= server_units;
+        held.units = units;
+        held.volume = Some((share.clone(), volume_units));
+        held.server_units = server_units;
+        true
+    }
+}
+
+/// Whether a request brought a payload: only such draw on the budget its
+/// frame held while it arrived (a READ in the same BATCH does not).
+fn carries(req: &Result<IoRequest, Refusal>) -> bool {
+    req.as_ref().is_ok_and(|r| !r.payload.is_empty())
+}
+
 /// The bytes a request moves through the device (what its byte budget
 /// counts): none for one refused already or about to be ([`Volume::moves`]).
 fn moves(req: &Result<IoRequest, Refusal>, volume: &Volume, limits: &Limits) -> u64 {
@@ -706,18 +751,21 @@ where
         tag: u64,
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
+        paid: &mut Option<Prepaid>,
     ) -> io::Result<()> {
         let moves = moves(&req, volume, &self.limits);
+        let mut none = None;
+        let paid = if carries(&req) { paid } else { &mut none };
         // Credits come back as I/Os finish: the ones submitted start first.
         self.kick();
         // At shutdown a request still waiting for a credit is dropped unanswered:
         // the connection is closing and the initiator will retry elsewhere.
-        let credit = match self.credit_now(volume, moves) {
+        let credit = match self.credit_now(volume, moves, paid) {
             Some(c) => c,
             None => tokio::select! {
                 biased;
                 _ = self.activity.stopped() => return Err(stopped()),
-                c = self.credit(volume, moves) => c?,
+                c = self.credit(volume, moves, paid) => c?,
                 _ = self.env.shutdown.cancelled() => return Ok(()),
             },
         };
@@ -737,8 +785,11 @@ where
         tag: u64,
         meta: E::Meta,
         req: Result<IoRequest, Refusal>,
+        paid: &mut Option<Prepaid>,
     ) -> Result<io::Result<()>, (E::Meta, Result<IoRequest, Refusal>)> {
-        match self.credit_now(volume, moves(&req, volume, &self.limits)) {
+        let mut none = None;
+        let paid = if carries(&req) { paid } else { &mut none };
+        match self.credit_now(volume, moves(&req, volume, &self.limits), paid) {
             Some(credit) => Ok(self.start(volume, tag, meta, req, credit)),
             None => Err((meta, req)),
         }
@@ -919,38 +970,28 @@ where
 
     /// A queue slot and, for requests that move data, byte budget (the
     /// connection's, the volume's share of the server's, the server's), if
-    /// all are free now.
-    fn credit_now(&self, volume: &Volume, bytes: u64) -> Option<Credit> {
+    /// all are free now; the budget comes out of `paid` when it holds it.
+    fn credit_now(&self, volume: &Volume, bytes: u64, paid: &mut Option<Prepaid>) -> Option<Credit> {
         let c = &self.credits;
         let mut held = Held::new(c);
         held.slot = c.slots.try_take(1);
         if !held.slot {
             return None;
         }
-        if bytes > 0 {
-            let (units, server_units) = (c.budget.units(bytes), c.server.units(bytes));
-            if !c.budget.units.try_take(units as usize) {
-                return None;
-            }
-            held.units = units;
-            let share = volume.payload_share();
-            let volume_units = share.units(bytes);
-            if !share.units.try_take(volume_units as usize) {
-                return None;
-            }
-            held.volume = Some((share.clone(), volume_units));
-            if !c.server.units.try_take(server_units as usize) {
-                return None;
-            }
-            held.server_units = server_units;
+        if bytes > 0
+            && !Prepaid::draw(paid, &mut held, volume, bytes)
+            && !self.budget_now(&mut held, volume, bytes)
+        {
+            return None;
         }
         Some(Credit::new(held))
     }
 
-    /// Waits for a queue slot and, for requests that move data, byte budget;
-    /// the replies held are sent first whenever it must wait (they are what
-    /// would free it). Cancelled half-way, it gives back what it took.
-    async fn credit(&self, volume: &Volume, bytes: u64) -> io::Result<Credit> {
+    /// Waits for a queue slot and, for requests that move data, byte budget
+    /// (out of `paid` when it holds it); the replies held are sent first
+    /// whenever it must wait (they are what would free it). Cancelled
+    /// half-way, it gives back what it took.
+    async fn credit(&self, volume: &Volume, bytes: u64, paid: &mut Option<Prepaid>) -> io::Result<Credit> {
         let c = &self.credits;
         let mut held = Held::new(c);
         if !c.slots.try_take(1) {
@@ -958,19 +999,74 @@ where
             c.slots.take(1).await;
         }
         held.slot = true;
-        if bytes > 0 {
-            let units = c.budget.units(bytes);
-            self.share(&c.budget, units).await?;
-            held.units = units;
-            let share = volume.payload_share();
-            let volume_units = share.units(bytes);
-            self.share(share, volume_units).await?;
-            held.volume = Some((share.clone(), volume_units));
-            let server_units = c.server.units(bytes);
-            self.share(&c.server, server_units).await?;
-            held.server_units = server_units;
+        if bytes > 0 && !Prepaid::draw(paid, &mut held, volume, bytes) {
+            // Not out of what the frame holds: what is left of it goes back
+            // before waiting, so that nobody waits for budget while holding
+            // some (two such readers could wait on each other for good).
+            *paid = None;
+            self.budget(&mut held, volume, bytes).await?;
         }
         Ok(Credit::new(held))
+    }
+
+    /// Holds the budget of a frame of `bytes` whose payload is still
+    /// arriving, before it is read: the credits of the writes it carries
+    /// take it over ([`Prepaid`]). Waits as a request's credit would, the
+    /// replies held sent first. None for a write `volume` will refuse
+    /// (read-only, too long, past the end: `range`, when at hand): as such a
+    /// request holds no budget when it is decoded, it holds none before.
+    pub async fn prepay(
+        &self,
+        volume: &Volume,
+        range: Option<(u64, u64)>,
+        bytes: u64,
+    ) -> io::Result<Option<Prepaid>> {
+        if !volume.takes_write(range, &self.limits) {
+            return Ok(None);
+        }
+        let mut held = Held::new(&self.credits);
+        self.budget(&mut held, volume, bytes).await?;
+        Ok(Some(Prepaid(held)))
+    }
+
+    /// The byte budget of `bytes` into `held`, if all of it is free now.
+    fn budget_now(&self, held: &mut Held, volume: &Volume, bytes: u64) -> bool {
+        let c = &self.credits;
+        let units = c.budget.units(bytes);
+        if !c.budget.units.try_take(units as usize) {
+            return false;
+        }
+        held.units = units;
+        let share = volume.payload_share();
+        let volume_units = share.units(bytes);
+        if !share.units.try_take(volume_units as usize) {
+            return false;
+        }
+        held.volume = Some((share.clone(), volume_units));
+        let server_units = c.server.units(bytes);
+        if !c.server.units.try_take(server_units as usize) {
+            return false;
+        }
+        held.server_units = server_units;
+        true
+    }
+
+    /// The byte budget of `bytes` into `held`: the connection's, then the
+    /// volume's share, then the server's (always in this order, so that a
+    /// request waiting on a stalled volume holds none of the server's).
+    async fn budget(&self, held: &mut Held, volume: &Volume, bytes: u64) -> io::Result<()> {
+        let c = &self.credits;
+        let units = c.budget.units(bytes);
+        self.share(&c.budget, units).await?;
+        held.units = units;
+        let share = volume.payload_share();
+        let volume_units = share.units(bytes);
+        self.share(share, volume_units).await?;
+        held.volume = Some((share.clone(), volume_units));
+        let server_units = c.server.units(bytes);
+        self.share(&c.server, server_units).await?;
+        held.server_units = server_units;
+        Ok(())
     }
 
     /// `units` of `budget`; the replies held are sent first when it must wait.

@@ -424,6 +424,94 @@ async fn clients_that_never_read_replies_pin_no_more_than_the_budget() {
     srv.stop().await;
 }
 
+/// A WRITE's payload counts against the payload budgets from its header
+/// on, while it arrives, not once it is all there (until 2026-12-08 an NBD
+/// write held up to 64 MiB of a connection's read buffer outside every
+/// budget: 64 GiB with 1024 connections). When the budget is spent the
+/// target stops reading and the rest waits in the client's socket; a
+/// client silent in the middle of its payload is dropped after the stall
+/// timeout and its budget comes back; others go on; the bytes written are
+/// the bytes read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_payload_is_counted_while_it_arrives() {
+    let budget = 128u64 << 20;
+    let srv = TestServer::start(&["v=memory:256M", "w=memory:1M", "r=memory:1M,ro"], |c| {
+        c.memory_budget = budget;
+        c.stall_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let nbd = srv.nbd.unwrap();
+    let client = |name: &'static str| async move {
+        let mut c = NbdRaw::connect(nbd).await;
+        c.go(name, false, false).await;
+        c
+    };
+    let in_flight_reaches = |least: u64, why: &'static str| {
+        let handle = srv.handle.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while handle.payload_in_flight() < least {
+                assert!(Instant::now() < deadline, "{why}: {} in flight", handle.payload_in_flight());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let big = 48usize << 20;
+    let (one, two) = (pattern(1, 0, big), pattern(2, 64 << 20, big));
+    // A: the header and a megabyte of its payload.
+    let mut a = client("v").await;
+    a.send(&NbdRaw::frame(CMD_WRITE, 0, 1, 0, big as u32, &one[..1 << 20])).await;
+    in_flight_reaches(big as u64, "a payload counts from its header on").await;
+    // B: a second one on the volume, whose share (half the budget) has no
+    // room for it: the target does not read it meanwhile.
+    let mut b = client("v").await;
+    let frame = NbdRaw::frame(CMD_WRITE, 0, 2, 64 << 20, big as u32, &two);
+    let b = tokio::spawn(async move {
+        b.send(&frame).await;
+        b.simple(0).await.0
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = srv.handle.payload_in_flight();
+    assert!(held <= budget / 2, "{held} in flight: B's payload was read past the volume's share");
+    // A bystander's small write and read on another volume go on meanwhile.
+    let mut by = client("w").await;
+    by.request(CMD_WRITE, 0, 3, 0, 4096, &[7; 4096]).await;
+    assert_eq!(by.simple(0).await.0, 0);
+    by.request(CMD_READ, 0, 4, 0, 4096, &[]).await;
+    assert_eq!(by.simple(4096).await.2, vec![7; 4096]);
+    // A's rest comes: both writes land, A's then B's.
+    a.send(&one[1 << 20..]).await;
+    assert_eq!(a.simple(0).await, (0, 1, vec![]));
+    let b = tokio::time::timeout(Duration::from_secs(10), b).await.expect("B goes on once A is done");
+    assert_eq!(b.unwrap(), 0);
+    let mut check = client("v").await;
+    for (at, want) in [(0u64, &one), (64 << 20, &two)] {
+        check.request(CMD_READ, 0, 5, at, big as u32, &[]).await;
+        assert!(check.simple(big).await.2 == *want, "the bytes written at {at} are read");
+    }
+    // C: a header and a megabyte, then silence: dropped after the stall
+    // timeout, and its budget comes back.
+    let mut c = client("v").await;
+    c.send(&NbdRaw::frame(CMD_WRITE, 0, 6, 128 << 20, big as u32, &one[..1 << 20])).await;
+    in_flight_reaches(big as u64, "the silent client's payload counts").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while established(&c.s) {
+        assert!(Instant::now() < deadline, "a client silent in the middle of its payload is dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(srv.handle.payload_in_flight(), 0, "its budget came back");
+    // A write the volume refuses (read-only) holds none of it, arriving or not.
+    let mut ro = client("r").await;
+    ro.send(&NbdRaw::frame(CMD_WRITE, 0, 8, 0, big as u32, &one[..1 << 20])).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(srv.handle.payload_in_flight(), 0, "a refused write's header holds no budget");
+    ro.send(&one[1 << 20..]).await;
+    assert_eq!(ro.simple(0).await.0, EPERM);
+    by.request(CMD_READ, 0, 7, 0, 4096, &[]).await;
+    assert_eq!(by.simple(4096).await.2, vec![7; 4096], "the others go on");
+    srv.stop().await;
+}
+
 /// Finding 5: a device that stalls holds only its own volume's threads;
 /// one client's thousands of queued jobs do not delay another client's
 /// request by more than a turn; a huge TRIM runs in pieces.

@@ -139,7 +139,8 @@ pub struct Args {
     /// Seconds a client has to finish the handshake [default: 10].
     #[arg(long, value_name = "SECS")]
     handshake_timeout: Option<f64>,
-    /// Seconds a client may leave its replies unread before it is dropped [default: 30].
+    /// Seconds a client may leave its replies unread, or stop in the middle of a
+    /// request's data, before it is dropped [default: 30].
     #[arg(long, value_name = "SECS")]
     stall_timeout: Option<f64>,
     /// Seconds a stop waits for in-flight requests, and again for the flushes

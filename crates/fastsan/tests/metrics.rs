@@ -5,37 +5,10 @@
 mod common;
 
 use common::*;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-
-/// One HTTP request to the metrics listener: (status line, body).
-fn http(addr: &str, request: &str) -> (String, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(request.as_bytes()).unwrap();
-    let mut all = String::new();
-    s.read_to_string(&mut all).unwrap();
-    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
-    (head.lines().next().unwrap_or_default().to_owned(), body.to_owned())
-}
-
-/// The value of the sample `name{labels}` (labels as written, in order).
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-fn scrape(addr: &str) -> String {
-    let (status, body) = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
-    assert_eq!(status, "HTTP/1.1 200 OK");
-    body
-}
 
 fn json_u64(json: &str, key: &str) -> f64 {
     let at = json.find(&format!("\"{key}\": ")).unwrap_or_else(|| panic!("no {key} in {json}"));

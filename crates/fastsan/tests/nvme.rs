@@ -1183,3 +1183,38 @@ fn bench_over_nvme_tcp_verifies_its_reads_and_closes_quietly() {
         assert!(!err.contains("WARN") && !err.contains("ERROR"), "{err}");
     }
 }
+
+/// An in-capsule write's data counts against the payload budget while it
+/// arrives, before it is read (until 2026-12-08 only once all of it was
+/// there), charged to the namespace its command names, one of several the
+/// queue reaches; it lands whole once the rest comes, and the budget goes
+/// back.
+#[test]
+fn a_write_in_the_capsule_is_counted_while_it_arrives() {
+    let t = nvme_target(&["--volume", "a=memory:8M", "--volume", "b=memory:8M", "--metrics", "127.0.0.1:0"]);
+    let (mut admin, cqe) = Host::connect(&t.nvme, Digests::default(), NQN, 0, 0xffff, 0);
+    admin.enable(1);
+    let (mut io, _) = Host::connect(&t.nvme, Digests::default(), NQN, 1, cqe.dw0 as u16, 0);
+    let in_flight = || sample(&scrape(&t.metrics), "fastsan_payload_in_flight_bytes{}");
+    let data = pattern(9, 1 << 20);
+    let mut c = Host::write_cmd(2, 0, data.len() as u32 / 512);
+    c.cid = 77;
+    c.dptr = SglDesc { addr: 0, length: data.len() as u32, id: sgl::DATA_BLOCK_OFFSET }.encode();
+    let mut pdu = Vec::new();
+    pdu::encode(&Header::CapsuleCmd(c), 0, &data, io.d, 0, &mut pdu);
+    io.s.write_all(&pdu[..256 << 10]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while in_flight() < data.len() as f64 {
+        assert!(Instant::now() < deadline, "the write's data is counted from its header on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    io.s.write_all(&pdu[256 << 10..]).unwrap();
+    assert!(io.complete(77).0.status.is_success());
+    assert_eq!(io.read(2, 0, 2048).1, data, "the write lands whole");
+    assert_eq!(in_flight(), 0.0, "its budget came back");
+    // By R2T, in four H2CData PDUs: each counted as it arrives, none after.
+    let more = pattern(10, 1 << 20);
+    assert!(io.write_r2t(2, 2048, &more, 256 << 10).status.is_success());
+    assert_eq!(io.read(2, 2048, 2048).1, more);
+    assert_eq!(in_flight(), 0.0, "nothing is left held");
+}

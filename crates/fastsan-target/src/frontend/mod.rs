@@ -96,6 +96,17 @@ pub enum Decoded<M> {
     Disconnect,
 }
 
+/// The write a large frame carries, seen from its header before the rest
+/// of it arrives ([`Transmission::arriving`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arriving {
+    /// An index into [`Transmission::volumes`].
+    pub volume: u32,
+    /// Its offset and length in bytes; none when the frame holds several
+    /// (BRP's BATCH) or they are not at hand.
+    pub range: Option<(u64, u64)>,
+}
+
 /// A connection in its transmission phase, as a front end sees it.
 pub trait Transmission: Send + 'static {
     type Encoder: Encoder;
@@ -122,6 +133,13 @@ pub trait Transmission: Send + 'static {
     /// What to send before closing after [`Transmission::decode`] failed,
     /// if the protocol has a way to say why (NVMe/TCP's C2HTermReq).
     fn farewell(&mut self) -> Option<Vec<u8>> {
+        None
+    }
+    /// What the payload of the incomplete frame at the front of `buf`
+    /// writes, when its header says: the driver holds its byte budget while
+    /// it arrives. None: nothing to charge (a frame that writes nothing, or
+    /// that will be refused whatever it holds).
+    fn arriving(&self, _buf: &BytesMut) -> Option<Arriving> {
         None
     }
     /// Whether the stream ending now would cut a frame in half.

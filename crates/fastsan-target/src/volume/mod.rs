@@ -347,6 +347,18 @@ impl Volume {
         }
     }
 
+    /// Whether the volume takes a write of `range` (offset, length; any
+    /// write when not at hand) under `limits`: what [`Volume::moves`] and
+    /// [`Volume::validate`] would not refuse it for. A write's payload is
+    /// charged to the budgets while it arrives only if so.
+    pub fn takes_write(&self, range: Option<(u64, u64)>, limits: &Limits) -> bool {
+        self.caps.write
+            && !limits.read_only
+            && range.is_none_or(|(offset, length)| {
+                length <= self.data_limit(limits) && self.holds(offset, length)
+            })
+    }
+
     /// The longest READ or WRITE (the front end's limit, the store's).
     fn data_limit(&self, limits: &Limits) -> u64 {
         limits.max_io.min(self.blocks.maximum) as u64

@@ -12,7 +12,7 @@ use crate::access::{Access, Who};
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
 use crate::fence::Activity;
-use crate::frontend::{Decoded, Frontend, Transmission, WireError};
+use crate::frontend::{Arriving, Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::sessions::{Fence, SessionGuard, Sessions};
@@ -175,6 +175,17 @@ impl Transmission for BrpConn {
 
     fn fence(&mut self) -> Option<Fence> {
         self.fence.take()
+    }
+
+    fn arriving(&self, buf: &BytesMut) -> Option<Arriving> {
+        let h = RequestHeader::decode(buf.first_chunk()?).ok()?;
+        let range = match h.command {
+            Command::Write => Some((h.offset, h.length as u64)),
+            // Its writes' ranges are inside it.
+            Command::Batch => None,
+            _ => return None,
+        };
+        Some(Arriving { volume: 0, range })
     }
 
     fn frame_ended(&self) -> bool {

@@ -19,7 +19,7 @@ use crate::access::{Access, Who};
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
 use crate::fence::Activity;
-use crate::frontend::{Decoded, Frontend, Transmission, WireError};
+use crate::frontend::{Arriving, Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{Extent, IoKind, IoRequest, Limits, Refusal};
 use crate::volume::{Outcome, Volume};
@@ -166,6 +166,13 @@ impl Transmission for NbdConn {
         };
         let meta = NbdMeta { command: r.command, flags: r.flags, offset: r.offset };
         Ok(Decoded::Request { volume: 0, tag: r.cookie, meta, req })
+    }
+
+    fn arriving(&self, buf: &BytesMut) -> Option<Arriving> {
+        // (A refused write's rest, skipped as it comes, is held nowhere.)
+        let r =
+            Request::decode(buf.first_chunk()?).ok().filter(|r| self.skip == 0 && r.command == CMD_WRITE)?;
+        Some(Arriving { volume: 0, range: Some((r.offset, r.length as u64)) })
     }
 
     fn mid_frame(&self, buf: &BytesMut) -> bool {

@@ -25,7 +25,7 @@ use crate::access::{Access, Mode, Who};
 use crate::backend::BackendError;
 use crate::catalog::Catalog;
 use crate::fence::Activity;
-use crate::frontend::{Decoded, Frontend, Transmission, WireError};
+use crate::frontend::{Arriving, Decoded, Frontend, Transmission, WireError};
 use crate::pipeline::{Encoded, Encoder, Reply};
 use crate::request::{IoKind, IoRequest, Limits, Refusal};
 use crate::volume::{Outcome, Volume};
@@ -40,6 +40,14 @@ use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
+
+/// The bytes an I/O command's SLBA and NLB (0's based) name, for blocks of
+/// `1 << shift` bytes; past the end is the volume's refusal.
+fn lba_range(sqe: &Sqe, shift: u8) -> (u64, u64) {
+    let slba = sqe.cdw10 as u64 | (sqe.cdw11 as u64) << 32;
+    let blocks = (sqe.cdw12 & 0xffff) as u64 + 1;
+    (slba.saturating_mul(1 << shift), blocks << shift)
+}
 
 /// The well-known NQN of discovery controllers.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
@@ -922,12 +930,7 @@ impl NvmeConn {
         let shift = ns.lba_shift;
         let read_only = mode == Mode::ReadOnly;
         // SLBA and NLB (0's based) in bytes; past the end is the volume's refusal.
-        let range = || {
-            let slba = sqe.cdw10 as u64 | (sqe.cdw11 as u64) << 32;
-            let blocks = (sqe.cdw12 & 0xffff) as u64 + 1;
-            let offset = slba.saturating_mul(1 << shift);
-            (offset, blocks << shift)
-        };
+        let range = || lba_range(sqe, shift);
         let fua = sqe.cdw12 & (1 << 30) != 0;
         let d = sqe.sgl();
         let on = |kind: IoKind, offset: u64, length: u64, fua: bool, payload: Bytes, write: bool| {
@@ -1226,6 +1229,27 @@ impl Transmission for NvmeConn {
 
     fn farewell(&mut self) -> Option<Vec<u8>> {
         self.farewell.take()
+    }
+
+    fn arriving(&self, buf: &BytesMut) -> Option<Arriving> {
+        let (nsid, range) = match *buf.first()? {
+            // A Write with its data in the capsule (its entry follows the
+            // 8-byte common header).
+            pdu::kind::CAPSULE_CMD => {
+                let sqe = Sqe::decode(buf.get(pdu::CH_LEN..)?.first_chunk()?);
+                let ns = self.sub.namespaces.get((sqe.nsid as usize).checked_sub(1)?)?;
+                (sqe.opcode == 0x01).then_some((sqe.nsid, Some(lba_range(&sqe, ns.lba_shift))))?
+            }
+            // Data for a write an R2T asked for (by transfer tag).
+            pdu::kind::H2C_DATA => {
+                let ttag = u16::from_le_bytes(buf.get(10..12)?.try_into().ok()?);
+                (self.writes.get(&ttag)?.nsid, None)
+            }
+            _ => return None,
+        };
+        // Only where this host may write (else the write is refused).
+        let volume = nsid.checked_sub(1)?;
+        (self.ctrl.namespace(nsid)? == Mode::ReadWrite).then_some(Arriving { volume, range })
     }
 
     fn mid_frame(&self, buf: &BytesMut) -> bool {
