@@ -240,7 +240,7 @@ impl Drop for Held {
 /// WRITE's payload was counted only once it had all arrived: an NBD write
 /// held up to 64 MiB of a connection's read buffer outside every budget,
 /// and 1024 connections as much as 64 GiB.) The credits of the writes the
-/// frame carries draw their budget from it ([`Prepaid::draw`]); what they do
+/// frame carries draw their budget from it (`Prepaid::draw`); what they do
 /// not take (a refused write moves nothing) goes back when it is dropped:
 /// once the frame is decoded, or before one of them must wait for more.
 pub struct Prepaid(Held);
