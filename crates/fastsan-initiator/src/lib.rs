@@ -62,6 +62,7 @@ mod runs_to_end;
 pub mod session;
 pub mod stats;
 pub mod tls;
+pub mod tokens;
 mod transport;
 pub mod url;
 mod writer;
