@@ -13,7 +13,6 @@ use crate::overdue::{is_overdue, overdue, Clock, Ticker};
 use crate::read_plan::ReadPlan;
 use crate::recycle::{Recycler, LARGE_REPLY};
 use crate::stats::Stats;
-use crate::tokens::{Token, Tokens};
 use crate::transport::Stream;
 use crate::Error;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -28,7 +27,7 @@ use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 pub(crate) type Done = oneshot::Sender<Result<Option<Bytes>, Error>>;
@@ -43,7 +42,7 @@ pub(crate) struct Submit {
 /// What waits for a reply: the caller's channel and the credit it holds.
 pub(crate) struct Pending {
     pub done: Done,
-    pub _credit: Token,
+    pub _credit: OwnedSemaphorePermit,
 }
 
 /// The requests sent and not yet answered. Once closed, nothing more is
@@ -105,7 +104,7 @@ pub(crate) struct Limits {
 
 pub(crate) struct Conn {
     tx: mpsc::UnboundedSender<Submit>,
-    pub credits: Arc<Tokens>,
+    pub credits: Arc<Semaphore>,
     dead: CancellationToken,
     /// Which connection of the session this is, and how many times that
     /// slot was re-established before it.
@@ -176,7 +175,7 @@ impl Conn {
     {
         let Io { rd, wr, leftover, digests } = io;
         let (tx, rx) = mpsc::unbounded_channel();
-        let credits = Arc::new(Tokens::new(limits.queue_depth.max(1) as usize));
+        let credits = Arc::new(Semaphore::new(limits.queue_depth.max(1) as usize));
         let dead = CancellationToken::new();
         let inflight = Arc::new(Inflight::default());
         let on_dead = Arc::new(Mutex::new(Some(on_dead)));
@@ -343,8 +342,8 @@ fn loaded(in_flight: usize, recent: usize, after_burst: bool) -> bool {
 }
 
 /// Requests with a credit taken and no reply yet: the connection's window.
-fn window(l: &Limits, credits: &Tokens) -> usize {
-    (l.queue_depth as usize).saturating_sub(credits.available())
+fn window(l: &Limits, credits: &Semaphore) -> usize {
+    (l.queue_depth as usize).saturating_sub(credits.available_permits())
 }
 
 fn mergeable(s: &Submit, l: &Limits) -> bool {
@@ -355,7 +354,7 @@ async fn send_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     rx: &mut mpsc::UnboundedReceiver<Submit>,
     inflight: &Inflight,
-    credits: &Tokens,
+    credits: &Semaphore,
     digests: bool,
     l: Limits,
     stats: &Stats,
@@ -646,7 +645,7 @@ mod tests {
 
     async fn pending(inflight: &Inflight, tag: u64) -> oneshot::Receiver<Result<Option<Bytes>, Error>> {
         let (done, rx) = oneshot::channel();
-        let credit = Arc::new(Tokens::new(1)).take_one().await.unwrap();
+        let credit = Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
         inflight.register(tag, Pending { done, _credit: credit });
         rx
     }
@@ -681,12 +680,12 @@ mod tests {
             };
             let conn =
                 Arc::new(Conn::start_on(io, place, limits(), Arc::new(Stats::default()), Box::new(|| {})));
-            let (c, credits) = (conn.clone(), Arc::new(Tokens::new(usize::MAX >> 1)));
+            let (c, credits) = (conn.clone(), Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)));
             let sender = std::thread::spawn(move || {
                 let mut answers = Vec::new();
                 for tag in 0.. {
                     let (done, answer) = oneshot::channel();
-                    let credit = credits.try_take_one().expect("credits enough");
+                    let credit = credits.clone().try_acquire_owned().expect("credits enough");
                     let header = RequestHeader::new(Command::Read, 0, tag, 0, 512);
                     let s =
                         Submit { header, payload: Bytes::new(), pending: Pending { done, _credit: credit } };

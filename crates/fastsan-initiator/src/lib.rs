@@ -62,7 +62,6 @@ mod runs_to_end;
 pub mod session;
 pub mod stats;
 pub mod tls;
-pub mod tokens;
 mod transport;
 pub mod url;
 mod writer;

@@ -14,7 +14,6 @@ use crate::conn::{Conn, Limits, Pending, Place, Submit};
 use crate::handshake::Handshake;
 use crate::order::{Ticket, WriteOrder};
 use crate::stats::{InitiatorStats, Stats};
-use crate::tokens::Token;
 use crate::{BrpUrl, Error, Options};
 use bytes::{Bytes, BytesMut};
 use fastsan_brp::handshake::VOLUME_VOLATILE;
@@ -27,7 +26,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit};
 use tracing::{error, info, warn};
 
 struct Shared {
@@ -465,7 +464,7 @@ impl Volume {
         conn: &Conn,
         mut h: RequestHeader,
         payload: Bytes,
-        credit: Token,
+        credit: OwnedSemaphorePermit,
     ) -> Result<oneshot::Receiver<Reply>, Error> {
         h.tag = self.shared.next_tag.fetch_add(1, Relaxed);
         let (done, reply) = oneshot::channel();
@@ -486,24 +485,24 @@ impl Volume {
 
     /// The least-loaded live connection and a credit on it, if that is free
     /// now (and the session goes on): [`Volume::pick`] without waiting.
-    fn try_pick(&self) -> Option<(Arc<Conn>, Token)> {
+    fn try_pick(&self) -> Option<(Arc<Conn>, OwnedSemaphorePermit)> {
         let sh = &self.shared;
         if sh.ended.get().is_some() {
             return None;
         }
         let c = best(sh)?;
-        let credit = c.credits.try_take_one()?;
-        Some((c, credit))
+        let permit = c.credits.clone().try_acquire_owned().ok()?;
+        Some((c, permit))
     }
 
     /// The least-loaded live connection and a credit on it; waits for one to
     /// come back until `deadline` (or the reconnect timeout from now).
-    async fn pick(&self, deadline: Option<Instant>) -> Result<(Arc<Conn>, Token), Error> {
+    async fn pick(&self, deadline: Option<Instant>) -> Result<(Arc<Conn>, OwnedSemaphorePermit), Error> {
         let deadline = deadline.unwrap_or_else(|| Instant::now() + self.shared.opts.reconnect_timeout);
         loop {
             let c = self.wait_until(deadline, best).await?;
-            match c.credits.take_one().await {
-                Ok(credit) => return Ok((c, credit)),
+            match c.credits.clone().acquire_owned().await {
+                Ok(permit) => return Ok((c, permit)),
                 Err(_) => continue, // it died while we waited: pick again
             }
         }
@@ -651,7 +650,7 @@ fn best(sh: &Shared) -> Option<Arc<Conn>> {
     for slot in &sh.slots {
         let conn = slot.read();
         if let Some(c) = conn.as_ref().filter(|c| c.is_alive()) {
-            let free = c.credits.available();
+            let free = c.credits.available_permits();
             if best.as_ref().is_none_or(|(most, _)| free >= *most) {
                 best = Some((free, c.clone()));
             }

@@ -14,7 +14,6 @@
 //! an initiator that retries after the reconnect can never be overtaken by a
 //! write of the dead connection still queued on the target.
 
-use fastsan_initiator::tokens::Uncount;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use tokio::sync::Notify;
@@ -125,6 +124,16 @@ impl Drop for Running {
         if self.0.running.fetch_sub(1, SeqCst) == 1 && self.0.waiting.load(SeqCst) > 0 {
             self.0.idle.notify_waiters();
         }
+    }
+}
+
+/// Takes a waiter out of a count of waiters (the fence's, the credits')
+/// however its wait ends.
+pub(crate) struct Uncount<'a>(pub(crate) &'a AtomicUsize);
+
+impl Drop for Uncount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
     }
 }
 
