@@ -1226,6 +1226,60 @@ pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
 mod tests {
     use super::*;
 
+    /// Replies as one byte each, for a dispatcher under test.
+    struct Plain;
+
+    impl Encoder for Plain {
+        type Meta = ();
+        fn encode(&mut self, _: &Reply<()>, scratch: &mut Vec<u8>) -> Encoded {
+            scratch.push(0);
+            let end = scratch.len();
+            Encoded { head: end - 1..end, data: None, tail: end..end }
+        }
+    }
+
+    /// A write that finds too little of its frame's hold gives the rest back
+    /// before it waits for fresh budget: nobody waits for budget while
+    /// holding some (two readers that did could wait on each other for
+    /// good). Here the one holding the rest of the server's budget is the
+    /// hold itself: kept, the wait would never end.
+    #[tokio::test]
+    async fn a_write_gives_back_its_frames_hold_before_it_waits_for_more() {
+        let env = Arc::new(ConnEnv {
+            stats: Arc::new(Stats::default()),
+            shutdown: CancellationToken::new(),
+            queue_depth: 8,
+            serial: false,
+            handshake_timeout: Duration::from_secs(5),
+            poll_window: Duration::ZERO,
+            coalesce_window: Duration::ZERO,
+            stall_timeout: Duration::from_secs(5),
+            slots: Arc::new(tokio::sync::Semaphore::new(4)),
+            budget: Budget::new(8 << 20),
+            access: Default::default(),
+        });
+        let mem = Arc::new(crate::backend::MemoryBackend::new(16 << 20));
+        let v = Arc::new(Volume::with_backend("v".into(), mem.clone(), 16 << 20));
+        let limits = Limits { align: 1, max_io: 16 << 20, read_only: false };
+        let activity = crate::fence::Activity::new();
+        let (d, writer) =
+            Dispatcher::new(env.clone(), limits, "test".into(), tokio::io::sink(), Plain, activity);
+        tokio::spawn(writer.run());
+        let mut paid = d.prepay(&v, Some((0, 6 << 20)), 6 << 20).await.unwrap();
+        assert!(paid.is_some());
+        assert_eq!(env.budget.in_use(), 6 << 20, "the frame's budget is held");
+        let data = bytes::Bytes::from(vec![7u8; 7 << 20]);
+        let req =
+            Ok(IoRequest { kind: IoKind::Write, offset: 0, length: 7 << 20, fua: false, payload: data });
+        let done = tokio::time::timeout(Duration::from_secs(5), d.dispatch(&v, 1, (), req, &mut paid)).await;
+        done.expect("waited for budget while holding the rest of it").unwrap();
+        assert!(paid.is_none(), "the hold went back");
+        d.flush().await.unwrap();
+        let mut back = vec![0u8; 4096];
+        crate::backend::Backend::read_at(&*mem, &mut back, (7 << 20) - 4096).unwrap();
+        assert_eq!(back, vec![7u8; 4096], "the write landed");
+    }
+
     /// A taker waits until enough comes back; one whose wait is cancelled
     /// takes nothing; what a request held comes back whole when it is
     /// dropped, also when it held only part (a wait cancelled half-way).
