@@ -292,6 +292,10 @@ pub async fn serve_connection<F: Frontend, S: Transport>(
     activity.stop();
     drop(dispatcher);
     let written = writer.await.unwrap_or_else(|e| Err(io::Error::other(e)));
+    if matches!(end, End::Silent) {
+        // (A stalled reply stream is counted where it stalled, by its sink.)
+        Stats::add(&env.stats.stalled, 1);
+    }
     if activity.is_abandoned() {
         // Its replies could not be written (the peer stopped reading them):
         // closed with a reset, not a FIN queued behind megabytes the peer

@@ -94,7 +94,7 @@ impl Collector for TargetCollector {
         let per = |f: fn(&StatsSnapshot) -> u64| {
             protos.iter().map(move |(p, s)| (vec![("protocol", p.to_string())], f(s))).collect::<Vec<_>>()
         };
-        let counters: [Series; 11] = [
+        let counters: [Series; 12] = [
             ("fastsan_requests", "Requests received (a BATCH's sub-requests each count)", |s| s.requests),
             ("fastsan_read_bytes", "Bytes read from volumes for clients", |s| s.bytes_read),
             ("fastsan_written_bytes", "Bytes written to volumes by clients", |s| s.bytes_written),
@@ -104,6 +104,11 @@ impl Collector for TargetCollector {
             ("fastsan_protocol_errors", "Connections closed for a malformed frame or handshake", |s| {
                 s.protocol_errors
             }),
+            (
+                "fastsan_stalled_connections",
+                "Connections dropped for stalling: replies unread, or a request's data stopped, for the stall timeout",
+                |s| s.stalled,
+            ),
             ("fastsan_auth_failures", "Failed authentications (wrong secret, refused certificate)", |s| {
                 s.auth_failures
             }),

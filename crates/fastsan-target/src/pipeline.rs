@@ -358,6 +358,8 @@ struct SinkState<W, E: Encoder> {
     parts: Vec<Encoded>,
     stall: Duration,
     activity: Arc<Activity>,
+    /// Where a stalled stream is counted ([`Stats::stalled`]).
+    stats: Arc<Stats>,
     broken: bool,
     /// Why it broke, for whoever writes next ([`SinkState::write_at_once`]
     /// fails on a thread that cannot return it).
@@ -416,9 +418,9 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
         // caller gave up: shutdown, the connection stopped) leaves it broken.
         self.broken = true;
         let r = self.write_all_of(batch, last).await;
-        match r {
+        match &r {
             Ok(()) => (self.broken, self.ended) = (false, !last.is_empty()),
-            Err(_) => self.activity.abandon(),
+            Err(e) => self.abandon(e),
         }
         r
     }
@@ -510,6 +512,15 @@ impl<W: AsyncWrite + Unpin, E: Encoder> SinkState<W, E> {
             }
             None => Ok(AtOnce::Begun),
         }
+    }
+
+    /// Nobody will read the replies: the connection is abandoned, counted
+    /// as stalled when its writes made no progress for the stall timeout.
+    fn abandon(&self, e: &io::Error) {
+        if e.kind() == io::ErrorKind::TimedOut && !self.activity.is_abandoned() {
+            Stats::add(&self.stats.stalled, 1);
+        }
+        self.activity.abandon();
     }
 
     /// The stream failed where the error cannot be returned: broken, the
@@ -708,6 +719,7 @@ where
             parts: Vec::new(),
             stall: env.stall_timeout,
             activity: activity.clone(),
+            stats: env.stats.clone(),
             broken: false,
             ended: false,
             failure: None,
@@ -1128,7 +1140,7 @@ impl<W: AsyncWrite + Unpin + Send + 'static, E: Encoder> Writer<W, E> {
         match tokio::time::timeout(stall, sink.w.shutdown()).await {
             Ok(r) => r,
             Err(_) => {
-                sink.activity.abandon();
+                sink.abandon(&stalled());
                 Err(stalled())
             }
         }

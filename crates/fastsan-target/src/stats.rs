@@ -39,6 +39,9 @@ pub struct Stats {
     pub latency: Histogram,
     /// Connections closed for a malformed frame or handshake.
     pub protocol_errors: AtomicU64,
+    /// Connections dropped for stalling: their replies unread, or their
+    /// data stopped in the middle of a request, for the stall timeout.
+    pub stalled: AtomicU64,
     pub auth_failures: AtomicU64,
     /// Connections refused before or in their handshake for a reason other
     /// than their own bad input: busy, an address over its failed-authentication
@@ -82,6 +85,7 @@ pub struct StatsSnapshot {
     /// [`Stats::latency`]'s buckets.
     pub latency_ns: [u64; 40],
     pub protocol_errors: u64,
+    pub stalled: u64,
     pub auth_failures: u64,
     pub refused: u64,
     pub open_connections: u64,
@@ -111,6 +115,7 @@ impl StatsSnapshot {
             in_flight: a.in_flight + b.in_flight,
             latency_ns: std::array::from_fn(|i| a.latency_ns[i] + b.latency_ns[i]),
             protocol_errors: a.protocol_errors + b.protocol_errors,
+            stalled: a.stalled + b.stalled,
             auth_failures: a.auth_failures + b.auth_failures,
             refused: a.refused + b.refused,
             open_connections: a.open_connections + b.open_connections,
@@ -178,6 +183,7 @@ impl Stats {
             in_flight: (self.sum(|s| &s.in_flight) as i64).max(0) as u64,
             latency_ns: self.latency.counts(),
             protocol_errors: self.protocol_errors.load(Relaxed),
+            stalled: self.stalled.load(Relaxed),
             auth_failures: self.auth_failures.load(Relaxed),
             refused: self.refused.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),

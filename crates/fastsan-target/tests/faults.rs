@@ -421,6 +421,7 @@ async fn clients_that_never_read_replies_pin_no_more_than_the_budget() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(srv.handle.payload_in_flight(), 0, "their budget came back");
+    assert_eq!(srv.handle.stats().stalled, 6, "each counted as dropped for stalling");
     srv.stop().await;
 }
 
@@ -500,6 +501,7 @@ async fn a_write_payload_is_counted_while_it_arrives() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(srv.handle.payload_in_flight(), 0, "its budget came back");
+    assert_eq!(srv.handle.stats().stalled, 1, "counted as dropped for stalling");
     // A write the volume refuses (read-only) holds none of it, arriving or not.
     let mut ro = client("r").await;
     ro.send(&NbdRaw::frame(CMD_WRITE, 0, 8, 0, big as u32, &one[..1 << 20])).await;
